@@ -1,0 +1,120 @@
+"""Datasets as bundles, and step-indexed global batches split over data-parallel replicas.
+
+Why step-indexed: every strategy must consume the same global batch per step (``train.batch_size``
+x world size samples, the same samples for the same seed however they are split into ranks, stages
+or microbatches), and a resumed run must continue with exactly the batches it would have seen. A
+global batch is therefore a pure function of (seed, step): epoch ``e`` is a seeded permutation, step
+``s`` takes the next ``global_batch`` indices of it, and replica ``r`` of ``R`` takes slice ``r``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+
+@dataclass
+class DataBundle:
+    """Train and validation sets plus what models and the trainer need to know about them.
+
+    ``task`` is ``"classification"`` (targets are class ids, accuracy is reported) or ``"lm"``
+    (targets are next tokens, accuracy is null). When both sets are :class:`TensorDataset`\\ s the
+    trainer indexes the tensors directly (the airbench fast path: no DataLoader, no workers).
+    """
+
+    train: Dataset
+    val: Dataset
+    task: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def in_memory(self) -> bool:
+        return isinstance(self.train, TensorDataset) and isinstance(self.val, TensorDataset)
+
+
+class GlobalBatchSampler:
+    """Indices of the global batch of every step; identical on every rank for a given seed."""
+
+    def __init__(self, *, num_samples: int, global_batch: int, seed: int) -> None:
+        if global_batch > num_samples:
+            raise ValueError(
+                f"global batch {global_batch} (train.batch_size x data-parallel replicas) exceeds the "
+                f"{num_samples} training samples; lower train.batch_size or use a larger dataset"
+            )
+        self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed
+        self.steps_per_epoch = num_samples // global_batch
+        self._epoch = -1
+        self._perm: torch.Tensor | None = None
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.num_samples, generator=g)
+            self._epoch = epoch
+        assert self._perm is not None
+        return self._perm[pos * self.global_batch : (pos + 1) * self.global_batch]
+
+    def shard(self, step: int, *, replica: int, replicas: int) -> torch.Tensor:
+        assert self.global_batch % replicas == 0, (
+            f"global batch {self.global_batch} not divisible by {replicas} data-parallel replicas"
+        )
+        local = self.global_batch // replicas
+        return self.indices(step)[replica * local : (replica + 1) * local]
+
+
+class _StepBatches(torch.utils.data.Sampler):
+    """Batch sampler yielding this replica's index list for steps start, start+1, ..."""
+
+    def __init__(self, sampler: GlobalBatchSampler, *, start: int, stop: int, replica: int, replicas: int) -> None:
+        self.sampler, self.start, self.stop = sampler, start, stop
+        self.replica, self.replicas = replica, replicas
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start, self.stop):
+            yield self.sampler.shard(step, replica=self.replica, replicas=self.replicas).tolist()
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def train_batches(
+    bundle: DataBundle,
+    *,
+    sampler: GlobalBatchSampler,
+    start: int,
+    stop: int,
+    replica: int,
+    replicas: int,
+    num_workers: int = 0,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This replica's (inputs, targets) for steps ``start`` .. ``stop - 1``."""
+    if bundle.in_memory:
+        x_all, y_all = bundle.train.tensors  # type: ignore[attr-defined]
+        for step in range(start, stop):
+            idx = sampler.shard(step, replica=replica, replicas=replicas)
+            yield x_all[idx], y_all[idx]
+        return
+    batches = _StepBatches(sampler, start=start, stop=stop, replica=replica, replicas=replicas)
+    loader = DataLoader(bundle.train, batch_sampler=batches, num_workers=num_workers, persistent_workers=False)
+    yield from loader
+
+
+def val_batches(
+    bundle: DataBundle, *, rank: int, world_size: int, batch_size: int, num_workers: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The validation set sharded over ranks (``rank::world_size``), every sample exactly once."""
+    indices = list(range(rank, len(bundle.val), world_size))  # type: ignore[arg-type]
+    if bundle.in_memory:
+        x_all, y_all = bundle.val.tensors  # type: ignore[attr-defined]
+        for i in range(0, len(indices), batch_size):
+            idx = torch.tensor(indices[i : i + batch_size], dtype=torch.long)
+            yield x_all[idx], y_all[idx]
+        return
+    chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    yield from DataLoader(bundle.val, batch_sampler=chunks, num_workers=num_workers)

@@ -1,0 +1,1 @@
+"""Models: every model is an :class:`sdp.models.base.SDPModel` (stem -> blocks -> head)."""

@@ -1,0 +1,146 @@
+"""The one interface every model implements: stem -> blocks -> head, with declared SDP units.
+
+Why one template for every architecture: SDP, the pipeline baseline, stochastic depth and the
+measurement code all need the same facts about a model (which residual blocks exist, which hidden
+widths may be split, what is shared, where the model may be cut into stages, how many FLOPs a sample
+costs). A model that is ``head(blocks(stem(x)))`` with typed declarations answers all of them, so no
+strategy ever inspects a concrete architecture.
+
+- ``stem`` and ``head`` are always *shared* by all SDP workers.
+- ``blocks`` is an ``nn.ModuleList``; each entry is a :class:`ResidualBlock` (an SDP unit at block
+  level) or any other module (shared, e.g. a patch-merging layer).
+- A :class:`ResidualBlock` declares the hidden widths neuron-level SDP may split
+  (:class:`HiddenDim`) and the sub-modules that stay shared when the block is dropped (a projection
+  shortcut). Its forward honours ``active`` (False = identity on the residual path, the branch is
+  never executed) and ``branch_scale`` (stochastic-depth style rescaling).
+- Pipeline split points are the block boundaries: stage boundaries are indices into ``blocks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class HiddenSlice:
+    """One tensor (parameter or buffer) of a block that is indexed by a hidden dimension.
+
+    ``tensor`` is the dotted name relative to the block (``"conv1.weight"``), ``dim`` the axis that
+    the hidden units run along.
+    """
+
+    tensor: str
+    dim: int
+
+
+@dataclass(frozen=True)
+class HiddenDim:
+    """A hidden width inside a block that neuron-level SDP may split into groups.
+
+    ``size`` hidden units, each ``unit_width`` elements wide along every slice's ``dim`` (1 for
+    channels or MLP units, ``head_dim`` for attention heads). The residual stream is never a
+    HiddenDim.
+    """
+
+    name: str
+    size: int
+    slices: tuple[HiddenSlice, ...]
+    unit_width: int = 1
+
+
+class ResidualBlock(nn.Module):
+    """Base of every SDP block unit: a residual computation that can be skipped or rescaled.
+
+    Subclasses implement ``forward_full(x)`` (the real block, multiplying every residual branch by
+    ``self.branch_scale``) and may override ``forward_skip(x)`` (what the block computes when its
+    residual branch is dropped: identity by default, the projection shortcut for a downsampling
+    block). ``hidden_dims()`` and ``shared_submodules()`` declare the block to SDP.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active: bool = True
+        self.branch_scale: float = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return self.forward_full(x) if self.active else self.forward_skip(x)
+
+    def forward_full(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_skip(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def hidden_dims(self) -> tuple[HiddenDim, ...]:
+        """Hidden widths neuron-level SDP may split; empty when the block declares none."""
+        return ()
+
+    def shared_submodules(self) -> tuple[str, ...]:
+        """Sub-module names (relative) that belong to every worker even when the block is dropped."""
+        return ()
+
+    def branch_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) pairs of the residual branch: everything not in a shared sub-module."""
+        shared = self.shared_submodules()
+        for name, p in self.named_parameters():
+            if not any(name == s or name.startswith(s + ".") for s in shared):
+                yield name, p
+
+
+class SDPModel(nn.Module):
+    """``head(blocks(stem(x)))`` with the declarations strategies need.
+
+    Subclasses build ``self.stem``, ``self.blocks`` (``nn.ModuleList``) and ``self.head`` and set
+    ``self.task`` (``"classification"`` or ``"lm"``). ``flops_per_sample`` is the forward+backward
+    FLOP count of one sample (one sequence for LMs), used for FLOP-matched budgets and MFU.
+    """
+
+    stem: nn.Module
+    blocks: nn.ModuleList
+    head: nn.Module
+    task: str = "classification"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    # ---- declarations -------------------------------------------------------------------------
+    def sdp_units(self) -> list[tuple[int, ResidualBlock]]:
+        """(index in ``blocks``, block) for every block that is an SDP unit."""
+        return [(i, b) for i, b in enumerate(self.blocks) if isinstance(b, ResidualBlock)]
+
+    def shared_modules(self) -> list[str]:
+        """Module names (relative to the model) that every worker holds in full."""
+        names = ["stem", "head"]
+        for i, block in enumerate(self.blocks):
+            if not isinstance(block, ResidualBlock):
+                names.append(f"blocks.{i}")
+            else:
+                names.extend(f"blocks.{i}.{s}" for s in block.shared_submodules())
+        return names
+
+    def pipeline_split_points(self) -> list[int]:
+        """Indices ``i`` such that a stage may start at ``blocks[i]`` (every block boundary)."""
+        return list(range(1, len(self.blocks)))
+
+    def flops_per_sample(self) -> int:
+        """Training FLOPs (forward + backward, about 3x forward) of one sample."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare flops_per_sample")
+
+    def example_input(self, batch_size: int) -> torch.Tensor:
+        """A correctly shaped dummy input (used by planners, tracers and shape tests)."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare example_input")
+
+
+def count_params(module: nn.Module) -> int:
+    """Number of parameter elements (local shards for DTensors)."""
+    total = 0
+    for p in module.parameters():
+        total += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    return total

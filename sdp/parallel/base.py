@@ -1,0 +1,160 @@
+"""The strategy interface and registry: how the trainer talks to DDP, FSDP, pipeline and SDP alike.
+
+A strategy owns everything that differs between parallelisms: how the model is wrapped or cut, how
+one training step runs forward, backward, gradient synchronisation and the optimizer update, which
+part of the global batch this rank consumes, and what evaluation runs on. The trainer only calls
+these methods, so it never names a strategy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from sdp.metrics import memory
+from sdp.metrics.comm import CommCounter
+from sdp.metrics.timing import PhaseTimer
+from sdp.models.base import SDPModel
+from sdp.registry import Registry
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DistContext:
+    """What a rank knows about the job: its place, its device and the shared comm counter."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    comm: CommCounter = field(default_factory=CommCounter)
+
+
+@dataclass
+class StepResult:
+    """Sum of per-sample losses over the samples this rank computed a loss for, and their count.
+
+    The trainer all-reduces (loss_sum, count) over the world for the logged mean, so a pipeline
+    stage without the loss reports (0, 0) and every strategy logs the same global-batch mean.
+    """
+
+    loss_sum: torch.Tensor
+    count: int
+
+
+class Strategy(ABC):
+    """Base class: subclasses implement ``setup`` and ``train_step``; the rest has defaults."""
+
+    name: str = ""
+
+    def __init__(self, *, cfg: DictConfig, full_cfg: DictConfig, ctx: DistContext) -> None:
+        self.cfg = cfg
+        self.full_cfg = full_cfg
+        self.ctx = ctx
+        self.module: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._grad_bytes_peak = 0
+
+    # ---- validation before any rank starts -----------------------------------------------------
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+        """Raise ``ValueError`` naming key, value and what is allowed for impossible settings."""
+
+    # ---- set-up and one step --------------------------------------------------------------------
+    @abstractmethod
+    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
+        """Wrap/cut ``model`` (built identically on every rank) and build ``self.optimizer``."""
+
+    @abstractmethod
+    def train_step(
+        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
+    ) -> StepResult:
+        """Forward, backward, gradient sync and optimizer update for this rank's batch slice."""
+
+    # ---- data ------------------------------------------------------------------------------------
+    def data_parallel(self) -> tuple[int, int]:
+        """(index, count) of the data-parallel replica this rank belongs to; the global batch is
+        split into ``count`` equal slices. Strategies whose ranks share a batch (pipeline) override."""
+        return self.ctx.rank, self.ctx.world_size
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    @contextmanager
+    def eval_module(self) -> Iterator[nn.Module]:
+        """The full model to evaluate, identical on every rank (default: the wrapped model with its
+        buffers averaged over the world, so BatchNorm statistics agree)."""
+        model = self.unwrapped()
+        prev = self.ctx.comm.phase
+        self.ctx.comm.phase = "eval"
+        try:
+            average_buffers(model, ctx=self.ctx)
+        finally:
+            self.ctx.comm.phase = prev
+        model.eval()
+        try:
+            yield model
+        finally:
+            model.train()
+
+    def unwrapped(self) -> nn.Module:
+        assert self.module is not None, f"strategy {self.name!r} used before setup()"
+        return getattr(self.module, "module", self.module)
+
+    # ---- measurement -----------------------------------------------------------------------------
+    def note_grads(self) -> None:
+        """Call after backward, before grads are freed: records the gradient bytes held."""
+        assert self.module is not None
+        self._grad_bytes_peak = max(self._grad_bytes_peak, memory.grad_bytes(self.module))
+
+    def state_bytes(self) -> dict[str, int]:
+        """Model-state bytes this rank holds: parameters, gradients (peak), optimizer state."""
+        assert self.module is not None
+        return {
+            "param_bytes": memory.param_bytes(self.module),
+            "grad_bytes": self._grad_bytes_peak,
+            "optim_bytes": memory.optim_bytes(self.optimizer),
+        }
+
+    def summary_extra(self) -> dict[str, Any]:
+        """Strategy-specific facts for summary.json (plans, stage cuts, ...)."""
+        return {}
+
+
+STRATEGIES: Registry[type[Strategy]] = Registry(kind="strategy", key="parallelism.name")
+
+
+def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
+    """Class decorator: ``@register("ddp")`` makes ``parallelism.name=ddp`` build this class."""
+
+    def deco(cls: type[Strategy]) -> type[Strategy]:
+        cls.name = name
+        return STRATEGIES.register(name)(cls)
+
+    return deco
+
+
+def average_buffers(model: nn.Module, *, ctx: DistContext, group: Any = None) -> None:
+    """Average floating-point buffers (BatchNorm running stats) over ``group`` (world default);
+    integer buffers (num_batches_tracked) are taken from rank 0. One flat all-reduce."""
+    if ctx.world_size == 1:
+        return
+    floats = [b for b in model.buffers() if b.is_floating_point()]
+    if floats:
+        flat = torch.cat([b.detach().reshape(-1) for b in floats])
+        size = dist.get_world_size(group)
+        ctx.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=size)
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        offset = 0
+        for b in floats:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()

@@ -1,0 +1,41 @@
+"""A tiny name -> factory registry, shared by strategies (and anything else looked up by name).
+
+Why a registry rather than ``if name == ...`` ladders: the trainer must never name a strategy, and
+a new strategy must be one new module, nothing else edited.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps names to objects; errors name the key, the value and the allowed names."""
+
+    def __init__(self, *, kind: str, key: str) -> None:
+        self.kind = kind
+        self.key = key
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            assert name not in self._items, f"{self.kind} {name!r} registered twice"
+            self._items[name] = obj
+            return obj
+
+        return deco
+
+    def get(self, name: str) -> T:
+        if name not in self._items:
+            raise KeyError(
+                f"{self.key}={name!r} is not a known {self.kind}; allowed: {', '.join(sorted(self._items))}"
+            )
+        return self._items[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items

@@ -1,0 +1,97 @@
+"""The results contract: what every run writes into its Hydra output directory.
+
+- ``config.yaml``: the resolved config, secrets removed;
+- ``metrics.jsonl``: one JSON row per logged step from rank 0 (``step``, ``loss``, ``lr``,
+  ``samples_per_s``; eval rows with ``eval_loss``, ``eval_accuracy``);
+- ``summary.json``: strategy, world size, steps, final losses, per-rank memory and communication,
+  time, versions and machine info.
+
+Reports read these files only (W&B is a mirror), so this module is the one place their shape is
+defined. Extend it, never break it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import sdp
+
+SECRET_KEYS = ("api_key", "apikey", "password", "token", "secret")
+
+
+def scrub(obj: Any) -> Any:
+    """Drop values whose key names a secret (W&B API keys must never reach a results file)."""
+    if isinstance(obj, dict):
+        return {k: ("<redacted>" if any(s in str(k).lower() for s in SECRET_KEYS) else scrub(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scrub(v) for v in obj]
+    return obj
+
+
+def write_config(*, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Write the resolved, scrubbed config as ``config.yaml``; returns it as a plain dict."""
+    container = scrub(OmegaConf.to_container(cfg, resolve=True))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(container)))
+    return container
+
+
+def git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def versions() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "sdp": sdp.__version__,
+        "git_commit": git_commit(),
+        "cuda": torch.version.cuda,
+    }
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import psutil
+
+        info["memory_total_bytes"] = int(psutil.virtual_memory().total)
+    except Exception:  # noqa: BLE001
+        pass
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write atomically (tmp + rename), so a reader never sees half a summary."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,89 @@
+"""``sdp-train`` / ``python -m sdp.train``: the Hydra application.
+
+Hydra composes and resolves the config once, here in the driver; the config is validated, written
+as ``config.yaml`` into the run directory, and then the ranks are started below this process (or,
+under an external launcher, this process is a rank). Multirun with Hydra's basic launcher therefore
+runs each job's ranks in turn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from sdp import results
+from sdp.config import validate
+from sdp.launch import external_launcher, launch
+
+# A per-process unique token for run directories: two jobs started in the same second never share
+# a directory (cached, so every interpolation in one process sees the same value).
+if not OmegaConf.has_resolver("sdp_uid"):
+    OmegaConf.register_new_resolver("sdp_uid", lambda: f"{os.getpid()}-{uuid.uuid4().hex[:6]}", use_cache=True)
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A short human-readable digest of summary.json for the end of a run."""
+    f = summary["final"]
+    mem = summary["memory"]["per_rank"]
+    comm = summary["comm"]["per_rank"]
+    t = summary["time"]
+
+    def mib(b: float | None) -> str:
+        return "n/a" if b is None else f"{b / 2**20:.2f} MiB"
+
+    acc = f["eval_accuracy"]
+    lines = [
+        f"strategy={summary['strategy']} model={summary['model']} dataset={summary['dataset']} "
+        f"world_size={summary['world_size']} steps={summary['steps']} global_batch={summary['global_batch']}",
+        f"final train_loss={f['train_loss']:.4f} eval_loss={f['eval_loss']:.4f} "
+        f"eval_accuracy={'n/a' if acc is None else f'{acc:.4f}'}",
+        f"time step_s_median={t['step_s_median']:.4f} samples_per_s={t['samples_per_s']:.1f} "
+        f"straggler_spread={t['straggler_spread']:.3f}",
+    ]
+    for m, c in zip(mem, comm):
+        lines.append(
+            f"rank {m['rank']}: params {mib(m['param_bytes'])} grads {mib(m['grad_bytes'])} "
+            f"optim {mib(m['optim_bytes'])} peak_rss_delta {mib(m['peak_rss_delta_bytes'])} | "
+            f"comm {mib(c['bytes_per_step'])}/step in {c['collectives_per_step']:.1f} collectives"
+        )
+    lines.append(f"results: {summary.get('run_dir')}")
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> dict[str, Any] | None:
+    """Validate, record the config, launch the ranks, print and return rank 0's summary."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    validate(cfg)
+    if not external_launcher() or os.environ.get("RANK") == "0":
+        results.write_config(cfg=cfg, run_dir=run_dir)
+    summary = launch(cfg=cfg, run_dir=run_dir)
+    if summary is not None:
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _hydra_main(cfg: DictConfig) -> Any:
+    summary = run(cfg)
+    if summary is None:
+        return None
+    f = summary["final"]
+    # A small JSON-safe return value (the Hydra callback on multirun end and tests use it).
+    return json.loads(json.dumps({"run_dir": summary["run_dir"], "final": f}))
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""What one rank runs: join the process group, build data, model and strategy, train, report.
+
+Called by the local launcher (torch elastic, one process per rank) or directly when the process is
+already a rank of an external launcher (torchrun, Slurm). Receives the config resolved once by the
+driver as a plain dict, so every rank trains on exactly the same settings.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from sdp import results
+from sdp.data.base import DataBundle
+from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
+from sdp.metrics.memory import PeakTracker
+from sdp.metrics.timing import PhaseTimer
+from sdp.models.base import SDPModel
+from sdp.parallel import STRATEGIES, DistContext, Strategy
+from sdp.trainer import Trainer
+
+META_KEYS = ("name",)
+
+
+def build(node: DictConfig, **overrides: Any) -> Any:
+    """Instantiate a config node's ``_target_``, leaving out documentation-only keys (``name``)."""
+    kwargs = {k: v for k, v in node.items() if k not in META_KEYS}
+    return instantiate(OmegaConf.create(kwargs), **overrides, _convert_="all")
+
+
+def resolve_device(cluster: DictConfig, local_rank: int) -> tuple[torch.device, str]:
+    """Device and backend: NCCL on CUDA, gloo on CPU (``cluster.backend=auto``)."""
+    device = torch.device(f"cuda:{local_rank}") if cluster.device == "cuda" else torch.device("cpu")
+    backend = str(cluster.backend)
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    return device, backend
+
+
+def build_model(cfg: DictConfig, data: DataBundle) -> SDPModel:
+    """The full model, initialised identically on every rank (seeded before construction)."""
+    torch.manual_seed(int(cfg.seed))
+    model = build(cfg.model)
+    assert isinstance(model, SDPModel), f"model {type(model).__name__} is not an sdp.models.base.SDPModel"
+    return model
+
+
+def make_logger(*, cfg: DictConfig, ctx: DistContext, run_dir: Path, config: dict[str, Any]) -> Logger:
+    if ctx.rank != 0:
+        return NullLogger()
+    group = run_dir.parent.name if run_dir.name.isdigit() else run_dir.name
+    return MultiLogger(
+        JsonlLogger(path=run_dir / "metrics.jsonl"),
+        WandbLogger(cfg=cfg.logger.wandb, run_dir=run_dir, config=config, group=group,
+                    job_type=str(cfg.parallelism.name), name=run_dir.name),
+    )
+
+
+@record
+def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
+    """Entry point of every rank; returns the summary on rank 0 and None elsewhere."""
+    cfg = OmegaConf.create(config)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device, backend = resolve_device(cfg.cluster, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = cfg.cluster.get("threads_per_rank") or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(int(threads))
+    peak = PeakTracker(device=device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg.cluster.timeout_s)))
+    logger: Logger = NullLogger()
+    try:
+        # Under an external launcher every process composed its own config; rank 0's dir wins.
+        shared = [run_dir]
+        dist.broadcast_object_list(shared, src=0)
+        out = Path(shared[0])
+        ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+        data: DataBundle = build(cfg.dataset)
+        model = build_model(cfg, data)
+        torch.manual_seed(int(cfg.seed) * 7919 + rank + 1)  # per-rank stream (dropout, stochastic depth)
+        strategy: Strategy = STRATEGIES.get(str(cfg.parallelism.name))(cfg=cfg.parallelism, full_cfg=cfg, ctx=ctx)
+        strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
+        logger = make_logger(cfg=cfg, ctx=ctx, run_dir=out, config=config)
+        timer = PhaseTimer(device=device)
+        trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer)
+        state = trainer.fit()
+        summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state)
+        if rank == 0:
+            summary["run_dir"] = str(out)
+            results.write_json(out / "summary.json", summary)
+            if isinstance(logger, MultiLogger):
+                for lg in logger.loggers:
+                    if isinstance(lg, WandbLogger):
+                        lg.summary({"final": summary["final"], "time": summary["time"]})
+        return summary if rank == 0 else None
+    finally:
+        logger.finish()
+        dist.destroy_process_group()
+
+
+def collect_summary(
+    *, cfg: DictConfig, ctx: DistContext, strategy: Strategy, trainer: Trainer, peak: PeakTracker, timer: PhaseTimer, state: Any
+) -> dict[str, Any]:
+    """Gather every rank's measurements and assemble summary.json (meaningful on rank 0)."""
+    warmup = int(cfg.train.warmup_steps)
+    mine = {
+        "rank": ctx.rank,
+        "memory": {"rank": ctx.rank, **strategy.state_bytes(), **peak.summary()},
+        "comm": {"rank": ctx.rank, **ctx.comm.summary()},
+        "time": {"rank": ctx.rank, **timer.summary(warmup=warmup)},
+    }
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, mine)
+    per_rank_time = [g["time"] for g in gathered]
+    medians = [t["step_s_median"] for t in per_rank_time if t["step_s_median"]]
+    step_s = max(medians) if medians else None
+    return {
+        "strategy": str(cfg.parallelism.name),
+        "model": str(cfg.model.get("name", "")),
+        "dataset": str(cfg.dataset.get("name", "")),
+        "world_size": ctx.world_size,
+        "steps": state.step,
+        "global_batch": trainer.global_batch,
+        "seed": int(cfg.seed),
+        "final": {
+            "train_loss": state.last_loss,
+            "eval_loss": state.last_eval.get("eval_loss"),
+            "eval_accuracy": state.last_eval.get("eval_accuracy"),
+        },
+        "memory": {"per_rank": [g["memory"] for g in gathered]},
+        "comm": {"per_rank": [g["comm"] for g in gathered]},
+        "time": {
+            "step_s_median": step_s,
+            "samples_per_s": trainer.global_batch / step_s if step_s else None,
+            "straggler_spread": (max(medians) / min(medians)) if medians else None,
+            "per_rank": per_rank_time,
+            "warmup_steps": warmup,
+            "median_of_rank_medians": statistics.median(medians) if medians else None,
+        },
+        "strategy_info": strategy.summary_extra(),
+        "versions": results.versions(),
+        "machine": results.machine(),
+    }
