@@ -7,6 +7,7 @@ driver as a plain dict, so every rank trains on exactly the same settings.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 from datetime import timedelta
@@ -33,8 +34,10 @@ META_KEYS = ("name",)
 
 def build(node: DictConfig, **overrides: Any) -> Any:
     """Instantiate a config node's ``_target_``, leaving out documentation-only keys (``name``)."""
-    kwargs = {k: v for k, v in node.items() if k not in META_KEYS}
-    return instantiate(OmegaConf.create(kwargs), **overrides, _convert_="all")
+    resolved = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(resolved, dict), f"expected a config mapping with _target_, got {resolved!r}"
+    kwargs = {k: v for k, v in resolved.items() if k not in META_KEYS}
+    return instantiate(kwargs, **overrides, _convert_="all")
 
 
 def resolve_device(cluster: DictConfig, local_rank: int) -> tuple[torch.device, str]:
@@ -109,6 +112,16 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
+def param_digest(model: torch.nn.Module) -> str:
+    """SHA-256 over the parameters this rank holds (local shards), to prove replicas agree bitwise."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        t = p.to_local() if hasattr(p, "to_local") else p
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def collect_summary(
     *, cfg: DictConfig, ctx: DistContext, strategy: Strategy, trainer: Trainer, peak: PeakTracker, timer: PhaseTimer, state: Any
 ) -> dict[str, Any]:
@@ -116,7 +129,8 @@ def collect_summary(
     warmup = int(cfg.train.warmup_steps)
     mine = {
         "rank": ctx.rank,
-        "memory": {"rank": ctx.rank, **strategy.state_bytes(), **peak.summary()},
+        "memory": {"rank": ctx.rank, **strategy.state_bytes(), **peak.summary(),
+                   "param_digest": param_digest(strategy.unwrapped())},
         "comm": {"rank": ctx.rank, **ctx.comm.summary()},
         "time": {"rank": ctx.rank, **timer.summary(warmup=warmup)},
     }

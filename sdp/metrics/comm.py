@@ -71,10 +71,13 @@ class CommCounter:
                 total_bytes += payload
                 total_wire += wire_bytes(kind=kind, payload=payload, group_size=k)
                 count += 1
-                by_kind[kind]["bytes"] += payload / n
-                by_kind[kind]["count"] += 1 / n
-                by_group[str(k)]["bytes"] += payload / n
-                by_group[str(k)]["count"] += 1 / n
+                for table, key in ((by_kind, kind), (by_group, str(k))):
+                    table[key]["bytes"] += payload
+                    table[key]["count"] += 1
+        for table in (by_kind, by_group):
+            for entry in table.values():
+                entry["bytes"] /= n
+                entry["count"] /= n
         other = {
             phase: {"bytes": sum(p for _, p, _ in recs), "collectives": len(recs)}
             for phase, recs in self._other.items()
