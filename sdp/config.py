@@ -50,6 +50,12 @@ def validate(cfg: DictConfig) -> None:
     one_of("cluster.device", cl.device, ("cpu", "cuda"))
     one_of("cluster.backend", cl.backend, ("auto", "gloo", "nccl"))
     positive_float("cluster.timeout_s", cl.timeout_s)
+    if external_launcher():
+        import os
+
+        env_world = int(os.environ["WORLD_SIZE"])
+        require(env_world == cl.world_size, "cluster.world_size", cl.world_size,
+                f"the external launcher started WORLD_SIZE={env_world} ranks; set cluster.world_size={env_world}")
     if cl.device == "cuda":
         import torch
 

@@ -79,3 +79,22 @@ def test_rank_that_raises_ends_the_job_fast_with_its_traceback(train_job):
     assert "injected failure on rank 1 at step 2" in job.output and "rank 1 of 2 failed" in job.output, job.output[-3000:]
     assert "Traceback" in job.output
     assert elapsed < 60, f"job took {elapsed:.1f}s to fail"
+
+
+@pytest.mark.timeout(180)
+def test_inside_torchrun_it_does_not_spawn_again(tmp_path):
+    """Under an external launcher (RANK/WORLD_SIZE set) each process is one rank: no second spawn."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, sdp_env
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sdp.train",
+           f"hydra.run.dir={run_dir}", "parallelism=ddp", "model=mlp", "train.steps=4", "train.eval_every=0",
+           "cluster.world_size=2", "logger.wandb.mode=disabled", "logger.progress=false"]
+    proc = subprocess.run(cmd, cwd=REPO, env=sdp_env(), capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["world_size"] == 2 and not (run_dir / "rank_logs").exists(), "spawned its own ranks under torchrun"
