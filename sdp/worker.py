@@ -41,8 +41,15 @@ def build(node: DictConfig, **overrides: Any) -> Any:
 
 
 def resolve_device(cluster: DictConfig, local_rank: int) -> tuple[torch.device, str]:
-    """Device and backend: NCCL on CUDA, gloo on CPU (``cluster.backend=auto``)."""
-    device = torch.device(f"cuda:{local_rank}") if cluster.device == "cuda" else torch.device("cpu")
+    """Device and backend: NCCL on CUDA, gloo on CPU (``cluster.backend=auto``).
+
+    Ranks beyond the visible GPUs wrap around (``local_rank % n_gpus``): several gloo ranks may share
+    one GPU, which still gives each rank its own CUDA memory figures (NCCL refuses that).
+    """
+    if cluster.device == "cuda":
+        device = torch.device(f"cuda:{local_rank % max(torch.cuda.device_count(), 1)}")
+    else:
+        device = torch.device("cpu")
     backend = str(cluster.backend)
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
