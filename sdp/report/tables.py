@@ -22,7 +22,8 @@ from sdp.report.runs import Run, run_figures
 
 DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir")
 METHOD_KEYS = ("parallelism.*", "train.steps")
-TITLE_KEYS = ("model.name", "dataset.name", "cluster.world_size", "train.budget", "scale.name")
+TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
+              "train.budget": "budget", "scale.name": "scale"}
 METHOD_ORDER = ("DDP", "B-SDP", "B_β-SDP", "N-SDP", "N_β-SDP")
 SDP_LABELS = {("block", "forward"): "B-SDP", ("block", "backward"): "B_β-SDP",
               ("neuron", "forward"): "N-SDP", ("neuron", "backward"): "N_β-SDP"}
@@ -115,7 +116,7 @@ class Table:
         runs = [r for row in self.rows for r in row.runs]
         facts = {k: runs[0].flat.get(k) for k in TITLE_KEYS if runs and runs[0].flat.get(k) is not None}
         facts.update(self.context)
-        return ", ".join(f"{k.split('.')[-1] if k in TITLE_KEYS else k}={v}" for k, v in facts.items()) or "all runs"
+        return ", ".join(f"{TITLE_KEYS.get(k, k)}={v}" for k, v in facts.items()) or "all runs"
 
 
 def _row(*, runs: list[Run], keys: dict[str, Any], expected: list[Any]) -> Row:
