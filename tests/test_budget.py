@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 from hydra import compose, initialize_config_dir
-from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf, open_dict
 
 import sdp.train
+from conftest import pending_or_raise
 from sdp.budget import compute_fraction, masked_fraction, resolve_steps
 from sdp.config import ConfigError
 from sdp.models.base import forward_flop_counts
@@ -112,24 +112,12 @@ def test_bad_coverage_names_the_key():
 
 
 # ---- configs: every experiment and variant composes at both scales -----------------------------------
-# Options other branches add (SDP presets, CIFAR/ImageNet/FineWeb, Swin, LLaMA, baselines). A config that
-# needs one of them is skipped while it is absent; any other missing option is a real error.
-PENDING = {"parallelism": {"sdp", "sdp_block_bwd", "sdp_neuron_fwd", "sdp_neuron_bwd", "fsdp", "ddp_ac"},
-           "dataset": {"cifar10", "cifar100", "imagenet", "fineweb"},
-           "model": {"swin_t", "llama_134m", "llama_500m", "llama_1b"}}
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 VARIANTS = sorted(p.stem for p in (CONF / "variant").glob("*.yaml"))
 
 
 def compose_or_skip(*overrides: str):
-    try:
-        return compose_with(*overrides)
-    except MissingConfigException as exc:
-        missing = [(g, o) for g, opts in PENDING.items() for o in opts
-                   if not (CONF / g / f"{o}.yaml").exists() and f"{g}/{o}" in str(exc)]
-        if missing:
-            pytest.skip(f"needs {missing} (not on this branch yet)")
-        raise
+    return pending_or_raise(compose_with, *overrides)
 
 
 @pytest.mark.parametrize("scale", ["paper", "cpu"])
