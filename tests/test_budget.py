@@ -149,3 +149,10 @@ def test_scale_cpu_shrinks_resnet_and_command_line_still_wins():
     assert cfg.model.width == 64, "a command-line override must win over scale=cpu"
     assert compose_with("model=resnet18_cifar", "scale=cpu").model.width == 8
     assert compose_with("model=resnet18_cifar", "scale=paper").model.width == 16  # the model file's value
+
+
+def test_token_counts_are_not_scrubbed_as_secrets():
+    from sdp.results import scrub
+
+    out = scrub({"train": {"tokens": 5, "hf_token": "x"}, "time": {"tokens_per_s": 1.0}, "token": "y"})
+    assert out == {"train": {"tokens": 5, "hf_token": "<redacted>"}, "time": {"tokens_per_s": 1.0}, "token": "<redacted>"}
