@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sdp import results
+from sdp.budget import resolve_steps
 from sdp.config import validate
 from sdp.launch import external_launcher, launch
 
@@ -55,18 +56,30 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"optim {mib(m['optim_bytes'])} peak_rss_delta {mib(m['peak_rss_delta_bytes'])} | "
             f"comm {mib(c['bytes_per_step'])}/step in {c['collectives_per_step']:.1f} collectives"
         )
+    b = summary.get("budget") or {}
+    if b:
+        flops = b.get("total_flops")
+        lines.append(f"budget={b['budget']} steps={b['steps']} (base {b['base_steps']}, ratio {b['step_ratio']:.3g}) "
+                     f"total_flops={'n/a' if flops is None else f'{flops:.3e}'}")
     lines.append(f"results: {summary.get('run_dir')}")
     return "\n".join(lines)
 
 
 def run(cfg: DictConfig) -> dict[str, Any] | None:
-    """Validate, record the config, launch the ranks, print and return rank 0's summary."""
+    """Validate, resolve the budget, record the config, launch the ranks, print and return rank 0's summary.
+
+    The budget (``train.budget``) is resolved here, once, so ``config.yaml`` and every rank see the
+    final ``train.steps``; what was counted is added to ``summary.json`` as ``budget``.
+    """
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     validate(cfg)
+    cfg.train.steps, budget = resolve_steps(cfg)
     if not external_launcher() or os.environ.get("RANK") == "0":
         results.write_config(cfg=cfg, run_dir=run_dir)
     summary = launch(cfg=cfg, run_dir=run_dir)
     if summary is not None:
+        summary["budget"] = budget
+        results.write_json(Path(summary["run_dir"]) / "summary.json", summary)
         print(format_summary(summary), flush=True)
     return summary
 

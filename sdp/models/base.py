@@ -130,8 +130,13 @@ class SDPModel(nn.Module):
         return list(range(1, len(self.blocks)))
 
     def flops_per_sample(self) -> int:
-        """Training FLOPs (forward + backward, about 3x forward) of one sample."""
-        raise NotImplementedError(f"{type(self).__name__} does not declare flops_per_sample")
+        """Training FLOPs (forward + backward, about 3x forward) of one sample.
+
+        Generic default: 3 x the forward FLOPs that ``torch.utils.flop_counter`` counts on
+        ``example_input(1)`` (matmuls, convolutions, attention; not elementwise ops or norms), as the
+        model is currently configured. A model with a closed form overrides this.
+        """
+        return 3 * forward_flop_counts(self)["Global"]
 
     def example_input(self, batch_size: int) -> torch.Tensor:
         """A correctly shaped dummy input (used by planners, tracers and shape tests)."""
@@ -144,3 +149,27 @@ def count_params(module: nn.Module) -> int:
     for p in module.parameters():
         total += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
     return total
+
+
+def forward_flop_counts(model: SDPModel) -> dict[str, int]:
+    """Forward FLOPs of one sample per module, keyed like FlopCounterMode (``"Global"`` = total,
+    ``"<Class>.blocks.3"`` = one block).
+
+    Runs on the model's own device (the meta device costs nothing, even for a 1B model), in eval mode
+    and without gradients so that BatchNorm statistics are not touched; the mode is restored.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    with torch.device(device):
+        x = model.example_input(1)
+    counter = FlopCounterMode(display=False)
+    was_training = model.training
+    model.eval()
+    try:
+        with counter, torch.no_grad():
+            model(x)
+    finally:
+        model.train(was_training)
+    return {name: int(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}

@@ -1,0 +1,146 @@
+"""Training budgets: how many steps a run takes so that methods are compared at equal cost.
+
+``train.budget`` (resolved once in the driver, before any rank starts; ``train.steps`` is then set to
+the result and recorded in ``config.yaml``, the details in ``summary.json["budget"]``):
+
+- ``iterations``: ``train.steps`` for every method (the reviewers' same-iteration comparison);
+- ``flops``: ``train.steps`` is the DDP step count; a method that computes a fraction ``r`` of the full
+  model's FLOPs per step runs ``round(train.steps / r)`` steps, as the paper's FLOP matching extends
+  training by 1/C. ``train.flops_ratio=coverage`` takes ``r = parallelism.coverage`` (the paper's rule);
+  ``measured`` takes ``r`` from the model's FLOP count (see :func:`compute_fraction`). A strategy
+  without ``parallelism.coverage`` (DDP, FSDP, pipeline, ...) computes the full model: ``r = 1``;
+- ``tokens``: ``ceil(train.tokens / (global batch x sequence length))`` steps for every method.
+
+What we count as training FLOPs: ``steps x global batch x flops_per_sample x r_measured``, where
+``flops_per_sample`` is the full model's forward + backward FLOPs of one sample
+(:meth:`SDPModel.flops_per_sample`) and ``r_measured`` the fraction of it the workers compute on
+average (1 without coverage). Under forward masking a worker runs the shared parts (stem, head,
+projection shortcuts) in full and holds a fraction C of every masked unit (block level: C of the
+blocks, each held by k = C·n workers; neuron level: C of each block's hidden width, which scales both
+of a block's layers by C), so ``r = (F_shared + C·F_masked) / F_total``. Under backward masking the
+forward and the input-gradient half of backward are full and only the weight-gradient third is
+masked: ``r = (2 + r_forward) / 3``. Only what ``torch.utils.flop_counter`` counts enters
+(matmuls, convolutions, attention; not norms or elementwise ops).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from sdp.config import ConfigError, one_of, positive_int, require
+
+BUDGETS = ("iterations", "flops", "tokens")
+FLOPS_RATIOS = ("coverage", "measured")
+MASKINGS = ("forward", "backward")
+SEQ_LEN_KEYS = ("dataset.seq_len", "model.seq_len", "model.max_seq_len")
+
+
+def masked_fraction(*, counts: dict[str, int], model: Any) -> float:
+    """Share of the forward FLOPs spent in the residual branches of SDP units (the masked part)."""
+    prefix = type(model).__name__
+    total = counts["Global"]
+    if total <= 0:
+        return 0.0
+    masked = 0
+    for i, block in model.sdp_units():
+        name = f"{prefix}.blocks.{i}"
+        shared = sum(counts.get(f"{name}.{s}", 0) for s in block.shared_submodules())
+        masked += counts.get(name, 0) - shared
+    assert 0 <= masked <= total, f"masked FLOPs {masked} outside [0, total {total}]"
+    return masked / total
+
+
+def compute_fraction(*, masked: float, coverage: float, masking: str) -> float:
+    """Fraction of the full model's training FLOPs computed on average by one worker (see module doc)."""
+    forward = (1.0 - masked) + coverage * masked
+    if masking == "forward":
+        return forward
+    if masking == "backward":
+        return (2.0 + forward) / 3.0
+    raise ValueError(f"parallelism.masking={masking!r} not in {MASKINGS}")
+
+
+def _get(cfg: DictConfig, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if node is None or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def model_flops(cfg: DictConfig) -> tuple[int | None, float | None, str | None]:
+    """(training FLOPs per sample of the full model, masked share, why not) from a meta-device build."""
+    from sdp.models.base import forward_flop_counts
+    from sdp.worker import build
+
+    try:
+        with torch.device("meta"):
+            model = build(cfg.model)
+            per_sample = int(model.flops_per_sample())
+            masked = masked_fraction(counts=forward_flop_counts(model), model=model)
+    except Exception as exc:  # noqa: BLE001 - FLOPs are a record, not a reason to fail a run
+        return None, None, f"{type(exc).__name__}: {exc}"
+    return per_sample, masked, None
+
+
+def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
+    """The number of optimizer steps ``cfg`` asks for under its budget, and what was counted.
+
+    Pure in the config (the model is built on the meta device only to count FLOPs); raises
+    :class:`ConfigError` naming the key for an impossible budget.
+    """
+    tc = cfg.train
+    budget = str(tc.get("budget", "iterations"))
+    one_of("train.budget", budget, BUDGETS)
+    base = int(tc.steps)
+    coverage = _get(cfg, "parallelism.coverage")
+    masking = str(_get(cfg, "parallelism.masking") or "forward")
+    if coverage is not None:
+        require(isinstance(coverage, (int, float)) and 0 < coverage <= 1, "parallelism.coverage", coverage,
+                "must be a number in (0, 1]")
+        one_of("parallelism.masking", masking, MASKINGS)
+    global_batch = int(tc.batch_size) * int(cfg.cluster.world_size)
+    per_sample, masked, flops_error = model_flops(cfg)
+    fraction = 1.0
+    if coverage is not None:
+        fraction = compute_fraction(masked=masked, coverage=float(coverage), masking=masking) if masked is not None else None
+    info: dict[str, Any] = {"budget": budget, "base_steps": base, "global_batch": global_batch,
+                            "coverage": coverage, "masking": masking if coverage is not None else None,
+                            "flops_per_sample": per_sample, "fraction_computed": fraction}
+    if budget == "iterations":
+        steps, ratio = base, 1.0
+    elif budget == "flops":
+        mode = str(tc.get("flops_ratio", "coverage"))
+        one_of("train.flops_ratio", mode, FLOPS_RATIOS)
+        if coverage is None:
+            ratio = 1.0
+        elif mode == "coverage":
+            ratio = float(coverage)
+        else:
+            require(fraction is not None, "train.flops_ratio", mode,
+                    f"the model's FLOPs could not be counted ({flops_error}); use train.flops_ratio=coverage")
+            ratio = float(fraction)
+        steps = max(1, round(base / ratio))
+        info["flops_ratio"] = mode
+    else:
+        tokens = tc.get("tokens")
+        positive_int("train.tokens", tokens)
+        seq_key = next((k for k in SEQ_LEN_KEYS if _get(cfg, k) is not None), None)
+        if seq_key is None:
+            raise ConfigError(f"train.budget='tokens' needs a sequence length; none of {SEQ_LEN_KEYS} is set")
+        seq_len = int(_get(cfg, seq_key))
+        steps, ratio = math.ceil(int(tokens) / (global_batch * seq_len)), 1.0
+        info.update(tokens=int(tokens), seq_len=seq_len, tokens_trained=steps * global_batch * seq_len)
+    info.update(steps=steps, step_ratio=ratio)
+    if per_sample is not None and fraction is not None:
+        info["flops_per_step"] = global_batch * per_sample * fraction
+        info["total_flops"] = steps * info["flops_per_step"]
+    else:
+        info["flops_per_step"] = info["total_flops"] = None
+        info["flops_note"] = flops_error or "fraction unknown"
+    return steps, info

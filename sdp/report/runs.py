@@ -1,0 +1,136 @@
+"""Reading a sweep's run directories (the results contract of :mod:`sdp.results`) into :class:`Run`\\ s.
+
+A run directory is any directory below the sweep with a ``config.yaml`` (Hydra's own copies under
+``.hydra/`` are skipped). ``summary.json`` may be missing: the run failed or has not finished; such
+runs are kept, flagged, and reported, never averaged. The per-run figures every report needs (final
+losses, model-state and peak memory and comm bytes on the rank where each is largest, step time,
+FLOPs) are extracted in one place, :func:`run_figures`, shared by the paper tables and the
+measurement report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sdp.results import read_metrics
+
+SKIP_DIRS = ("rank_logs", "wandb", "report")
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts to dotted keys; lists are kept as values (a list is one setting)."""
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: obj}
+
+
+def _natural(path: Path) -> list[Any]:
+    """Sort key so job 10 comes after job 9."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+@dataclass
+class Run:
+    """One run directory: its config (nested and flat), Hydra overrides, summary (None if missing)."""
+
+    path: Path
+    config: dict[str, Any]
+    overrides: list[str]
+    summary: dict[str, Any] | None
+    flat: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.flat = flatten(self.config)
+
+    @property
+    def ok(self) -> bool:
+        return self.summary is not None
+
+    @property
+    def seed(self) -> Any:
+        return self.flat.get("seed")
+
+    def last_logged_step(self) -> int | None:
+        """Last training step in metrics.jsonl (how far a failed run got)."""
+        steps = [row["step"] for row in read_metrics(self.path) if "step" in row]
+        return max(steps) if steps else None
+
+    def status(self) -> str:
+        """``ok`` or a one-line reason, e.g. ``no summary.json (failed or unfinished; last step 3 of 10)``."""
+        if self.ok:
+            return "ok"
+        last = self.last_logged_step()
+        planned = self.flat.get("train.steps")
+        where = "nothing logged" if last is None else f"last logged step {last} of {planned}"
+        return f"no summary.json (failed or unfinished; {where})"
+
+
+def load_run(path: Path) -> Run:
+    """Read one run directory; a malformed summary.json counts as missing (and says so)."""
+    path = Path(path)
+    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    overrides_file = path / ".hydra" / "overrides.yaml"
+    overrides = list(yaml.safe_load(overrides_file.read_text()) or []) if overrides_file.exists() else []
+    summary = None
+    summary_file = path / "summary.json"
+    if summary_file.exists():
+        try:
+            summary = json.loads(summary_file.read_text())
+        except json.JSONDecodeError:
+            summary = None
+    return Run(path=path, config=config, overrides=overrides, summary=summary)
+
+
+def find_runs(sweep_dir: Path) -> list[Run]:
+    """Every run directory below ``sweep_dir`` (or ``sweep_dir`` itself if it is one), in job order."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"sweep directory {sweep_dir} does not exist")
+    found = []
+    for cfg_file in sweep_dir.rglob("config.yaml"):
+        rel = cfg_file.parent.relative_to(sweep_dir).parts
+        if any(p.startswith(".") or p in SKIP_DIRS for p in rel):
+            continue
+        found.append(cfg_file.parent)
+    return [load_run(p) for p in sorted(found, key=_natural)]
+
+
+def _max_over_ranks(per_rank: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in per_rank if r.get(key) is not None]
+    return float(max(values)) if values else None
+
+
+def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
+    """The per-run numbers reports aggregate; every per-rank figure is taken on the rank where it is
+    largest (the memory that decides whether a job fits is the fullest rank's)."""
+    mem = summary.get("memory", {}).get("per_rank", [])
+    comm = summary.get("comm", {}).get("per_rank", [])
+    final = summary.get("final", {})
+    t = summary.get("time", {})
+    budget = summary.get("budget") or {}
+    state = [sum(r.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes")) for r in mem]
+    cuda_peak = _max_over_ranks(mem, "cuda_max_allocated_bytes")
+    acc = final.get("eval_accuracy")
+    return {
+        "eval_loss": final.get("eval_loss"),
+        "eval_accuracy": None if acc is None else 100.0 * acc,
+        "train_loss": final.get("train_loss"),
+        "model_state_bytes": float(max(state)) if state else None,
+        "peak_bytes": cuda_peak if cuda_peak is not None else _max_over_ranks(mem, "peak_rss_delta_bytes"),
+        "peak_kind": "cuda_max_allocated" if cuda_peak is not None else "peak_rss_delta",
+        "comm_bytes_per_step": _max_over_ranks(comm, "bytes_per_step"),
+        "step_s": t.get("step_s_median"),
+        "samples_per_s": t.get("samples_per_s"),
+        "straggler_spread": t.get("straggler_spread"),
+        "steps": summary.get("steps"),
+        "total_flops": budget.get("total_flops"),
+    }

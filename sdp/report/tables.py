@@ -1,0 +1,176 @@
+"""From runs to tables: group by everything but the seed, aggregate over seeds, ratios to DDP.
+
+Group keys are derived, not configured: every config key (dotted) that takes two or more different
+values across the sweep's runs, minus the seed and run-location keys (``exclude``). A key present in
+only some runs with one value (a preset's own knob) follows from another key and is not a group key.
+Group keys outside ``parallelism.*`` and ``train.steps`` split the sweep into separate tables (one
+per model, dataset, world size, budget, ...); within a table, rows are method variants.
+
+Statistics: mean and sample standard deviation (n - 1) over the seeds with a ``summary.json``; ``n``
+is shown against the seeds the sweep has, and every missing or failed seed is named in the row's
+notes. Ratios to DDP are ratios of means against the DDP row of the same table.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from sdp.report.runs import Run, run_figures
+
+DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir")
+METHOD_KEYS = ("parallelism.*", "train.steps")
+TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
+              "train.budget": "budget", "scale.name": "scale"}
+METHOD_ORDER = ("DDP", "B-SDP", "B_β-SDP", "N-SDP", "N_β-SDP")
+SDP_LABELS = {("block", "forward"): "B-SDP", ("block", "backward"): "B_β-SDP",
+              ("neuron", "forward"): "N-SDP", ("neuron", "backward"): "N_β-SDP"}
+OTHER_LABELS = {"ddp": "DDP", "fsdp": "FSDP", "pipeline": "Pipeline", "ddp_ac": "DDP+AC",
+                "ddp_stochastic_depth": "DDP+StochDepth", "ddp_layerdrop": "DDP+LayerDrop"}
+AGGREGATED = ("eval_accuracy", "eval_loss", "train_loss", "model_state_bytes", "peak_bytes",
+              "comm_bytes_per_step", "step_s", "samples_per_s", "straggler_spread", "steps", "total_flops")
+RATIOS = {"model_state_bytes": "state_mem_x_ddp", "peak_bytes": "peak_mem_x_ddp",
+          "comm_bytes_per_step": "comm_x_ddp", "step_s": "step_time_x_ddp", "total_flops": "flops_x_ddp"}
+
+
+def method_label(flat: dict[str, Any]) -> str:
+    """The paper's name of a run's method: DDP, B-SDP, B_β-SDP, N-SDP (N_β-SDP), or the strategy name."""
+    name = str(flat.get("parallelism.name"))
+    if name.startswith("sdp"):
+        level = str(flat.get("parallelism.level") or "block")
+        masking = str(flat.get("parallelism.masking") or "forward")
+        return SDP_LABELS.get((level, masking), f"SDP ({level}, {masking})")
+    return OTHER_LABELS.get(name, name)
+
+
+def _matches(key: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def _hashable(v: Any) -> Any:
+    return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
+
+
+def group_keys(runs: list[Run], *, exclude: tuple[str, ...] = DEFAULT_EXCLUDE) -> list[str]:
+    """Config keys with two or more distinct values across ``runs`` (seed and locations excluded)."""
+    keys = sorted({k for r in runs for k in r.flat})
+    out = []
+    for k in keys:
+        if _matches(k, exclude):
+            continue
+        values = {_hashable(r.flat[k]) for r in runs if k in r.flat}
+        if len(values) > 1:
+            out.append(k)
+    return out
+
+
+@dataclass
+class Stat:
+    mean: float | None
+    std: float | None
+    n: int
+
+
+def aggregate(values: list[float | None]) -> Stat:
+    present = [float(v) for v in values if v is not None]
+    if not present:
+        return Stat(None, None, 0)
+    std = statistics.stdev(present) if len(present) > 1 else None
+    return Stat(statistics.fmean(present), std, len(present))
+
+
+@dataclass
+class Row:
+    """One method variant of one table: its runs, statistics over seeds, ratios and notes."""
+
+    method: str
+    coverage: float | None
+    keys: dict[str, Any]
+    runs: list[Run]
+    expected_seeds: list[Any]
+    stats: dict[str, Stat] = field(default_factory=dict)
+    ratios: dict[str, float | None] = field(default_factory=dict)
+    paper: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_ok(self) -> int:
+        return sum(r.ok for r in self.runs)
+
+
+@dataclass
+class Table:
+    """One paper-layout table: rows are method variants, ``context`` the values shared by all rows."""
+
+    context: dict[str, Any]
+    extra_keys: list[str]
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+    paper_notes: list[str] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        """What the rows share: model, dataset, workers, budget, scale, then the other context keys."""
+        runs = [r for row in self.rows for r in row.runs]
+        facts = {k: runs[0].flat.get(k) for k in TITLE_KEYS if runs and runs[0].flat.get(k) is not None}
+        facts.update(self.context)
+        return ", ".join(f"{TITLE_KEYS.get(k, k)}={v}" for k, v in facts.items()) or "all runs"
+
+
+def _row(*, runs: list[Run], keys: dict[str, Any], expected: list[Any]) -> Row:
+    flat = runs[0].flat
+    row = Row(method=method_label(flat), coverage=flat.get("parallelism.coverage"), keys=keys, runs=runs,
+              expected_seeds=expected)
+    figures = [run_figures(r.summary) for r in runs if r.ok]
+    row.stats = {m: aggregate([f[m] for f in figures]) for m in AGGREGATED}
+    seen = {r.seed for r in runs}
+    for r in runs:
+        if not r.ok:
+            row.notes.append(f"seed {r.seed}: {r.status()} [{r.path.name}]")
+    for s in expected:
+        if s not in seen:
+            row.notes.append(f"seed {s}: no run directory")
+    return row
+
+
+def _order(row: Row) -> tuple:
+    rank = METHOD_ORDER.index(row.method) if row.method in METHOD_ORDER else len(METHOD_ORDER)
+    return (rank, row.method, row.coverage if row.coverage is not None else 2.0,
+            tuple(str(v) for v in row.keys.values()))
+
+
+def build_tables(runs: list[Run], *, exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
+                 reference: str = "DDP") -> list[Table]:
+    """Group ``runs`` into tables and rows; fill statistics and ratios to the ``reference`` row."""
+    if not runs:
+        return []
+    keys = group_keys(runs, exclude=exclude)
+    context_keys = [k for k in keys if not _matches(k, METHOD_KEYS)]
+    row_keys = [k for k in keys if k not in context_keys]
+    expected = sorted({r.seed for r in runs}, key=str)
+    tables: dict[tuple, dict[tuple, list[Run]]] = {}
+    for r in runs:
+        ctx = tuple(_hashable(r.flat.get(k)) for k in context_keys)
+        grp = tuple(_hashable(r.flat.get(k)) for k in row_keys)
+        tables.setdefault(ctx, {}).setdefault(grp, []).append(r)
+    label_keys = ("parallelism.name", "parallelism.level", "parallelism.masking", "parallelism.coverage", "train.steps")
+    extra = [k for k in row_keys if k not in label_keys]
+    out = []
+    for ctx, groups in tables.items():
+        rows = [_row(runs=g, keys={k: g[0].flat.get(k) for k in extra}, expected=expected) for g in groups.values()]
+        rows.sort(key=_order)
+        table = Table(context=dict(zip(context_keys, ctx)), extra_keys=extra, rows=rows)
+        refs = [row for row in rows if row.method == reference]
+        if len(refs) > 1:
+            table.notes.append(f"{len(refs)} {reference} rows; ratios use the first ({refs[0].keys})")
+        if not refs:
+            table.notes.append(f"no {reference} row in this table: ratios are empty")
+        for row in rows:
+            for metric, name in RATIOS.items():
+                ours = row.stats[metric].mean
+                base = refs[0].stats[metric].mean if refs else None
+                row.ratios[name] = ours / base if ours is not None and base else None
+        out.append(table)
+    return out

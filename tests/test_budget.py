@@ -1,0 +1,158 @@
+"""Budget arithmetic (iterations / flops / tokens), the FLOP count it rests on, and the experiment,
+variant and scale configs composing at both scales."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+import sdp.train
+from conftest import pending_or_raise
+from sdp.budget import compute_fraction, masked_fraction, resolve_steps
+from sdp.config import ConfigError
+from sdp.models.base import forward_flop_counts
+from sdp.models.resnet import ResNetCIFAR
+
+CONF = Path(sdp.train.CONF_DIR)
+
+
+def compose_with(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def with_coverage(cfg, coverage: float, masking: str = "forward"):
+    """Pretend the strategy declares SDP keys (the SDP presets are on another branch)."""
+    with open_dict(cfg):
+        cfg.parallelism.coverage = coverage
+        cfg.parallelism.masking = masking
+    return cfg
+
+
+def test_iterations_budget_keeps_steps_and_counts_flops():
+    cfg = compose_with("model=mlp", "train.steps=40", "train.budget=iterations")
+    steps, info = resolve_steps(cfg)
+    assert steps == 40 and info["step_ratio"] == 1.0
+    gb = cfg.train.batch_size * cfg.cluster.world_size
+    assert info["total_flops"] == pytest.approx(40 * gb * info["flops_per_sample"])
+
+
+def test_mlp_flops_per_sample_matches_closed_form():
+    """3 x forward FLOPs of the linear layers: 2 x MACs, stem (in->dim), depth x (dim->hidden->dim), head."""
+    cfg = compose_with("model=mlp")
+    m = cfg.model
+    d_in = cfg.dataset.channels * cfg.dataset.image_size**2
+    macs = d_in * m.dim + m.depth * 2 * m.dim * m.hidden + m.dim * cfg.dataset.num_classes
+    _, info = resolve_steps(cfg)
+    assert info["flops_per_sample"] == 3 * 2 * macs
+
+
+@pytest.mark.parametrize("coverage,expected", [(0.25, 160), (0.5, 80), (0.75, 53), (1.0, 40)])
+def test_flops_budget_coverage_rule(coverage: float, expected: int):
+    cfg = with_coverage(compose_with("model=mlp", "train.steps=40", "train.budget=flops"), coverage)
+    steps, info = resolve_steps(cfg)
+    assert steps == expected == max(1, round(40 / coverage)), info
+
+
+def test_flops_budget_without_coverage_is_ddp_steps():
+    steps, info = resolve_steps(compose_with("train.steps=40", "train.budget=flops"))
+    assert steps == 40 and info["step_ratio"] == 1.0
+
+
+def test_measured_ratio_counts_shared_parts_in_full():
+    """ResNet: stem, head and projection shortcuts are shared, so the measured ratio exceeds C, and
+    the measured FLOP-matched run is shorter than 1/C times."""
+    cfg = with_coverage(compose_with("model=resnet18_cifar", "train.steps=100", "train.budget=flops",
+                                     "train.flops_ratio=measured"), 0.5)
+    steps, info = resolve_steps(cfg)
+    with torch.device("meta"):
+        model = ResNetCIFAR(num_classes=10, in_channels=cfg.dataset.channels, image_size=cfg.dataset.image_size,
+                            width=cfg.model.width)
+    counts = forward_flop_counts(model)
+    shared = counts["ResNetCIFAR.stem"] + counts["ResNetCIFAR.head"] + sum(
+        v for k, v in counts.items() if k.endswith(".shortcut"))
+    masked = masked_fraction(counts=counts, model=model)
+    assert masked == pytest.approx(1 - shared / counts["Global"])
+    assert info["fraction_computed"] == pytest.approx(1 - masked + 0.5 * masked)
+    assert 0.5 < info["fraction_computed"] < 1 and steps == round(100 / info["fraction_computed"]) < 200
+
+
+def test_backward_masking_fraction():
+    assert compute_fraction(masked=0.9, coverage=0.5, masking="backward") == pytest.approx((2 + 0.55) / 3)
+    assert compute_fraction(masked=0.9, coverage=1.0, masking="forward") == pytest.approx(1.0)
+
+
+def test_tokens_budget():
+    cfg = compose_with("train.budget=tokens", "+train.tokens=1000000", "+dataset.seq_len=128")
+    steps, info = resolve_steps(cfg)
+    gb = cfg.train.batch_size * cfg.cluster.world_size
+    assert steps == math.ceil(1_000_000 / (gb * 128)) and info["tokens_trained"] >= 1_000_000
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (("train.budget=epochs",), "train.budget"),
+    (("train.budget=flops", "train.flops_ratio=guess"), "train.flops_ratio"),
+    (("train.budget=tokens",), "train.tokens"),
+    (("train.budget=tokens", "train.tokens=1000"), "seq_len"),
+])
+def test_bad_budget_names_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        resolve_steps(compose_with(*overrides))
+
+
+def test_bad_coverage_names_the_key():
+    with pytest.raises(ConfigError, match="parallelism.coverage"):
+        resolve_steps(with_coverage(compose_with("train.budget=flops"), 1.5))
+
+
+# ---- configs: every experiment and variant composes at both scales -----------------------------------
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+VARIANTS = sorted(p.stem for p in (CONF / "variant").glob("*.yaml"))
+
+
+def compose_or_skip(*overrides: str):
+    return pending_or_raise(compose_with, *overrides)
+
+
+@pytest.mark.parametrize("scale", ["paper", "cpu"])
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_composes_with_each_sweep_variant(experiment: str, scale: str):
+    cfg = compose_or_skip(f"experiment={experiment}", f"scale={scale}")
+    OmegaConf.to_container(cfg, resolve=True)
+    params = yaml.safe_load((CONF / "experiment" / f"{experiment}.yaml").read_text()).get("hydra", {}) \
+        .get("sweeper", {}).get("params", {})
+    for v in [s.strip() for s in str(params.get("variant", "")).split(",") if s.strip()]:
+        assert v in VARIANTS, f"experiment {experiment} sweeps variant={v!r}, not in conf/variant: {VARIANTS}"
+        OmegaConf.to_container(compose_or_skip(f"experiment={experiment}", f"scale={scale}", f"variant={v}"), resolve=True)
+    if scale == "cpu":
+        assert cfg.cluster.world_size == 4 and cfg.cluster.device == "cpu" and cfg.dataset.name == "digits"
+        assert cfg.scale.name == "cpu"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_sets_method_and_coverage(variant: str):
+    cfg = compose_or_skip(f"variant={variant}", "scale=cpu")
+    if variant == "ddp":
+        assert cfg.parallelism.name == "ddp"
+    else:
+        assert cfg.parallelism.coverage == int(variant.rsplit("_c", 1)[1]) / 100
+
+
+def test_scale_cpu_shrinks_resnet_and_command_line_still_wins():
+    cfg = compose_with("model=resnet18_cifar", "model.width=64", "scale=cpu")
+    assert cfg.model.width == 64, "a command-line override must win over scale=cpu"
+    assert compose_with("model=resnet18_cifar", "scale=cpu").model.width == 8
+    assert compose_with("model=resnet18_cifar", "scale=paper").model.width == 16  # the model file's value
+
+
+def test_token_counts_are_not_scrubbed_as_secrets():
+    from sdp.results import scrub
+
+    out = scrub({"train": {"tokens": 5, "hf_token": "x"}, "time": {"tokens_per_s": 1.0}, "token": "y"})
+    assert out == {"train": {"tokens": 5, "hf_token": "<redacted>"}, "time": {"tokens_per_s": 1.0}, "token": "<redacted>"}
