@@ -130,12 +130,44 @@ class SDPModel(nn.Module):
         return list(range(1, len(self.blocks)))
 
     def flops_per_sample(self) -> int:
-        """Training FLOPs (forward + backward, about 3x forward) of one sample."""
-        raise NotImplementedError(f"{type(self).__name__} does not declare flops_per_sample")
+        """Training FLOPs (forward + backward, counted as 3x forward) of one sample.
+
+        Default: the forward FLOPs torch's ``FlopCounterMode`` counts (matmuls, convolutions,
+        attention) on ``example_input(1)``, measured once on the meta device (see
+        :func:`count_forward_flops`); one sample of an LM is one ``max_seq_len`` sequence.
+        """
+        cached = getattr(self, "_flops_per_sample", None)
+        if cached is None:
+            cached = 3 * count_forward_flops(self, self.example_input(1))
+            self._flops_per_sample = cached
+        return cached
 
     def example_input(self, batch_size: int) -> torch.Tensor:
         """A correctly shaped dummy input (used by planners, tracers and shape tests)."""
         raise NotImplementedError(f"{type(self).__name__} does not declare example_input")
+
+
+def count_forward_flops(module: nn.Module, inputs: torch.Tensor) -> int:
+    """Forward FLOPs of ``module(inputs)`` as ``torch.utils.flop_counter`` counts them, run on the meta device.
+
+    Why meta: nothing is computed (a 1B-parameter LM costs milliseconds), no weights are copied
+    (``functional_call`` swaps in meta stand-ins), BatchNorm statistics stay untouched, and attention
+    is counted everywhere (on CPU, SDPA's fused kernel is invisible to the counter; on meta it
+    decomposes into two counted matmuls over the full T x T scores, causal or not).
+    """
+    from torch.func import functional_call
+    from torch.utils.flop_counter import FlopCounterMode
+
+    stand_ins = {n: torch.empty_like(t, device="meta") for n, t in module.named_parameters(remove_duplicate=False)}
+    stand_ins |= {n: torch.empty_like(t, device="meta") for n, t in module.named_buffers(remove_duplicate=False)}
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            functional_call(module, stand_ins, (inputs.to("meta"),), tie_weights=False)
+    finally:
+        module.train(was_training)
+    return int(counter.get_total_flops())
 
 
 def count_params(module: nn.Module) -> int:
