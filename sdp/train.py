@@ -55,6 +55,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"optim {mib(m['optim_bytes'])} peak_rss_delta {mib(m['peak_rss_delta_bytes'])} | "
             f"comm {mib(c['bytes_per_step'])}/step in {c['collectives_per_step']:.1f} collectives"
         )
+    lines.extend(f"note: {n}" for n in summary.get("dataset_notes", []))
     lines.append(f"results: {summary.get('run_dir')}")
     return "\n".join(lines)
 

@@ -133,3 +133,28 @@ def build(
         train=ArrayImages(data=x_tr, targets=y_tr, transform=transforms.Compose(train_tf + norm)),
         val=ArrayImages(data=x_va, targets=y_va, transform=transforms.Compose(norm)), **common,
     )
+
+
+def write_batches(*, root: Path, num_classes: int, train: tuple[np.ndarray, np.ndarray],
+                  test: tuple[np.ndarray, np.ndarray], label_names: list[str]) -> Path:
+    """Write images (N x 32 x 32 x 3 uint8) and labels as the official python-pickle batches under ``root``.
+
+    For turning other images into CIFAR-format files (scripts/build_real_data.py); they load with
+    ``dataset.verify=false`` since their MD5 sums are not the official ones.
+    """
+    cls = CLASSES[num_classes]
+    base = Path(root) / cls.base_folder
+    base.mkdir(parents=True, exist_ok=True)
+    label_key = "labels" if num_classes == 10 else "fine_labels"
+    train_files = [name for name, _ in cls.train_list]
+    chunks = np.array_split(np.arange(len(train[0])), len(train_files))
+    for name, (x, y), idx in [(n, train, c) for n, c in zip(train_files, chunks)] + [(cls.test_list[0][0], test, None)]:
+        idx = np.arange(len(x)) if idx is None else idx
+        entry = {"batch_label": name, label_key: [int(v) for v in y[idx]],
+                 "data": np.ascontiguousarray(x[idx].transpose(0, 3, 1, 2)).reshape(len(idx), -1),
+                 "filenames": [f"{name}_{i}.png" for i in idx]}
+        with open(base / name, "wb") as f:
+            pickle.dump(entry, f)
+    with open(base / cls.meta["filename"], "wb") as f:
+        pickle.dump({cls.meta["key"]: label_names}, f)
+    return base
