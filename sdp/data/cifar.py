@@ -52,13 +52,6 @@ def load_split(
     """(images N x 32 x 32 x 3 uint8, labels, names of files that differ from the official release)."""
     base = root / cls.base_folder
     files = _files(cls, train=train)
-    missing = [n for n, _ in files if not (base / n).is_file()]
-    if missing and not download:
-        raise FileNotFoundError(
-            f"{cls.__name__} under dataset.root={str(root)!r}: missing {', '.join(str(base / n) for n in missing)}; "
-            f"expected the python-pickle batches {[n for n, _ in files]} in {base} "
-            "(set dataset.download=true to fetch the official files)"
-        )
     if verify or download:  # torchvision downloads (if asked) and checks every MD5
         try:
             ds = cls(root=str(root), train=train, download=download)
@@ -76,6 +69,29 @@ def load_split(
     data, targets = _load_unverified(cls, base=base, train=train)
     differ = [n for n, md5 in files if not check_integrity(str(base / n), md5)]
     return data, targets, differ
+
+
+def preflight(
+    *, root: str, num_classes: int = 10, channels: int = 3, image_size: int = 32, download: bool = False, **_: object
+) -> tuple[type[CIFAR10], Path]:
+    """Cheap checks (run by the driver before ranks start, and by ``build``): keys, root, every file present."""
+    if num_classes not in CLASSES:
+        raise ValueError(f"dataset.num_classes={num_classes} is invalid: 10 (CIFAR-10) or 100 (CIFAR-100)")
+    if channels != 3 or image_size != 32:
+        raise ValueError(f"dataset.channels={channels}, dataset.image_size={image_size}: CIFAR images are 3 x 32 x 32")
+    cls = CLASSES[num_classes]
+    if download:
+        return cls, Path(root).expanduser()
+    path = require_dir(key="dataset.root", path=root, what=f"a folder holding {cls.base_folder}/ (the python-pickle batches)")
+    base = path / cls.base_folder
+    files = [n for n, _ in _files(cls, train=True) + _files(cls, train=False)[:-1]]
+    missing = [n for n in files if not (base / n).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{cls.__name__} under dataset.root={str(root)!r}: missing {', '.join(str(base / n) for n in missing)}; "
+            f"expected the python-pickle batches {files} in {base} (set dataset.download=true to fetch the official files)"
+        )
+    return cls, path
 
 
 class ArrayImages(Dataset):
@@ -98,13 +114,7 @@ def build(
     verify: bool = True, augment: bool = True, in_memory: str | bool = "auto", in_memory_max_mb: float = 2048,
 ) -> DataBundle:
     """CIFAR-10 (``num_classes=10``) or CIFAR-100 (``num_classes=100``) under ``root``."""
-    if num_classes not in CLASSES:
-        raise ValueError(f"dataset.num_classes={num_classes} is invalid: 10 (CIFAR-10) or 100 (CIFAR-100)")
-    if channels != 3 or image_size != 32:
-        raise ValueError(f"dataset.channels={channels}, dataset.image_size={image_size}: CIFAR images are 3 x 32 x 32")
-    cls = CLASSES[num_classes]
-    path = Path(root).expanduser() if download else require_dir(
-        key="dataset.root", path=root, what=f"a folder holding {cls.base_folder}/ (the python-pickle batches)")
+    cls, path = preflight(root=root, num_classes=num_classes, channels=channels, image_size=image_size, download=download)
     x_tr, y_tr, bad_tr = load_split(cls, root=path, train=True, download=download, verify=verify)
     x_va, y_va, bad_va = load_split(cls, root=path, train=False, download=download, verify=verify)
     for split, y in (("train", y_tr), ("test", y_va)):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,6 +19,15 @@ def require_dir(*, key: str, path: str | Path | None, what: str) -> Path:
     if not p.is_dir():
         raise FileNotFoundError(f"{key}={str(path)!r}: no such directory; expected {what}")
     return p
+
+
+def preflight(node: Any) -> None:
+    """Run the dataset module's ``preflight(**keys)`` (if it has one) in the driver, before any rank starts,
+    so a wrong root or a bad shard costs a second, not a launch."""
+    module_name, _, fn_name = str(node["_target_"]).rpartition(".")
+    check = getattr(importlib.import_module(module_name), "preflight", None)
+    if check is not None:
+        check(**{k: v for k, v in node.items() if k not in ("name", "_target_")})
 
 
 def use_in_memory(*, setting: str | bool, nbytes: int, max_mb: float) -> bool:

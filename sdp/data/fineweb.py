@@ -144,3 +144,8 @@ def build(
     if use_in_memory(setting=in_memory, nbytes=nbytes, max_mb=in_memory_max_mb):
         train, val = train.as_tensors(), val.as_tensors()  # type: ignore[assignment]
     return DataBundle(train=train, val=val, task="lm", num_classes=vocab_size, input_shape=(seq_len,), notes=tuple(notes))
+
+
+def preflight(**cfg: object) -> None:
+    """Cheap checks before ranks start: every shard header, the windows and the val budget (no token read)."""
+    build(**{**cfg, "in_memory": False})  # type: ignore[arg-type]

@@ -35,17 +35,21 @@ def check_split(split_dir: Path) -> list[str]:
     return classes
 
 
+def preflight(*, root: str, channels: int = 3, train_dir: str = "train", val_dir: str = "val", **_: object) -> dict[str, Path]:
+    """Cheap checks before ranks start (no walk over the images): keys, root and both split folders."""
+    if channels != 3:
+        raise ValueError(f"dataset.channels={channels}: ImageFolder images are decoded as RGB (3 channels)")
+    base = require_dir(key="dataset.root", path=root, what=f"an ImageFolder tree with {train_dir}/ and {val_dir}/")
+    return {sub: require_dir(key=key, path=base / sub, what=f"{base / sub}/<class>/<image> (ImageFolder layout)")
+            for key, sub in (("dataset.train_dir", train_dir), ("dataset.val_dir", val_dir))}
+
+
 def build(
     *, root: str, num_classes: int = 1000, channels: int = 3, image_size: int = 224, train_dir: str = "train",
     val_dir: str = "val",
 ) -> DataBundle:
     """Train and val ImageFolders under ``root`` with the standard augmentation."""
-    if channels != 3:
-        raise ValueError(f"dataset.channels={channels}: ImageFolder images are decoded as RGB (3 channels)")
-    base = require_dir(key="dataset.root", path=root, what=f"an ImageFolder tree with {train_dir}/ and {val_dir}/")
-    dirs = {}
-    for key, sub in (("dataset.train_dir", train_dir), ("dataset.val_dir", val_dir)):
-        dirs[sub] = require_dir(key=key, path=base / sub, what=f"{base / sub}/<class>/<image> (ImageFolder layout)")
+    dirs = preflight(root=root, channels=channels, train_dir=train_dir, val_dir=val_dir)
     train_classes, val_classes = check_split(dirs[train_dir]), check_split(dirs[val_dir])
     if train_classes != val_classes:
         only = sorted(set(train_classes) ^ set(val_classes))
