@@ -151,9 +151,10 @@ def test_forward_backward_and_skip(name: str) -> None:
         model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize(("block", "layers"), [("basic", [2, 2, 2, 2]), ("bottleneck", [3, 4, 6, 3])])
+@pytest.mark.parametrize(("block", "layers"), [("basic", [2, 2, 2, 2]), ("bottleneck", [1, 2, 1, 1])])
 def test_resnet_loads_torchvision_weights_and_matches(block: str, layers: list[int]) -> None:
-    tv = (torchvision.models.resnet18 if block == "basic" else torchvision.models.resnet50)(num_classes=7).eval()
+    tv_block = torchvision.models.resnet.BasicBlock if block == "basic" else torchvision.models.resnet.Bottleneck
+    tv = torchvision.models.resnet.ResNet(tv_block, layers, num_classes=7).eval()
     ours = ResNet(num_classes=7, image_size=32, block=block, blocks_per_stage=layers).eval()
     ours.load_torchvision_state_dict(tv.state_dict())
     x = torch.randn(2, 3, 32, 32)
