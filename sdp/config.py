@@ -80,3 +80,6 @@ def validate(cfg: DictConfig) -> None:
     positive_int("optim.warmup_steps", cfg.optim.warmup_steps, minimum=0)
     one_of("logger.wandb.mode", cfg.logger.wandb.mode, ("online", "offline", "disabled"))
     STRATEGIES.get(cfg.parallelism.name).validate(cfg=cfg.parallelism, world_size=int(cl.world_size))
+    from sdp.data.common import preflight
+
+    preflight(cfg.dataset)  # dataset files: a missing root or a bad shard fails here, named, before any rank

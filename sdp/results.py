@@ -25,23 +25,23 @@ from omegaconf import DictConfig, OmegaConf
 
 import sdp
 
-SECRET_KEYS = ("api_key", "apikey", "password", "secret")
+SECRET_KEYS = ("api_key", "apikey", "password", "token", "secret")
 
 
-def is_secret(key: Any) -> bool:
-    """A key that names a credential: ``api_key``, ``password``, ``secret``, ``token`` or ``*_token``.
-
-    ``token`` only as a whole word or suffix, so counts such as ``train.tokens`` or
-    ``tokens_per_s`` are kept.
-    """
-    k = str(key).lower()
-    return any(s in k for s in SECRET_KEYS) or k == "token" or k.endswith("_token")
+def is_secret(key: str) -> bool:
+    k = key.lower()
+    return any(k == s or k.startswith(s + "_") or k.endswith("_" + s) for s in SECRET_KEYS)
 
 
 def scrub(obj: Any) -> Any:
-    """Drop values whose key names a secret (W&B API keys must never reach a results file)."""
+    """Drop values whose key names a secret (W&B API keys must never reach a results file).
+
+    A key is secret when it is, starts with or ends with a secret word as a whole ``_``-separated
+    part (``token``, ``hf_token``, ``api_key_file``), not when it merely contains one: the data
+    budget ``val_tokens`` must survive in config.yaml.
+    """
     if isinstance(obj, dict):
-        return {k: ("<redacted>" if is_secret(k) else scrub(v)) for k, v in obj.items()}
+        return {k: ("<redacted>" if is_secret(str(k)) else scrub(v)) for k, v in obj.items()}
     if isinstance(obj, list):
         return [scrub(v) for v in obj]
     return obj

@@ -61,6 +61,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         flops = b.get("total_flops")
         lines.append(f"budget={b['budget']} steps={b['steps']} (base {b['base_steps']}, ratio {b['step_ratio']:.3g}) "
                      f"total_flops={'n/a' if flops is None else f'{flops:.3e}'}")
+    lines.extend(f"note: {n}" for n in summary.get("dataset_notes", []))
     lines.append(f"results: {summary.get('run_dir')}")
     return "\n".join(lines)
 

@@ -154,6 +154,7 @@ def collect_summary(
         "steps": state.step,
         "global_batch": trainer.global_batch,
         "seed": int(cfg.seed),
+        "dataset_notes": list(trainer.data.notes),  # e.g. files loaded without their checksum check
         "final": {
             "train_loss": state.last_loss,
             "eval_loss": state.last_eval.get("eval_loss"),

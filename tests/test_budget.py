@@ -131,7 +131,7 @@ def test_experiment_composes_with_each_sweep_variant(experiment: str, scale: str
         assert v in VARIANTS, f"experiment {experiment} sweeps variant={v!r}, not in conf/variant: {VARIANTS}"
         OmegaConf.to_container(compose_or_skip(f"experiment={experiment}", f"scale={scale}", f"variant={v}"), resolve=True)
     if scale == "cpu":
-        assert cfg.cluster.world_size == 4 and cfg.cluster.device == "cpu" and cfg.dataset.name == "digits"
+        assert cfg.cluster.world_size == 4 and cfg.cluster.device == "cpu" and cfg.dataset.name == "cpu_standin"
         assert cfg.scale.name == "cpu"
 
 

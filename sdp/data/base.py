@@ -10,10 +10,23 @@ global batch is therefore a pure function of (seed, step): epoch ``e`` is a seed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+
+class BatchAugment(Protocol):
+    """Random augmentation applied to in-memory batches; parameters drawn for the whole global batch.
+
+    ``draw(n, generator)`` returns one row of random parameters per sample, ``apply(x, params)``
+    transforms a batch with its rows. Drawing for the global batch from a (seed, step) generator and
+    slicing per replica keeps every sample's augmentation independent of how the batch is split.
+    """
+
+    def draw(self, n: int, generator: torch.Generator) -> torch.Tensor: ...
+
+    def apply(self, x: torch.Tensor, params: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -22,7 +35,9 @@ class DataBundle:
 
     ``task`` is ``"classification"`` (targets are class ids, accuracy is reported) or ``"lm"``
     (targets are next tokens, accuracy is null). When both sets are :class:`TensorDataset`\\ s the
-    trainer indexes the tensors directly (the airbench fast path: no DataLoader, no workers).
+    trainer indexes the tensors directly (the airbench fast path: no DataLoader, no workers), and
+    ``augment`` (if any) transforms each training batch. ``notes`` are facts the run must report
+    (e.g. files loaded without their checksum check); they land in summary.json.
     """
 
     train: Dataset
@@ -31,6 +46,7 @@ class DataBundle:
     num_classes: int
     input_shape: tuple[int, ...]
     notes: tuple[str, ...] = ()
+    augment: BatchAugment | None = None
 
     @property
     def in_memory(self) -> bool:
@@ -98,7 +114,12 @@ def train_batches(
         x_all, y_all = bundle.train.tensors  # type: ignore[attr-defined]
         for step in range(start, stop):
             idx = sampler.shard(step, replica=replica, replicas=replicas)
-            yield x_all[idx], y_all[idx]
+            x = x_all[idx]
+            if bundle.augment is not None:
+                g = torch.Generator().manual_seed((sampler.seed + 1) * 2_147_483_629 + step)  # not the permutation stream
+                local = len(idx)
+                x = bundle.augment.apply(x, bundle.augment.draw(sampler.global_batch, g)[replica * local : (replica + 1) * local])
+            yield x, y_all[idx]
         return
     batches = _StepBatches(sampler, start=start, stop=stop, replica=replica, replicas=replicas)
     loader = DataLoader(bundle.train, batch_sampler=batches, num_workers=num_workers, persistent_workers=False)

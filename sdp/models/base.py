@@ -130,17 +130,55 @@ class SDPModel(nn.Module):
         return list(range(1, len(self.blocks)))
 
     def flops_per_sample(self) -> int:
-        """Training FLOPs (forward + backward, about 3x forward) of one sample.
+        """Training FLOPs (forward + backward, counted as 3x forward) of one sample.
 
-        Generic default: 3 x the forward FLOPs that ``torch.utils.flop_counter`` counts on
-        ``example_input(1)`` (matmuls, convolutions, attention; not elementwise ops or norms), as the
-        model is currently configured. A model with a closed form overrides this.
+        Default: the forward FLOPs torch's ``FlopCounterMode`` counts (matmuls, convolutions,
+        attention) on ``example_input(1)``, measured once on the meta device (see
+        :func:`count_forward_flops`); one sample of an LM is one ``max_seq_len`` sequence.
         """
-        return 3 * forward_flop_counts(self)["Global"]
+        cached = getattr(self, "_flops_per_sample", None)
+        if cached is None:
+            cached = 3 * count_forward_flops(self, self.example_input(1))
+            self._flops_per_sample = cached
+        return cached
 
     def example_input(self, batch_size: int) -> torch.Tensor:
         """A correctly shaped dummy input (used by planners, tracers and shape tests)."""
         raise NotImplementedError(f"{type(self).__name__} does not declare example_input")
+
+
+def count_forward_flops(module: nn.Module, inputs: torch.Tensor) -> int:
+    """Forward FLOPs of ``module(inputs)`` (see :func:`forward_flop_counts`)."""
+    return _flop_counts(module, inputs)["Global"]
+
+
+def forward_flop_counts(model: SDPModel) -> dict[str, int]:
+    """Forward FLOPs of one sample per module, keyed like FlopCounterMode (``"Global"`` = total,
+    ``"<Class>.blocks.3"`` = one block)."""
+    return _flop_counts(model, model.example_input(1))
+
+
+def _flop_counts(module: nn.Module, inputs: torch.Tensor) -> dict[str, int]:
+    """Per-module forward FLOPs as ``torch.utils.flop_counter`` counts them, run on the meta device.
+
+    Why meta: nothing is computed (a 1B-parameter LM costs milliseconds), no weights are copied
+    (``functional_call`` swaps in meta stand-ins), BatchNorm statistics stay untouched, and attention
+    is counted everywhere (on CPU, SDPA's fused kernel is invisible to the counter; on meta it
+    decomposes into two counted matmuls over the full T x T scores, causal or not).
+    """
+    from torch.func import functional_call
+    from torch.utils.flop_counter import FlopCounterMode
+
+    stand_ins = {n: torch.empty_like(t, device="meta") for n, t in module.named_parameters(remove_duplicate=False)}
+    stand_ins |= {n: torch.empty_like(t, device="meta") for n, t in module.named_buffers(remove_duplicate=False)}
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            functional_call(module, stand_ins, (inputs.to("meta"),), tie_weights=False)
+    finally:
+        module.train(was_training)
+    return {name: int(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}
 
 
 def count_params(module: nn.Module) -> int:
@@ -149,27 +187,3 @@ def count_params(module: nn.Module) -> int:
     for p in module.parameters():
         total += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
     return total
-
-
-def forward_flop_counts(model: SDPModel) -> dict[str, int]:
-    """Forward FLOPs of one sample per module, keyed like FlopCounterMode (``"Global"`` = total,
-    ``"<Class>.blocks.3"`` = one block).
-
-    Runs on the model's own device (the meta device costs nothing, even for a 1B model), in eval mode
-    and without gradients so that BatchNorm statistics are not touched; the mode is restored.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
-    with torch.device(device):
-        x = model.example_input(1)
-    counter = FlopCounterMode(display=False)
-    was_training = model.training
-    model.eval()
-    try:
-        with counter, torch.no_grad():
-            model(x)
-    finally:
-        model.train(was_training)
-    return {name: int(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}

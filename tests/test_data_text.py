@@ -1,0 +1,106 @@
+"""llm.c token shards (written by hand in the documented format), the loader's windows, bad shards,
+sdp-prepare-text, and the synthetic sets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sdp.data import fineweb, prepare_text, synthetic
+from sdp.data.fineweb import ShardError
+
+
+def write_llmc_shard(path: Path, tokens: np.ndarray, *, magic: int = 20240520, version: int = 1, count: int | None = None) -> None:
+    """As llm.c's data_common.write_datafile: 256 x int32 header (magic, version, count), uint16 tokens."""
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = magic, version, len(tokens) if count is None else count
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Path:
+    write_llmc_shard(tmp_path / "fineweb_val_000000.bin", np.arange(100) + 1000)
+    write_llmc_shard(tmp_path / "fineweb_train_000001.bin", np.arange(50))        # 50 // 9 = 5 windows
+    write_llmc_shard(tmp_path / "fineweb_train_000002.bin", np.arange(30) + 500)  # 30 // 9 = 3 windows
+    return tmp_path
+
+
+def test_windows_are_disjoint_within_shards_and_memmapped(shards: Path) -> None:
+    bundle = fineweb.build(root=str(shards), seq_len=8, val_tokens=40, in_memory=False)
+    assert bundle.task == "lm" and not bundle.in_memory and len(bundle.train) == 8 and len(bundle.val) == 5
+    x, y = bundle.train[1]
+    assert x.dtype == torch.int64 and x.tolist() == list(range(9, 17)) and y.tolist() == list(range(10, 18))
+    x, y = bundle.train[5]  # first window of the second shard: never crosses a shard boundary
+    assert x.tolist() == list(range(500, 508)) and y[-1] == 508
+    assert bundle.val[4][0][0] == 1000 + 4 * 9
+    fast = fineweb.build(root=str(shards), seq_len=8, val_tokens=40)
+    assert fast.in_memory
+    for i in range(8):
+        torch.testing.assert_close(fast.train.tensors[0][i], bundle.train[i][0])
+        torch.testing.assert_close(fast.train.tensors[1][i], bundle.train[i][1])
+
+
+def test_bad_shards_name_the_file_and_the_expectation(shards: Path) -> None:
+    bad = shards / "fineweb_train_000003.bin"
+    write_llmc_shard(bad, np.arange(20), magic=12345)
+    with pytest.raises(ShardError, match=r"fineweb_train_000003\.bin: magic number 12345, expected 20240520"):
+        fineweb.build(root=str(shards), seq_len=8, val_tokens=40)
+    write_llmc_shard(bad, np.arange(20), version=7)
+    with pytest.raises(ShardError, match=r"000003\.bin: version 7, expected 1"):
+        fineweb.build(root=str(shards), seq_len=8, val_tokens=40)
+    write_llmc_shard(bad, np.arange(20), count=25)
+    with pytest.raises(ShardError, match=r"000003\.bin: 1064 bytes, but its header announces 25 tokens.*truncated"):
+        fineweb.build(root=str(shards), seq_len=8, val_tokens=40)
+    bad.write_bytes(b"\x00" * 10)
+    with pytest.raises(ShardError, match=r"000003\.bin: 10 bytes, shorter than the 1024-byte header"):
+        fineweb.build(root=str(shards), seq_len=8, val_tokens=40)
+    bad.unlink()
+    with pytest.raises(ShardError, match=r"000002\.bin: 30 tokens, fewer than dataset\.seq_len \+ 1 = 41"):
+        fineweb.build(root=str(shards), seq_len=40, val_tokens=40)
+    with pytest.raises(ShardError, match=r"dataset\.val_tokens=400 asks for 50"):
+        fineweb.build(root=str(shards), seq_len=8, val_tokens=400)
+    with pytest.raises(FileNotFoundError, match=r"no shard matches 'other_train_\*\.bin'"):
+        fineweb.build(root=str(shards), seq_len=8, val_tokens=40, train_pattern="other_train_*.bin")
+    with pytest.raises(FileNotFoundError, match=r"dataset\.root=.*absent"):
+        fineweb.build(root=str(shards / "absent"))
+
+
+def test_prepare_text_writes_shards_the_loader_reads(tmp_path: Path) -> None:
+    docs = []
+    for i, text in enumerate(["To be, or not to be: that is the question.\n" * 3, "Now is the winter of our discontent.\n" * 4]):
+        docs.append(tmp_path / f"doc{i}.txt")
+        docs[-1].write_text(text)
+    out = tmp_path / "shards"
+    prepare_text.main([str(d) for d in docs] + ["--out", str(out), "--tokenizer", "bytes", "--val-tokens", "40",
+                                                 "--shard-tokens", "100"])
+    rec = json.loads((out / "tokenizer.json").read_text())
+    assert rec["tokenizer"] == "bytes" and rec["vocab_size"] == 256
+    names = sorted(p.name for p in out.glob("*.bin"))
+    assert names == ["fineweb_train_000001.bin", "fineweb_train_000002.bin", "fineweb_train_000003.bin", "fineweb_val_000000.bin"]
+    stream = np.concatenate([np.fromfile(out / n, dtype=np.uint16, offset=1024) for n in sorted(names, key=lambda n: n[-10:])])
+    expected = b"".join(b"\x00" + d.read_bytes() for d in docs)
+    assert bytes(stream.astype(np.uint8)) == expected
+    with pytest.raises(ValueError, match=r"dataset\.vocab_size=100 is smaller than the bytes tokenizer's 256"):
+        fineweb.build(root=str(out), seq_len=8, val_tokens=16, vocab_size=100)
+    bundle = fineweb.build(root=str(out), seq_len=8, val_tokens=16, vocab_size=50257)
+    assert "leaves 50001 embedding rows unused" in bundle.notes[0]
+    assert bytes(bundle.val[0][0].numpy().astype(np.uint8)) == expected[:8]
+
+
+def test_prepare_text_auto_falls_back_to_bytes_offline_or_uses_gpt2(tmp_path: Path) -> None:
+    name, encode, vocab, eot = prepare_text.load_tokenizer("auto")
+    assert (name, vocab, eot) in {("bytes", 256, 0), ("gpt2", 50257, 50256)}
+    assert len(encode("hello world")) >= 2
+
+
+def test_synthetic_text_is_shifted_and_seeded() -> None:
+    a, b = synthetic.build_text(num_samples=8, num_val=4, seq_len=5, vocab_size=11), synthetic.build_text(num_samples=8, num_val=4, seq_len=5, vocab_size=11)
+    x, y = a.train.tensors
+    assert tuple(x.shape) == (8, 5) and torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 11
+    assert torch.equal(x, b.train.tensors[0]) and a.task == "lm" and a.in_memory
