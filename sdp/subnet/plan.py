@@ -154,27 +154,36 @@ def assign(*, costs: list[tuple[float, ...]], world_size: int, k: int, method: s
     if method == "cyclic":
         holders = [list((u + j) % n for j in range(k)) for u in range(len(costs))]
     else:
-        holders = _balanced(costs=costs, n=n, k=k)
+        lpt = _search(costs=costs, n=n, holders=_lpt(costs=costs, n=n, k=k))
+        cyc = _search(costs=costs, n=n, holders=[[(u + j) % n for j in range(k)] for u in range(len(costs))])
+        holders = min(lpt, cyc)[1]
     perm = torch.randperm(n, generator=g).tolist() if draw > 0 else list(range(n))
     return tuple(tuple(sorted(perm[r] for r in h)) for h in holders)
 
 
-def _balanced(*, costs: list[tuple[float, ...]], n: int, k: int) -> list[list[int]]:
-    """LPT (largest summed cost first onto the k least-loaded workers), then local search over
-    single-holder moves and holder swaps that lower (the largest load of any resource on any worker,
-    the sum over resources of the most loaded worker, the sum of loads to the 8th power, which
-    lowers tied maxima one at a time): LPT on a summed
-    cost alone leaves one resource (ResNet's parameters, which grow 4x per stage) skewed."""
-    dims = len(costs[0]) if costs else 0
-    load = [[0.0] * dims for _ in range(n)]
-    count = [0] * n
+def _lpt(*, costs: list[tuple[float, ...]], n: int, k: int) -> list[list[int]]:
+    """Largest summed cost first, onto the k least-loaded workers."""
+    load, count = [0.0] * n, [0] * n
     holders: list[list[int]] = [[] for _ in costs]
     for u in sorted(range(len(costs)), key=lambda i: (-sum(costs[i]), i)):
-        chosen = sorted(range(n), key=lambda r: (sum(load[r]), count[r], r))[:k]
-        for r in chosen:
-            load[r] = [a + c for a, c in zip(load[r], costs[u])]
+        holders[u] = sorted(range(n), key=lambda r: (load[r], count[r], r))[:k]
+        for r in holders[u]:
+            load[r] += sum(costs[u])
             count[r] += 1
-        holders[u] = chosen
+    return holders
+
+
+def _search(*, costs: list[tuple[float, ...]], n: int, holders: list[list[int]]) -> tuple[tuple[float, ...], list[list[int]]]:
+    """Local search over single-holder moves and holder swaps that lower (the largest load of any
+    resource on any worker, the sum over resources of the most loaded worker, the sum of loads to
+    the 8th power, which lowers tied maxima one at a time). ``balanced`` runs it from LPT and from
+    cyclic and keeps the better: LPT on a summed cost alone leaves one resource (ResNet's
+    parameters, 4x larger per stage) skewed, and the search alone can stop in a local minimum."""
+    dims = len(costs[0]) if costs else 0
+    load = [[0.0] * dims for _ in range(n)]
+    for c, h in zip(costs, holders):
+        for r in h:
+            load[r] = [a + x for a, x in zip(load[r], c)]
 
     def objective() -> tuple[float, float, float]:
         peaks = [max(load[r][d] for r in range(n)) for d in range(dims)]
@@ -202,12 +211,12 @@ def _balanced(*, costs: list[tuple[float, ...]], n: int, k: int) -> list[list[in
                     move(u, b, a)
         return None
 
-    best: tuple[float, float, float] | None = objective()
+    best = objective()
     for _ in range(200):
-        assert best is not None
-        if (best := improve(best)) is None:
+        if (nxt := improve(best)) is None:
             break
-    return holders
+        best = nxt
+    return best, holders
 
 
 def check(plan: Plan) -> None:
