@@ -101,6 +101,8 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
         torch.manual_seed(int(cfg.seed) * 7919 + rank + 1)  # per-rank stream (dropout, stochastic depth)
         strategy: Strategy = STRATEGIES.get(str(cfg.parallelism.name))(cfg=cfg.parallelism, full_cfg=cfg, ctx=ctx)
         strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
+        if rank == 0:
+            strategy.save_artifacts(run_dir=out)
         logger = make_logger(cfg=cfg, ctx=ctx, run_dir=out, config=config)
         timer = PhaseTimer(device=device)
         trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer)

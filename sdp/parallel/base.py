@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -127,6 +128,9 @@ class Strategy(ABC):
     def summary_extra(self) -> dict[str, Any]:
         """Strategy-specific facts for summary.json (plans, stage cuts, ...)."""
         return {}
+
+    def save_artifacts(self, *, run_dir: Path) -> None:
+        """Write strategy-specific files into the run directory (SDP's plan.json); rank 0 only."""
 
 
 STRATEGIES: Registry[type[Strategy]] = Registry(kind="strategy", key="parallelism.name")

@@ -1,0 +1,203 @@
+"""Subnetwork Data Parallelism (arXiv 2507.09029): each worker trains a subnetwork of the model.
+
+Wiring: :mod:`sdp.subnet.plan` says who holds which unit, :mod:`sdp.subnet.masking` turns the
+full model into this worker's subnetwork, :mod:`sdp.subnet.sync` averages gradients over holder
+sets, :mod:`sdp.subnet.assemble` rebuilds the full model for evaluation and re-draws.
+
+The worker builds the full model identically on every rank on the CPU (seeded) and passes it to
+``setup``; masking prunes it there, *before* anything moves to the device, so under forward masking
+the device never sees a non-held parameter (backward masking keeps all values by definition).
+Evaluation uses a transient assembled full copy, reported apart (``comm.phase = "eval"`` and
+``eval_full_copy_bytes``).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from sdp.config import ConfigError, one_of, positive_float, positive_int, require
+from sdp.metrics.timing import PhaseTimer
+from sdp.models.base import SDPModel
+from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
+from sdp.subnet import masking as M
+from sdp.subnet.assemble import assemble, reestimate_bn, set_branch_scales, tensor_map
+from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError, build_plan
+from sdp.subnet.sync import GroupSet, OwnerSetSync
+
+
+def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0) -> Plan:
+    """The plan of ``cfg`` (the parallelism node) for ``model``; same on every rank and in the driver."""
+    return build_plan(
+        model=model, world_size=world_size, coverage=float(cfg.coverage), level=str(cfg.level),
+        assignment=str(cfg.assignment), groups=int(cfg.groups), drop_downsample=bool(cfg.drop_downsample),
+        seed=int(cfg.plan_seed), draw=draw,
+    )
+
+
+@register("sdp")
+class SDPStrategy(Strategy):
+    """Forward or backward masking at block or neuron level, owner-set gradient averaging."""
+
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+        one_of("parallelism.level", cfg.level, LEVELS)
+        one_of("parallelism.masking", cfg.masking, ("forward", "backward"))
+        c = cfg.coverage
+        require(isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c <= 1, "parallelism.coverage", c, "must lie in (0, 1]")
+        one_of("parallelism.assignment", cfg.assignment, ASSIGNMENTS)
+        positive_int("parallelism.groups", cfg.groups)
+        require(cfg.resample_every is None or (isinstance(cfg.resample_every, int) and cfg.resample_every >= 1),
+                "parallelism.resample_every", cfg.resample_every, "null (fixed plan) or an integer >= 1")
+        one_of("parallelism.refresh", cfg.refresh, ("holders", "global"))
+        require(cfg.masking == "backward" or cfg.refresh == "holders", "parallelism.refresh", cfg.refresh,
+                "global refresh exists only for masking=backward (forward masking keeps no non-held values)")
+        one_of("parallelism.rescale", cfg.rescale, ("none", "eval", "train"))
+        require(cfg.masking == "forward" or cfg.rescale == "none", "parallelism.rescale", cfg.rescale,
+                "backward masking runs the full model in every forward, so only none is meaningful")
+        one_of("parallelism.bn", cfg.bn, ("average", "reestimate"))
+        positive_int("parallelism.bn_batches", cfg.bn_batches)
+        require(isinstance(cfg.drop_downsample, bool), "parallelism.drop_downsample", cfg.drop_downsample, "true or false")
+        positive_float("parallelism.bucket_cap_mb", cfg.bucket_cap_mb)
+        positive_int("parallelism.plan_seed", cfg.plan_seed, minimum=0)
+        root = cfg._get_root()  # the full job config: the plan needs the model declarations
+        if root is not cfg and "model" in root:
+            from sdp.worker import build  # lazy: sdp.worker imports this package
+
+            with torch.device("meta"):
+                model = build(root.model)
+            try:
+                plan_for(model=model, cfg=cfg, world_size=world_size)
+            except PlanError as exc:
+                raise ConfigError(str(exc)) from None
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.mode = "forward" if cfg.masking == "forward" else ("backward" if cfg.refresh == "holders" else "global")
+        self.skeleton = copy.deepcopy(model).to("meta")
+        self.groups: GroupSet | None = None
+        self.redraws = 0
+        self.eval_copy_bytes = 0
+        self.bn_cache: list[torch.Tensor] = []
+        self._mask(model, plan=plan_for(model=model, cfg=cfg, world_size=ctx.world_size))
+        self.optimizer = optimizer_factory(self._trainable())
+
+    def _mask(self, model: SDPModel, *, plan: Plan) -> None:
+        """Prune ``model`` to this rank's subnetwork (on its current device), move it, wire sync."""
+        ctx = self.ctx
+        self.plan = plan
+        self.pieces = M.pieces(model, plan)
+        self.layout = M.apply(model, plan, rank=ctx.rank, masking=self.mode, all_pieces=self.pieces)
+        if self.cfg.rescale == "train":
+            for b in {u.block for u in plan.units}:
+                block = model.blocks[b]
+                run = [u for u in range(len(plan.units)) if plan.units[u].block == b and ctx.rank in plan.holders[u]]
+                total = sum(1 for u in plan.units if u.block == b)
+                block.branch_scale = total / len(run) if plan.level == "neuron" and run else plan.world_size / plan.k
+        self.module = model.to(ctx.device)
+        sets = {p.holders for p in self.pieces}
+        if self.groups is None:
+            self.groups = GroupSet(world_size=ctx.world_size, holder_sets=sets, refresh=self.mode == "backward")
+        else:  # a re-draw: new holder sets get their groups, created in the same order on every rank
+            self.groups.add(holder_sets=sets, refresh=self.mode == "backward")
+        self.sync = OwnerSetSync(rank=ctx.rank, pieces=self.pieces, layout=self.layout, groups=self.groups,
+                                 comm=ctx.comm, mode=self.mode, bucket_cap_mb=float(self.cfg.bucket_cap_mb))
+
+    def _trainable(self) -> list[nn.Parameter]:
+        assert self.module is not None
+        if self.mode == "global":
+            return list(self.module.parameters())
+        return list(M.held_parameters(self.layout, self.pieces, self.ctx.rank))
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
+        assert self.module is not None
+        with timer.phase("forward"):
+            loss = loss_fn(self.module(inputs), targets)
+        with timer.phase("backward"):
+            loss.backward()
+        self.note_grads()
+        return loss
+
+    def train_step(
+        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
+    ) -> StepResult:
+        assert self.optimizer is not None
+        every = self.cfg.resample_every
+        if every and step > 0 and step % int(every) == 0:
+            with timer.phase("resample"):
+                self._redraw(draw=step // int(every))
+        loss = self.forward_backward(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
+        with timer.phase("comm"):
+            self.sync.reduce_grads()
+        with timer.phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=False)
+        if self.mode == "backward":
+            with timer.phase("comm"):
+                self.sync.refresh()
+        if self.cfg.bn == "reestimate":
+            self.bn_cache = (self.bn_cache + [inputs.detach()])[-int(self.cfg.bn_batches):]
+        return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
+
+    def _redraw(self, *, draw: int) -> None:
+        """Re-draw the plan (ResIST style): assemble the full model, prune it to the new plan, and
+        keep optimizer state for tensors this rank held before and holds identically now."""
+        assert self.optimizer is not None
+        old = {name: (loc.held, loc.held_groups) for name, loc in self.layout.items() if loc.held is not None}
+        full = self._assemble()
+        self._mask(full, plan=plan_for(model=full, cfg=self.cfg, world_size=self.ctx.world_size, draw=draw))
+        params = self._trainable()
+        state = self.optimizer.state
+        for name, loc in self.layout.items():
+            prev = old.get(name)
+            if prev is not None and prev[0] in state and loc.held is not None and prev[1] == loc.held_groups:
+                state[loc.held] = state.pop(prev[0])
+        for stale in [p for p in state if all(p is not q for q in params)]:
+            del state[stale]
+        self.optimizer.param_groups[0]["params"] = params
+        self.redraws += 1
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+    def _assemble(self) -> SDPModel:
+        assert self.groups is not None
+        return assemble(skeleton=self.skeleton, pieces=self.pieces, layout=self.layout, plan=self.plan,
+                        masking=self.mode, groups=self.groups, ctx=self.ctx, bn=str(self.cfg.bn))
+
+    @contextmanager
+    def eval_module(self) -> Iterator[nn.Module]:
+        prev = self.ctx.comm.phase
+        self.ctx.comm.phase = "eval"
+        try:
+            full = self._assemble()
+            scale = self.plan.k / self.plan.world_size if self.cfg.rescale == "eval" else 1.0
+            set_branch_scales(full, self.plan, scale=scale)
+            if self.cfg.bn == "reestimate":
+                reestimate_bn(full, batches=self.bn_cache, ctx=self.ctx)
+        finally:
+            self.ctx.comm.phase = prev
+        self.eval_copy_bytes = max(self.eval_copy_bytes, sum(t.numel() * t.element_size() for t in tensor_map(full).values()))
+        full.eval()
+        try:
+            yield full
+        finally:
+            del full
+
+    # ---- reporting ----------------------------------------------------------------------------------
+    def summary_extra(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.summary(),
+            "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh), "rescale": str(self.cfg.rescale),
+            "bn": str(self.cfg.bn), "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
+            "eval_full_copy_bytes": self.eval_copy_bytes, "redraws": self.redraws,
+        }
+
+    def save_artifacts(self, *, run_dir: Path) -> None:
+        self.plan.save(Path(run_dir) / "plan.json")

@@ -1,0 +1,1 @@
+"""Subnetwork Data Parallelism: coverage planner, masking and owner-set gradient sync."""

@@ -1,0 +1,322 @@
+"""The SDP coverage planner: which worker holds which unit (pure functions, no process group).
+
+Why a separate, pure planner: an impossible plan (coverage that rounds to zero holders, a width that
+does not split into the asked groups) must fail in the driver before any rank starts, and the tests
+must be able to check the maths over hundreds of (n, C, units) cases in milliseconds. The strategy
+builds the very same plan on every rank from the same model declarations, so no plan is exchanged.
+
+- Units come from the model's declarations: each :class:`ResidualBlock` is a unit at block level;
+  at neuron level each (block, group) is one, a group being ``groups`` equal parts of every
+  :class:`HiddenDim` of the block. A downsampling block (one with shared sub-modules) is a unit
+  unless ``drop_downsample`` is false, then it is shared whole (ResIST style).
+- k = round(C * n) holders per unit ("uniform representation of each parameter", paper 1.2).
+- Assignment: ``cyclic`` (unit u -> u..u+k-1 mod n), ``random`` (seeded k-subsets) or ``balanced``
+  (LPT greedy, biggest unit first onto the k least-loaded workers, then a local search over moves
+  and swaps). A unit's cost is the vector (params, FLOPs, activation bytes), each normalised by its
+  total so none dominates by its unit of measure; the search lowers the worst worker's worst
+  resource first, so that neither memory nor time has a straggler.
+- A re-draw (``resample_every``) relabels workers with a seeded permutation (cyclic, balanced: the
+  balance is kept) or draws fresh subsets (random).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from sdp.models.base import ResidualBlock, SDPModel
+
+LEVELS = ("block", "neuron")
+ASSIGNMENTS = ("cyclic", "random", "balanced")
+
+
+class PlanError(ValueError):
+    """A plan that cannot exist; the message names the values."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One SDP unit: a block (``group`` None) or one hidden group of a block, and its costs."""
+
+    block: int
+    group: int | None
+    params: int
+    flops: float
+    act_bytes: float
+
+    @property
+    def name(self) -> str:
+        return f"blocks.{self.block}" + ("" if self.group is None else f"/g{self.group}")
+
+
+@dataclass
+class Plan:
+    """Unit -> holders for one draw; ``remainder`` = per-block branch params not in any group
+    (held by every worker that holds at least one group of that block)."""
+
+    world_size: int
+    coverage: float
+    k: int
+    level: str
+    assignment: str
+    groups: int
+    units: tuple[Unit, ...]
+    holders: tuple[tuple[int, ...], ...]
+    shared_params: int
+    remainder: dict[int, int] = field(default_factory=dict)
+    draw: int = 0
+
+    def held_units(self, rank: int) -> list[int]:
+        return [u for u, h in enumerate(self.holders) if rank in h]
+
+    def block_holders(self, block: int) -> tuple[int, ...]:
+        """Union of the holders of every unit of ``block`` (who runs any of it)."""
+        return tuple(sorted({r for u, h in zip(self.units, self.holders) if u.block == block for r in h}))
+
+    def holder_sets(self) -> list[tuple[int, ...]]:
+        """Distinct holder sets (units and block remainders) in one global order, same on all ranks."""
+        sets = set(self.holders) | {self.block_holders(b) for b in self.remainder if self.remainder[b]}
+        return sorted(sets, key=lambda h: (len(h), h))
+
+    def params_of(self, rank: int) -> int:
+        held = sum(self.units[u].params for u in self.held_units(rank))
+        rem = sum(n for b, n in self.remainder.items() if rank in self.block_holders(b))
+        return self.shared_params + held + rem
+
+    def worker_costs(self) -> list[dict[str, float]]:
+        tot = [max(sum(getattr(u, a) for u in self.units), 1e-30) for a in ("params", "flops", "act_bytes")]
+        out = []
+        for r in range(self.world_size):
+            us = [self.units[u] for u in self.held_units(r)]
+            p, f, a = (sum(getattr(u, x) for u in us) for x in ("params", "flops", "act_bytes"))
+            out.append({"params": self.params_of(r), "flops": f, "act_bytes": a,
+                        "cost": p / tot[0] + f / tot[1] + a / tot[2], "units": len(us)})
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        costs = self.worker_costs()
+        cs = [c["cost"] for c in costs]
+        ps = [c["params"] for c in costs]
+        return {
+            "level": self.level, "assignment": self.assignment, "coverage": self.coverage, "k": self.k,
+            "world_size": self.world_size, "units": len(self.units), "groups": self.groups, "draw": self.draw,
+            "holder_sets": len(self.holder_sets()), "shared_params": self.shared_params,
+            "total_params": self.shared_params + sum(u.params for u in self.units) + sum(self.remainder.values()),
+            "params_per_worker": ps, "cost_per_worker": cs,
+            "cost_spread": max(cs) / min(cs) if min(cs) > 0 else float("inf"),
+            "cost_stdev": statistics.pstdev(cs),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "summary": self.summary(),
+            "units": [{**asdict(u), "name": u.name, "holders": list(h)} for u, h in zip(self.units, self.holders)],
+            "workers": {str(r): [self.units[u].name for u in self.held_units(r)] for r in range(self.world_size)},
+            "worker_costs": self.worker_costs(),
+        }
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2))
+
+
+def num_holders(*, coverage: float, world_size: int) -> int:
+    """k = round(C * n), checked to lie in [1, n]."""
+    if not (0 < coverage <= 1):
+        raise PlanError(f"parallelism.coverage={coverage!r} is invalid: must lie in (0, 1]")
+    k = int(round(coverage * world_size))
+    if k < 1:
+        raise PlanError(
+            f"parallelism.coverage={coverage} with world_size={world_size} gives k=round({coverage * world_size:g})=0 "
+            f"holders per unit; need coverage >= {0.5 / world_size:g}"
+        )
+    return min(k, world_size)
+
+
+def assign(*, costs: list[tuple[float, ...]], world_size: int, k: int, method: str, seed: int = 0, draw: int = 0) -> tuple[tuple[int, ...], ...]:
+    """Holder sets (sorted tuples of k distinct ranks), one per unit, for draw ``draw``.
+
+    ``costs`` are per-unit vectors of normalised resources (params, FLOPs, activation bytes).
+    """
+    n = world_size
+    if method not in ASSIGNMENTS:
+        raise PlanError(f"parallelism.assignment={method!r} is invalid: allowed: {', '.join(ASSIGNMENTS)}")
+    if not 1 <= k <= n:
+        raise PlanError(f"k={k} holders per unit is impossible with world_size={n}: need 1 <= k <= {n}")
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + draw)
+    if method == "random":
+        return tuple(tuple(sorted(torch.randperm(n, generator=g)[:k].tolist())) for _ in costs)
+    if method == "cyclic":
+        holders = [list((u + j) % n for j in range(k)) for u in range(len(costs))]
+    else:
+        lpt = _search(costs=costs, n=n, holders=_lpt(costs=costs, n=n, k=k))
+        cyc = _search(costs=costs, n=n, holders=[[(u + j) % n for j in range(k)] for u in range(len(costs))])
+        holders = min(lpt, cyc)[1]
+    perm = torch.randperm(n, generator=g).tolist() if draw > 0 else list(range(n))
+    return tuple(tuple(sorted(perm[r] for r in h)) for h in holders)
+
+
+def _lpt(*, costs: list[tuple[float, ...]], n: int, k: int) -> list[list[int]]:
+    """Largest summed cost first, onto the k least-loaded workers."""
+    load, count = [0.0] * n, [0] * n
+    holders: list[list[int]] = [[] for _ in costs]
+    for u in sorted(range(len(costs)), key=lambda i: (-sum(costs[i]), i)):
+        holders[u] = sorted(range(n), key=lambda r: (load[r], count[r], r))[:k]
+        for r in holders[u]:
+            load[r] += sum(costs[u])
+            count[r] += 1
+    return holders
+
+
+def _search(*, costs: list[tuple[float, ...]], n: int, holders: list[list[int]]) -> tuple[tuple[float, ...], list[list[int]]]:
+    """Local search over single-holder moves and holder swaps that lower (the largest load of any
+    resource on any worker, the sum over resources of the most loaded worker, the sum of loads to
+    the 8th power, which lowers tied maxima one at a time). ``balanced`` runs it from LPT and from
+    cyclic and keeps the better: LPT on a summed cost alone leaves one resource (ResNet's
+    parameters, 4x larger per stage) skewed, and the search alone can stop in a local minimum."""
+    dims = len(costs[0]) if costs else 0
+    load = [[0.0] * dims for _ in range(n)]
+    for c, h in zip(costs, holders):
+        for r in h:
+            load[r] = [a + x for a, x in zip(load[r], c)]
+
+    def objective() -> tuple[float, float, float]:
+        peaks = [max(load[r][d] for r in range(n)) for d in range(dims)]
+        return round(max(peaks), 12), round(sum(peaks), 12), round(sum(x**8 for row in load for x in row), 15)
+
+    def move(u: int, a: int, b: int) -> None:
+        holders[u][holders[u].index(a)] = b
+        load[a] = [x - c for x, c in zip(load[a], costs[u])]
+        load[b] = [x + c for x, c in zip(load[b], costs[u])]
+
+    def improve(best: tuple[float, float, float]) -> tuple[float, float, float] | None:
+        """Apply the first move or swap that lowers the objective; None when none does."""
+        for u in range(len(costs)):
+            for a in list(holders[u]):
+                for b in [r for r in range(n) if r not in holders[u]]:
+                    move(u, a, b)
+                    if (obj := objective()) < best:
+                        return obj
+                    for v in range(len(costs)):  # swap: v gives b's place to a in exchange
+                        if v != u and b in holders[v] and a not in holders[v]:
+                            move(v, b, a)
+                            if (obj := objective()) < best:
+                                return obj
+                            move(v, a, b)
+                    move(u, b, a)
+        return None
+
+    best = objective()
+    for _ in range(200):
+        if (nxt := improve(best)) is None:
+            break
+        best = nxt
+    return best, holders
+
+
+def check(plan: Plan) -> None:
+    """Every unit has exactly k distinct holders among ranks 0..n-1; raises PlanError naming them."""
+    n, k = plan.world_size, plan.k
+    if len(plan.holders) != len(plan.units):
+        raise PlanError(f"plan has {len(plan.holders)} holder sets for {len(plan.units)} units")
+    for unit, h in zip(plan.units, plan.holders):
+        if len(set(h)) != k or len(h) != k or not all(0 <= r < n for r in h):
+            raise PlanError(f"unit {unit.name} has holders {h}; need exactly k={k} distinct ranks in 0..{n - 1}")
+
+
+def declare_units(model: SDPModel, *, level: str, groups: int, drop_downsample: bool) -> list[tuple[int, int | None]]:
+    """(block index, group) of every unit, from the model's declarations."""
+    if level not in LEVELS:
+        raise PlanError(f"parallelism.level={level!r} is invalid: allowed: {', '.join(LEVELS)}")
+    out: list[tuple[int, int | None]] = []
+    for b, block in model.sdp_units():
+        if block.shared_submodules() and not drop_downsample:
+            continue  # ResIST: a downsampling block stays whole and shared
+        dims = block.hidden_dims() if level == "neuron" else ()
+        for d in dims:
+            if groups < 1 or d.size % groups:
+                raise PlanError(
+                    f"parallelism.groups={groups} does not split hidden dim {d.name!r} of blocks.{b} "
+                    f"(size {d.size}) into equal groups; use a divisor of {d.size}"
+                )
+        out.extend((b, g) for g in range(groups)) if dims else out.append((b, None))
+    if not out:
+        raise PlanError(f"model {type(model).__name__} declares no SDP units (drop_downsample={drop_downsample})")
+    return out
+
+
+def sliced_names(block: ResidualBlock) -> dict[str, tuple[int, int]]:
+    """Relative tensor name -> (dim, elements per hidden unit) for every HiddenSlice of ``block``."""
+    out: dict[str, tuple[int, int]] = {}
+    for d in block.hidden_dims():
+        for s in d.slices:
+            assert s.tensor not in out, f"{s.tensor} is sliced by two hidden dims of {type(block).__name__}"
+            out[s.tensor] = (s.dim, d.unit_width)
+    return out
+
+
+def _block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
+    """Per block (FLOPs of forward+backward of the residual branch, activation bytes) for one sample,
+    measured by running the model on the meta device (no memory, no compute)."""
+    meta = model if next(model.parameters()).is_meta else None
+    if meta is None:
+        import copy
+
+        meta = copy.deepcopy(model).to("meta")
+    out: dict[int, tuple[float, float]] = {}
+    with torch.no_grad():
+        x = meta.stem(meta.example_input(1).to("meta"))
+        for b, block in enumerate(meta.blocks):
+            if isinstance(block, ResidualBlock):
+                acts: list[float] = []
+                hooks = [m.register_forward_hook(lambda _m, _i, o: acts.append(o.numel() * o.element_size()))
+                         for n, m in block.named_modules() if n and not list(m.children())]
+                with FlopCounterMode(display=False) as full:
+                    y = block.forward_full(x)
+                with FlopCounterMode(display=False) as skip:
+                    block.forward_skip(x)
+                for h in hooks:
+                    h.remove()
+                out[b] = (3.0 * (full.get_total_flops() - skip.get_total_flops()), float(sum(acts)))
+                x = y
+            else:
+                x = block(x)
+    return out
+
+
+def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str = "block", assignment: str = "balanced",
+               groups: int = 1, drop_downsample: bool = True, seed: int = 0, draw: int = 0) -> Plan:
+    """Declarations -> units with costs -> holders -> checked :class:`Plan` (same on every rank)."""
+    k = num_holders(coverage=coverage, world_size=world_size)
+    decl = declare_units(model, level=level, groups=groups, drop_downsample=drop_downsample)
+    costs = _block_costs(model)
+    units, remainder, in_units = [], {}, set()
+    for b, g in decl:
+        block = model.blocks[b]
+        branch = dict(block.branch_parameters())
+        sliced = sliced_names(block) if g is not None else {}
+        G = groups if g is not None else 1
+        if g is None:
+            p = sum(t.numel() for t in branch.values())
+        else:
+            p = sum(t.numel() for n, t in branch.items() if n in sliced) // G
+        if g == 0:
+            remainder[b] = sum(t.numel() for n, t in branch.items() if n not in sliced)
+        f, a = costs[b]
+        units.append(Unit(block=b, group=g, params=p, flops=f / G, act_bytes=a / G))
+        in_units.add(b)
+    branch_total = sum(t.numel() for b in in_units for _, t in model.blocks[b].branch_parameters())
+    shared = sum(t.numel() for t in model.parameters()) - branch_total
+    tot = [max(sum(getattr(u, a) for u in units), 1e-30) for a in ("params", "flops", "act_bytes")]
+    unit_costs = [(u.params / tot[0], u.flops / tot[1], u.act_bytes / tot[2]) for u in units]
+    holders = assign(costs=unit_costs, world_size=world_size, k=k, method=assignment, seed=seed, draw=draw)
+    plan = Plan(world_size=world_size, coverage=coverage, k=k, level=level, assignment=assignment,
+                groups=groups if level == "neuron" else 1, units=tuple(units), holders=holders,
+                shared_params=shared, remainder=remainder, draw=draw)
+    check(plan)
+    return plan

@@ -1,0 +1,153 @@
+"""Owner-set gradient averaging, refresh broadcasts and the piece collectives SDP needs.
+
+Why one process group per distinct holder set: the averaged gradient of a unit is the mean over
+its holders only (paper 1.4), so the all-reduce must run on exactly those ranks; a world all-reduce
+with zeros for non-holders would move n/k times the bytes. Groups are created once at start-up, by
+every rank, in one global order (``Plan.holder_sets`` order), because ``new_group`` is collective
+over the world. Collectives are also issued in that global order on every rank: each rank's sequence
+is a subsequence of one total order, so overlapping groups cannot deadlock.
+
+Every call into torch.distributed is recorded with ``comm.record``. For a broadcast the source
+records the payload and the receivers record 0 bytes (nothing sent) for the same collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from sdp.metrics.comm import CommCounter
+from sdp.subnet.masking import Local, Piece, locate, view
+
+
+def flatten(views: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([v.reshape(-1) for v in views])
+
+
+def unflatten(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
+    offset = 0
+    for v in views:
+        v.copy_(flat[offset : offset + v.numel()].view(v.shape))
+        offset += v.numel()
+
+
+def buckets(items: list[Piece], *, cap_bytes: int) -> list[list[Piece]]:
+    """Consecutive pieces packed into buckets of at most ``cap_bytes`` (a larger piece is alone)."""
+    out: list[list[Piece]] = []
+    size = 0
+    for p in items:
+        if out and size + p.nbytes <= cap_bytes:
+            out[-1].append(p)
+            size += p.nbytes
+        else:
+            out.append([p])
+            size = p.nbytes
+    return out
+
+
+class GroupSet:
+    """Process groups for holder sets and refresh sets, created once in one global order."""
+
+    def __init__(self, *, world_size: int, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> None:
+        self.n = world_size
+        self.groups: dict[tuple[int, ...], Any] = {}
+        self.add(holder_sets=holder_sets, refresh=refresh)
+
+    def add(self, *, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> None:
+        """Create the groups still missing (collective: every rank calls this with the same sets)."""
+        for h in sorted(set(holder_sets), key=lambda h: (len(h), h)):
+            self._make(h)
+            if refresh and len(h) < self.n:
+                self._make(self.refresh_set(h))
+
+    def refresh_set(self, h: tuple[int, ...]) -> tuple[int, ...]:
+        """The lowest holder (the source) and every non-holder."""
+        return tuple(sorted({min(h)} | (set(range(self.n)) - set(h))))
+
+    def _make(self, ranks: tuple[int, ...]) -> None:
+        if ranks in self.groups or len(ranks) <= 1:
+            return
+        self.groups[ranks] = None if len(ranks) == self.n else dist.new_group(list(ranks))
+
+    def get(self, ranks: tuple[int, ...]) -> Any:
+        return self.groups[ranks]
+
+
+class OwnerSetSync:
+    """Averages held gradients over their holder sets (or, ``mode="global"``, over the world
+    divided by holder counts) and refreshes non-held parameters from their lowest holder."""
+
+    def __init__(self, *, rank: int, pieces: list[Piece], layout: dict[str, Local], groups: GroupSet,
+                 comm: CommCounter, mode: str, bucket_cap_mb: float) -> None:
+        self.rank, self.layout, self.groups, self.comm, self.mode = rank, layout, groups, comm, mode
+        self.params = [p for p in pieces if p.is_param]
+        cap = int(bucket_cap_mb * 2**20)
+        order = sorted({p.holders for p in self.params}, key=lambda h: (len(h), h))
+        self.grad_buckets: list[tuple[tuple[int, ...], list[Piece]]] = []
+        self.refresh_buckets: list[tuple[tuple[int, ...], list[Piece]]] = []
+        if mode == "global":
+            world = tuple(range(groups.n))
+            self.grad_buckets = [(world, b) for b in buckets(self.params, cap_bytes=cap)]
+            return
+        for h in order:
+            mine = [p for p in self.params if p.holders == h]
+            if rank in h and len(h) > 1:
+                self.grad_buckets += [(h, b) for b in buckets(mine, cap_bytes=cap)]
+            if mode == "backward" and len(h) < groups.n and rank in groups.refresh_set(h):
+                self.refresh_buckets += [(h, b) for b in buckets(mine, cap_bytes=cap)]
+
+    def _grad_views(self, items: list[Piece]) -> list[torch.Tensor]:
+        out = []
+        for p in items:
+            spec = locate(p, self.layout)
+            assert spec is not None, f"rank {self.rank} syncs {p.name} but does not hold it"
+            t, dim, start, length = spec
+            if t.grad is None:
+                t.grad = torch.zeros_like(t)
+            out.append(view(t.grad, dim, start, length))
+        return out
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """all_reduce(SUM) each bucket on its holder set's group, then divide by |H|."""
+        if self.mode == "global":
+            for p in self.params:
+                if self.rank not in p.holders:
+                    self._grad_views([p])[0].zero_()
+        for h, items in self.grad_buckets:
+            views = self._grad_views(items)
+            flat = flatten(views)
+            self.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(h))
+            dist.all_reduce(flat, group=self.groups.get(h))
+            if self.mode != "global":
+                flat /= len(h)
+            unflatten(flat, views)
+        if self.mode == "global":
+            for p in self.params:
+                self._grad_views([p])[0].div_(len(p.holders))
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Broadcast each holder set's updated parameters from its lowest holder to non-holders."""
+        for h, items in self.refresh_buckets:
+            broadcast_pieces(items, layout=self.layout, src=min(h), ranks=self.groups.refresh_set(h),
+                             group=self.groups.get(self.groups.refresh_set(h)), rank=self.rank, comm=self.comm)
+
+
+def broadcast_pieces(items: list[Piece], *, layout: dict[str, Local], src: int, ranks: tuple[int, ...], group: Any,
+                     rank: int, comm: CommCounter, targets: list[torch.Tensor] | None = None) -> None:
+    """One flat broadcast of ``items`` from ``src`` to ``ranks``; receivers write into their local
+    storage (or into ``targets``, views in the same order, e.g. an assembled full model)."""
+    if rank not in ranks:
+        return
+    if targets is None:
+        specs = [locate(p, layout) for p in items]
+        assert all(s is not None for s in specs), f"rank {rank} lacks storage for {[p.name for p in items]}"
+        targets = [view(t, d, s, n) for t, d, s, n in specs]  # type: ignore[misc]
+    flat = flatten(targets) if rank == src else torch.empty(sum(v.numel() for v in targets), dtype=targets[0].dtype, device=targets[0].device)
+    comm.record(kind="broadcast", payload=flat.numel() * flat.element_size() if rank == src else 0, group_size=len(ranks))
+    dist.broadcast(flat, src=src, group=group)
+    if rank != src:
+        unflatten(flat, targets)

@@ -1,0 +1,96 @@
+"""Planner maths, property-style over many (n, C, units) cases (no process group needed)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from sdp.models.mlp import MLP
+from sdp.models.resnet import ResNetCIFAR
+from sdp.subnet.plan import Plan, PlanError, assign, build_plan, check, num_holders
+
+CASES = list(itertools.product([1, 2, 3, 4, 5, 8], [0.125, 0.25, 0.5, 0.67, 0.75, 1.0], [1, 3, 8, 13]))
+
+
+@pytest.mark.parametrize("method", ["cyclic", "random", "balanced"])
+def test_every_unit_has_exactly_k_distinct_holders(method: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    for n, c, units in CASES:
+        if round(c * n) < 1:
+            continue
+        k = num_holders(coverage=c, world_size=n)
+        costs = [tuple(float(x) for x in torch.rand(3, generator=g)) for _ in range(units)]
+        for draw in (0, 1):
+            holders = assign(costs=costs, world_size=n, k=k, method=method, seed=3, draw=draw)
+            assert len(holders) == units
+            for h in holders:
+                assert len(set(h)) == k == len(h) and all(0 <= r < n for r in h), (n, c, units, h)
+            if method == "cyclic" and draw == 0:
+                assert holders == tuple(tuple(sorted((u + j) % n for j in range(k))) for u in range(units))
+
+
+def test_k_is_round_c_n_and_errors_name_values() -> None:
+    assert num_holders(coverage=0.5, world_size=4) == 2
+    assert num_holders(coverage=0.67, world_size=3) == 2
+    assert num_holders(coverage=1.0, world_size=8) == 8
+    with pytest.raises(PlanError, match=r"coverage=0.1 with world_size=4 gives k=round\(0.4\)=0"):
+        num_holders(coverage=0.1, world_size=4)
+    with pytest.raises(PlanError, match="must lie in"):
+        num_holders(coverage=1.5, world_size=4)
+    with pytest.raises(PlanError, match="assignment='greedy'"):
+        assign(costs=[(1.0,)], world_size=2, k=1, method="greedy")
+
+
+def test_balanced_equalises_cost_better_than_cyclic() -> None:
+    g = torch.Generator().manual_seed(1)
+    worse = 0
+    for n, units in itertools.product([2, 3, 4, 6], [5, 8, 16]):
+        costs = [tuple(float(x) for x in torch.rand(3, generator=g) ** 3) for _ in range(units)]
+        k = max(1, n // 2)
+
+        def peak(holders: tuple[tuple[int, ...], ...]) -> float:
+            loads = [[0.0] * 3 for _ in range(n)]
+            for c, h in zip(costs, holders):
+                for r in h:
+                    loads[r] = [a + b for a, b in zip(loads[r], c)]
+            return max(max(row) for row in loads)
+
+        bal = peak(assign(costs=costs, world_size=n, k=k, method="balanced"))
+        cyc = peak(assign(costs=costs, world_size=n, k=k, method="cyclic"))
+        worse += bal > cyc + 1e-9
+    assert worse == 0, f"balanced lost to cyclic in {worse} cases"
+
+
+def test_plan_units_holder_sets_and_param_counts() -> None:
+    with torch.device("meta"):
+        model = ResNetCIFAR(num_classes=10, width=16)
+    total = sum(p.numel() for p in model.parameters())
+    block = build_plan(model=model, world_size=4, coverage=0.5)
+    assert len(block.units) == 8 and block.k == 2
+    assert block.shared_params + sum(u.params for u in block.units) == total
+    assert all(block.shared_params < block.params_of(r) < total for r in range(4))
+    assert set(block.holder_sets()) == set(block.holders)
+    resist = build_plan(model=model, world_size=4, coverage=0.5, drop_downsample=False)
+    assert len(resist.units) == 5  # the 3 downsampling blocks stay whole and shared
+    neuron = build_plan(model=model, world_size=4, coverage=0.5, level="neuron", groups=4)
+    assert len(neuron.units) == 32
+    assert neuron.shared_params + sum(u.params for u in neuron.units) + sum(neuron.remainder.values()) == total
+    full = build_plan(model=model, world_size=4, coverage=1.0, level="neuron", groups=2)
+    assert all(full.params_of(r) == total for r in range(4)) and full.holder_sets() == [(0, 1, 2, 3)]
+    js = neuron.to_json()
+    assert js["summary"]["cost_spread"] >= 1.0 and len(js["units"]) == 32 and set(js["workers"]) == {"0", "1", "2", "3"}
+
+
+def test_impossible_plans_fail_with_values() -> None:
+    with torch.device("meta"):
+        model = MLP(num_classes=10, input_shape=(1, 8, 8), hidden=30, depth=2)
+    with pytest.raises(PlanError, match=r"groups=4 does not split hidden dim 'mlp' of blocks.0 \(size 30\)"):
+        build_plan(model=model, world_size=2, coverage=0.5, level="neuron", groups=4)
+    with pytest.raises(PlanError, match="level='layer'"):
+        build_plan(model=model, world_size=2, coverage=0.5, level="layer")
+    plan = build_plan(model=model, world_size=2, coverage=0.5)
+    bad = Plan(**{**plan.__dict__, "holders": ((0,), (0, 0))})
+    with pytest.raises(PlanError, match=r"unit blocks.1 has holders \(0, 0\); need exactly k=1"):
+        check(bad)
