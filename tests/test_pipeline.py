@@ -147,6 +147,19 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[float]
 
 
 @pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_batchnorm_pipeline_matches_ddp_when_microbatch_is_the_rank_batch(tmp_path: Path) -> None:
+    """microbatches = pp (dp = 1): microbatch m is exactly DDP rank m's slice, so BatchNorm sees the same
+    statistics and training losses agree (running statistics still differ: updated per microbatch)."""
+    common = ["model=resnet18_cifar", "model.width=4", "dataset=synthetic", "dataset.image_size=8",
+              "train.steps=4", "train.batch_size=8", "train.eval_every=0", "train.warmup_steps=1"]
+    _, ddp_rows = run_job(["parallelism=ddp", *common], world=2, run_dir=tmp_path / "ddp")
+    _, pp_rows = run_job(["parallelism=pipeline", "parallelism.microbatches=2", *common], world=2, run_dir=tmp_path / "pp")
+    for step, (a, b) in enumerate(zip(train_losses(ddp_rows), train_losses(pp_rows), strict=True)):
+        assert abs(a - b) < 1e-5, f"step {step + 1}: ddp {a:.7f} vs pipeline {b:.7f}"
+
+
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_losses_match_ddp(tmp_path: Path, ddp_run: tuple[dict, list[float]], schedule: str) -> None:

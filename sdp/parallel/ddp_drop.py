@@ -28,7 +28,7 @@ from sdp.config import one_of, require
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, register
-from sdp.parallel.ddp import DDPStrategy, wrap_ddp
+from sdp.parallel.ddp import DDPStrategy
 
 
 def survival_probs(*, n: int, p: float, decay: str) -> list[float]:
@@ -76,10 +76,8 @@ class _DropStrategy(DDPStrategy):
         self.generator = torch.Generator().manual_seed(int(self.full_cfg.get("seed", 0)) * 1_000_003 + 17 * self.ctx.rank + 1)
         self.kept_counts = [0] * len(self.blocks)
         self.draws = 0
-        cfg = OmegaConf.merge(self.cfg, {"find_unused_parameters": min(self.probs) < 1.0})
-        model.to(self.ctx.device)
-        self.module = wrap_ddp(model, cfg=cfg, comm=self.ctx.comm, device=self.ctx.device)
-        self.optimizer = optimizer_factory(self.module.parameters())
+        self.cfg = OmegaConf.merge(self.cfg, {"find_unused_parameters": min(self.probs) < 1.0})
+        super().setup(model=model, optimizer_factory=optimizer_factory)
 
     def train_step(
         self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
