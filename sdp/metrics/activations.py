@@ -1,0 +1,70 @@
+"""Activation memory: the bytes a forward pass keeps alive for backward, measured, not estimated.
+
+Why saved-tensor hooks: every tensor autograd saves for backward passes through the innermost
+``torch.autograd.graph.saved_tensors_hooks`` pack hook, so registering one around a forward sees the
+whole activation footprint. Bytes are counted per distinct storage (views and tensors saved by
+several ops count once) and parameters are excluded (weights saved by linear/conv layers are model
+state, counted elsewhere). Non-reentrant activation checkpointing installs its own hooks inside a
+checkpointed region (whose tensors are then *not* kept) and keeps the region's inputs alive for the
+recomputation outside autograd's saved tensors; code that checkpoints reports those inputs with
+:func:`note_retained`, so the measurement stays complete.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+
+_active: list["SavedTensorMeter"] = []
+
+
+class SavedTensorMeter:
+    """Distinct storages (by address) kept for backward, with their byte sizes."""
+
+    def __init__(self, *, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {_key(t) for t in exclude}
+        self._seen: dict[int, int] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return
+        key = _key(t)
+        if key and key not in self._exclude and key not in self._seen:
+            self._seen[key] = t.untyped_storage().nbytes()
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    @property
+    def tensors(self) -> int:
+        return len(self._seen)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@contextmanager
+def measure_saved_tensors(*, exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedTensorMeter]:
+    """Count what the forward inside the block saves for backward (``exclude``: e.g. parameters)."""
+    meter = SavedTensorMeter(exclude=exclude)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        meter.add(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _active.append(meter)
+        try:
+            yield meter
+        finally:
+            _active.remove(meter)
+
+
+def note_retained(t: torch.Tensor) -> None:
+    """Report a tensor kept alive for backward outside autograd's saved tensors (a checkpoint input)."""
+    for meter in _active:
+        meter.add(t)

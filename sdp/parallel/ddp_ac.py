@@ -1,0 +1,97 @@
+"""DDP with activation checkpointing: every ``ac_every``-th block runs under non-reentrant
+``torch.utils.checkpoint``, so only its input is kept and its activations are recomputed in backward.
+
+Why patch the blocks' ``forward`` instead of wrapping them in a module: parameter and buffer names
+stay those of the plain model (checkpoints and the gradient tests compare by name). Why restore
+buffers after the recomputation: recomputing a BatchNorm forward in training mode would update its
+running statistics a second time, so DDP+AC would evaluate differently from DDP; the recomputation
+must repeat the forward's values and leave no other trace. Activation bytes are measured once, on
+the first step, with :func:`sdp.metrics.activations.measure_saved_tensors`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from sdp.config import positive_int
+from sdp.metrics.activations import measure_saved_tensors, note_retained
+from sdp.metrics.timing import PhaseTimer
+from sdp.models.base import SDPModel
+from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, register
+from sdp.parallel.ddp import DDPStrategy
+
+
+@contextmanager
+def restored_buffers(module: nn.Module) -> Iterator[None]:
+    """Run the block, then put every buffer back as it was (no double BatchNorm statistics update)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
+def checkpointed_forward(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``block``'s forward under non-reentrant checkpointing, recomputation without side effects."""
+    inner = block.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        calls = 0
+
+        def run(inp: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return inner(inp)
+            with restored_buffers(block):  # the recomputation in backward
+                return inner(inp)
+
+        note_retained(x)  # the checkpoint keeps its input alive for the recomputation
+        return checkpoint(run, x, use_reentrant=False)
+
+    return forward
+
+
+def apply_checkpointing(model: SDPModel, *, every: int) -> list[int]:
+    """Checkpoint blocks 0, every, 2*every, ...; returns their indices."""
+    chosen = list(range(0, len(model.blocks), every))
+    for i in chosen:
+        model.blocks[i].forward = checkpointed_forward(model.blocks[i])  # instance attribute shadows the method
+    return chosen
+
+
+@register("ddp_ac")
+class DDPActivationCheckpointStrategy(DDPStrategy):
+    """DDP whose blocks trade recomputation for activation memory."""
+
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+        positive_int("parallelism.ac_every", cfg.get("ac_every", 1))
+
+    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
+        self.checkpointed = apply_checkpointing(model, every=int(self.cfg.get("ac_every", 1)))
+        self.activation_bytes: int | None = None
+        super().setup(model=model, optimizer_factory=optimizer_factory)
+
+    def train_step(
+        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
+    ) -> StepResult:
+        if self.activation_bytes is not None:
+            return super().train_step(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer, step=step)
+        assert self.module is not None
+        with measure_saved_tensors(exclude=list(self.module.parameters())) as meter:
+            result = super().train_step(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer, step=step)
+        self.activation_bytes = meter.bytes
+        return result
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {"checkpointed_blocks": self.checkpointed, "activation_bytes": self.activation_bytes,
+                "activation_bytes_note": "bytes kept for backward on this rank (rank 0 in summary.json), first step"}

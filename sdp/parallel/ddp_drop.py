@@ -1,0 +1,115 @@
+"""Stochastic depth and LayerDrop inside DDP: every rank drops each block independently per batch.
+
+These are the regularisers SDP's block-level subnetworks resemble: at survival probability p each
+rank computes about p of the blocks (SDP at coverage C = p without SDP's structure: here every rank
+still holds, all-reduces and updates the whole model). A dropped block never runs its residual
+branch (``ResidualBlock.active = False``: identity, or the shared projection shortcut of a
+downsampling block), and a kept branch is scaled by 1/p (``branch_scale``) so its expected
+contribution matches the full model used at evaluation.
+
+Why not ``torchvision.ops.StochasticDepth``: its ``row`` mode drops per sample inside a batch and its
+``batch`` mode multiplies the branch output by zero -- both still compute the branch, which is
+exactly the saving being compared. The per-batch block drop is done with the blocks' own switch.
+
+DDP must be told that parameters may go unused (``find_unused_parameters=True`` whenever p < 1):
+a skipped block's parameters then get zero gradients that are still averaged over all ranks, the
+usual semantics of stochastic depth under data parallelism. Draws come from a generator seeded by
+(seed, rank), so runs are reproducible and ranks drop different blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from sdp.config import one_of, require
+from sdp.metrics.timing import PhaseTimer
+from sdp.models.base import ResidualBlock, SDPModel
+from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, register
+from sdp.parallel.ddp import DDPStrategy
+
+
+def survival_probs(*, n: int, p: float, decay: str) -> list[float]:
+    """Per-block survival: ``uniform`` p everywhere; ``linear`` 1 - (l+1)/n (1 - p), so the last
+    block survives with p (Huang et al. 2016, with block l counted from 0)."""
+    if decay == "uniform":
+        return [p] * n
+    return [1.0 - (i + 1) / n * (1.0 - p) for i in range(n)]
+
+
+def draw_blocks(blocks: Sequence[ResidualBlock], *, probs: Sequence[float], rescale: bool, generator: torch.Generator) -> list[bool]:
+    """Switch each block on with its probability (others skip their branch); returns the draws."""
+    u = torch.rand(len(blocks), generator=generator).tolist()
+    kept = [ui < pi for ui, pi in zip(u, probs)]
+    for block, keep, pi in zip(blocks, kept, probs):
+        block.active = keep
+        block.branch_scale = 1.0 / pi if (keep and rescale) else 1.0
+    return kept
+
+
+def reset_blocks(blocks: Sequence[ResidualBlock]) -> None:
+    for block in blocks:
+        block.active, block.branch_scale = True, 1.0
+
+
+class _DropStrategy(DDPStrategy):
+    """DDP plus a per-rank, per-batch block draw; the full model (all blocks, scale 1) at evaluation."""
+
+    decays: tuple[str, ...] = ("uniform",)
+
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+        p = cfg.get("survival_prob")
+        require(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1, "parallelism.survival_prob",
+                p, "must be a number in (0, 1]")
+        one_of("parallelism.decay", cfg.get("decay", "uniform"), cls.decays)
+        require(isinstance(cfg.get("rescale", True), bool), "parallelism.rescale", cfg.get("rescale"), "must be true or false")
+
+    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
+        units = model.sdp_units()
+        require(len(units) > 0, "model", type(model).__name__, "declares no ResidualBlock to drop")
+        self.blocks = [b for _, b in units]
+        self.probs = survival_probs(n=len(self.blocks), p=float(self.cfg.survival_prob), decay=str(self.cfg.get("decay", "uniform")))
+        self.rescale = bool(self.cfg.get("rescale", True))
+        self.generator = torch.Generator().manual_seed(int(self.full_cfg.get("seed", 0)) * 1_000_003 + 17 * self.ctx.rank + 1)
+        self.kept_counts = [0] * len(self.blocks)
+        self.draws = 0
+        self.cfg = OmegaConf.merge(self.cfg, {"find_unused_parameters": min(self.probs) < 1.0})
+        super().setup(model=model, optimizer_factory=optimizer_factory)
+
+    def train_step(
+        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
+    ) -> StepResult:
+        kept = draw_blocks(self.blocks, probs=self.probs, rescale=self.rescale, generator=self.generator)
+        try:
+            result = super().train_step(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer, step=step)
+        finally:
+            reset_blocks(self.blocks)
+        self.kept_counts = [c + int(k) for c, k in zip(self.kept_counts, kept)]
+        self.draws += 1
+        return result
+
+    def summary_extra(self) -> dict[str, Any]:
+        n = max(self.draws, 1)
+        return {
+            "survival_probs": self.probs,
+            "rescale": self.rescale,
+            "executed_fraction_per_block": [c / n for c in self.kept_counts],  # this rank (rank 0 in summary.json)
+            "executed_fraction": sum(self.kept_counts) / (n * len(self.blocks)),
+            "expected_fraction": sum(self.probs) / len(self.probs),
+            "steps_drawn": self.draws,
+        }
+
+
+@register("ddp_stochastic_depth")
+class DDPStochasticDepthStrategy(_DropStrategy):
+    """Stochastic depth (Huang et al. 2016): linear decay of survival with depth, or uniform."""
+
+    decays = ("linear", "uniform")
+
+
+@register("ddp_layerdrop")
+class DDPLayerDropStrategy(_DropStrategy):
+    """LayerDrop (Fan et al. 2019): the same drop rate for every block."""

@@ -1,0 +1,140 @@
+"""FSDP2 baseline: ``fully_shard`` on every block, then on the root, over an explicit device mesh.
+
+Why these choices:
+- Per-block sharding (bottom-up, root last) is the FSDP2 recipe: each block is one all-gather /
+  reduce-scatter group, so at most one block's full parameters live outside their shards at a time.
+- The mesh is always explicit (``init_device_mesh(device.type, ...)``): with a gloo default group on
+  a machine with GPUs, ``fully_shard`` without a CPU mesh moves parameters to CUDA (pytorch #132471).
+- Reductions are forced to SUM followed by a division (``set_force_sum_reduction_for_comms``): gloo's
+  reduce-scatter with AVG has summed instead of averaging (pytorch #162338, silent). The gradient test
+  in ``tests/test_fsdp.py`` compares the gathered gradients with a single-process reference.
+- ``parallelism.replicate`` > 1 is HSDP: a 2-D mesh (replicate, shard), parameters sharded within a
+  shard group and all-reduced across replicas.
+- Communication is counted by intercepting the ``torch.distributed`` collectives FSDP issues
+  (:func:`sdp.metrics.collectives.count_collectives`); memory counts local shards (``to_local``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from sdp.config import positive_int, require
+from sdp.metrics.collectives import count_collectives
+from sdp.metrics.timing import PhaseTimer
+from sdp.models.base import SDPModel
+from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers, register
+
+
+def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    """Every ``fully_shard``-ed module under ``module`` (root included), in ``modules()`` order."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+@register("fsdp")
+class FSDPStrategy(Strategy):
+    """Parameters, gradients and optimizer state sharded over the shard dimension of the mesh."""
+
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+        replicate = cfg.get("replicate", 1)
+        positive_int("parallelism.replicate", replicate)
+        require(world_size % replicate == 0, "parallelism.replicate", replicate,
+                f"must divide cluster.world_size={world_size} (HSDP mesh = replicate x shard)")
+        require(isinstance(cfg.get("reshard_after_forward", True), bool), "parallelism.reshard_after_forward",
+                cfg.get("reshard_after_forward"), "must be true or false")
+        require(isinstance(cfg.get("mixed_precision", False), bool), "parallelism.mixed_precision",
+                cfg.get("mixed_precision"), "must be true or false")
+
+    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
+        ctx = self.ctx
+        replicate = int(self.cfg.get("replicate", 1))
+        mixed = bool(self.cfg.get("mixed_precision", False))
+        # Checked here because Strategy.validate does not see cluster.device; every rank raises alike.
+        require(not mixed or ctx.device.type == "cuda", "parallelism.mixed_precision", mixed,
+                f"bf16 parameters need cluster.device=cuda (this run is on {ctx.device.type}); set it to false")
+        self.reshard_after_forward = bool(self.cfg.get("reshard_after_forward", True))
+        if replicate > 1:
+            shape, names = (replicate, ctx.world_size // replicate), ("replicate", "shard")
+        else:
+            shape, names = (ctx.world_size,), ("shard",)
+        self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+        model.to(ctx.device)
+        for block in model.blocks:
+            fully_shard(block, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        # None: FSDP2's default for the root, which keeps its (stem + head) parameters after forward
+        # because backward needs them first; an explicit True would re-gather them at once.
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=None, mp_policy=policy)
+        for m in fsdp_modules(model):
+            m.set_force_sum_reduction_for_comms(True)  # per module (not recursive): SUM, then divide
+        self.module = model
+        self.optimizer = optimizer_factory(model.parameters())  # after sharding: holds the DTensor shards
+
+    def train_step(
+        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
+    ) -> StepResult:
+        assert self.module is not None and self.optimizer is not None
+        with count_collectives(self.ctx.comm):
+            with timer.phase("forward"):  # includes each block's parameter all-gather
+                loss = loss_fn(self.module(inputs), targets)
+            with timer.phase("backward"):  # includes re-gathers and the gradient reduce-scatters
+                loss.backward()
+            self.note_grads()
+            with timer.phase("optimizer"):  # local: every rank updates its own shards
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)
+        return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
+
+    @contextmanager
+    def eval_module(self) -> Iterator[nn.Module]:
+        """The FSDP module itself, unsharded once for the whole evaluation.
+
+        Why unshard up front instead of letting each forward all-gather: ranks evaluate different
+        numbers of validation batches when the set does not split evenly, and per-forward
+        all-gathers would then wait for a rank that has finished. One all-gather per block (counted
+        as ``eval`` traffic), resharding disabled during evaluation, and the usual buffer average.
+        """
+        assert self.module is not None
+        model = self.module
+        comm = self.ctx.comm
+        prev = comm.phase
+        comm.phase = "eval"
+        modules = fsdp_modules(model)
+        try:
+            with count_collectives(comm):
+                model.set_reshard_after_forward(False)  # type: ignore[operator]
+                for m in modules:
+                    m.unshard()
+            average_buffers(model, ctx=self.ctx)  # records its own all-reduce (not intercepted twice)
+            comm.phase = prev
+            model.eval()
+            yield model
+        finally:
+            comm.phase = prev
+            model.train()
+            for m in modules:
+                m.reshard()
+            self._restore_reshard_policy()
+
+    def _restore_reshard_policy(self) -> None:
+        """Blocks back to the configured policy; the root to FSDP2's default of not resharding
+        after forward (its parameters are needed first in backward anyway)."""
+        model: Any = self.module
+        model.set_reshard_after_forward(self.reshard_after_forward, recurse=True)
+        model.set_reshard_after_forward(False, recurse=False)
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {
+            "mesh_shape": list(self.mesh.shape),
+            "mesh_dims": list(self.mesh.mesh_dim_names or ()),
+            "reshard_after_forward": self.reshard_after_forward,
+            "mixed_precision": bool(self.cfg.get("mixed_precision", False)),
+            "sharded_modules": len(fsdp_modules(self.module)) if self.module is not None else 0,
+        }

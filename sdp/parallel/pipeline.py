@@ -1,0 +1,214 @@
+"""Pipeline-parallel baseline: ``torch.distributed.pipelining`` with stages cut at block boundaries.
+
+Why these choices:
+- Manual split (torchtitan style), not the tracer: a stage is the stem (first stage), a contiguous
+  run of blocks kept under their original names (``blocks.3...``, so gradients and state compare
+  name by name with the unsplit model), and the head (last stage). Non-owned parts of the model are
+  released; a meta-device skeleton of the whole model is kept for evaluation.
+- Ranks form a (dp, pp) mesh: pipeline replicas of ``pp = world / dp`` consecutive ranks. The
+  trainer splits the global batch over the dp replicas only; every rank of a replica loads the
+  replica's batch, the first stage splits it into ``microbatches`` and the last computes the loss.
+  With dp > 1 each stage's gradients are all-reduced over its dp group (one flat all-reduce).
+- Gradients equal the unsplit model's: the loss is the mean per microbatch and the schedule divides
+  the accumulated gradients by the microbatch count (``scale_grads``).
+- BatchNorm inside a stage normalises with per-*microbatch* statistics, so a BatchNorm model's
+  training differs from DDP unless a microbatch is the whole per-rank batch; LayerNorm models match.
+- Evaluation assembles the full model on every rank: each stage's parameters and buffers are
+  broadcast from their owner over the pipeline group (counted as ``eval`` traffic), then buffers are
+  averaged like every other strategy's. Simplest correct choice: the trainer evaluates each rank's
+  own validation shard with a plain module, which a stage-by-stage evaluation could not do.
+- Communication (activation / gradient sends and receives, dp all-reduces) is counted by
+  intercepting ``torch.distributed`` during the step (:func:`sdp.metrics.collectives.count_collectives`).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from sdp.metrics.collectives import count_collectives
+from sdp.metrics.timing import PhaseTimer
+from sdp.models.base import SDPModel, count_params
+from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers, register
+from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan
+
+
+class StageModule(nn.Module):
+    """Stem (first stage only) -> blocks[lo:hi] under their original indices -> head (last stage only)."""
+
+    def __init__(self, *, model: SDPModel, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.stem = model.stem if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
+        self.head = model.head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if self.stem is not None:
+            x = self.stem(x)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device (no memory)."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def stage_of(model: SDPModel, plan: PipelinePlan, s: int) -> StageModule:
+    return StageModule(model=model, lo=plan.bounds[s], hi=plan.bounds[s + 1], first=s == 0, last=s == plan.num_stages - 1)
+
+
+@register("pipeline")
+class PipelineStrategy(Strategy):
+    """GPipe / 1F1B / interleaved 1F1B over ``world / dp`` ranks, optionally replicated dp times."""
+
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+        check_layout(cfg=cfg, world_size=world_size)
+        root = cfg._get_root() if hasattr(cfg, "_get_root") else None
+        if root is not None and "model" in root and "train" in root:  # called from sdp.config.validate
+            from sdp.worker import build
+
+            with torch.device("meta"):  # the real model's structure, no memory
+                model = build(OmegaConf.create(OmegaConf.to_container(root.model, resolve=True)))
+            make_plan(cfg=cfg, world_size=world_size, model=model, batch_size=int(root.train.batch_size))
+
+    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
+        ctx = self.ctx
+        plan = make_plan(cfg=self.cfg, world_size=ctx.world_size, model=model,
+                         batch_size=int(self.full_cfg.train.batch_size))
+        self.plan = plan
+        self.mesh = init_device_mesh(ctx.device.type, (plan.dp, plan.pp), mesh_dim_names=("dp", "pp"))
+        self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp")
+        self.pp_rank, self.dp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
+        self.skeleton = meta_skeleton(model)
+        self.stage_keys = [list(stage_of(self.skeleton, plan, s).state_dict()) for s in range(plan.num_stages)]
+        self.stage_params = [count_params(stage_of(self.skeleton, plan, s)) for s in range(plan.num_stages)]
+        self.stage_ids = plan.stages_of(self.pp_rank)
+        stages = [stage_of(model, plan, s).to(ctx.device) for s in self.stage_ids]
+        self._release_unowned(model)
+        self.module = nn.ModuleList(stages)
+        self.pipe_stages = [PipelineStage(m, s, plan.num_stages, ctx.device, group=self.pp_group)
+                            for m, s in zip(stages, self.stage_ids)]
+        self.optimizer = optimizer_factory(self.module.parameters())
+        self.schedule: Any = None
+        self.microbatches = int(self.cfg.microbatches)
+
+    def _release_unowned(self, model: SDPModel) -> None:
+        """Drop this rank's references to other stages' modules so their memory is freed."""
+        owned = {i for s in self.stage_ids for i in range(self.plan.bounds[s], self.plan.bounds[s + 1])}
+        for i in range(len(model.blocks)):
+            if i not in owned:
+                model.blocks[i] = nn.Identity()
+        if 0 not in self.stage_ids:
+            model.stem = nn.Identity()
+        if self.plan.num_stages - 1 not in self.stage_ids:
+            model.head = nn.Identity()
+
+    def data_parallel(self) -> tuple[int, int]:
+        """Only pipeline replicas split the batch: all ranks of a replica see the same samples."""
+        return self.dp_rank, self.plan.dp
+
+    def _build_schedule(self, loss_fn: LossFn) -> Any:
+        kind, mb = str(self.cfg.schedule), self.microbatches
+        if kind == "gpipe":
+            return ScheduleGPipe(self.pipe_stages[0], mb, loss_fn=loss_fn, scale_grads=True)
+        if kind == "1f1b":
+            return Schedule1F1B(self.pipe_stages[0], mb, loss_fn=loss_fn, scale_grads=True)
+        return ScheduleInterleaved1F1B(self.pipe_stages, mb, loss_fn=loss_fn, scale_grads=True)
+
+    def train_step(
+        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
+    ) -> StepResult:
+        assert self.module is not None and self.optimizer is not None
+        if self.schedule is None:
+            self.schedule = self._build_schedule(loss_fn)
+        first, last = 0 in self.stage_ids, self.plan.num_stages - 1 in self.stage_ids
+        losses: list[torch.Tensor] = []
+        with count_collectives(self.ctx.comm):
+            with timer.phase("pipeline"):  # forward + backward of all microbatches, with stage sends
+                self.schedule.step(*((inputs,) if first else ()), target=targets if last else None,
+                                   losses=losses if last else None, return_outputs=False)
+            self.note_grads()
+            if self.plan.dp > 1:
+                with timer.phase("grad_sync"):
+                    self._sync_grads()
+            with timer.phase("optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)
+        if not last:
+            return StepResult(loss_sum=torch.zeros((), device=inputs.device), count=0)
+        n = int(inputs.shape[0])
+        return StepResult(loss_sum=torch.stack([l.detach() for l in losses]).sum() * (n // self.microbatches), count=n)
+
+    def _sync_grads(self) -> None:
+        """Average this rank's stage gradients over the pipeline replicas (one flat all-reduce)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.plan.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    @contextmanager
+    def eval_module(self) -> Iterator[nn.Module]:
+        """The whole model, assembled on every rank from the stage owners (see module docstring)."""
+        comm, prev = self.ctx.comm, self.ctx.comm.phase
+        comm.phase = "eval"
+        try:
+            with count_collectives(comm):
+                full = self._assemble()
+            average_buffers(full, ctx=self.ctx)  # records its own all-reduce
+        finally:
+            comm.phase = prev
+        full.eval()
+        yield full
+
+    @torch.no_grad()
+    def _assemble(self) -> nn.Module:
+        full = copy.deepcopy(self.skeleton).to_empty(device=self.ctx.device)
+        dest = full.state_dict(keep_vars=True)
+        mine = dict(zip(self.stage_ids, self.module))  # type: ignore[arg-type]
+        for s, keys in enumerate(self.stage_keys):
+            owner = self.plan.owner(s)
+            src = mine[s].state_dict() if s in mine else None
+            for dtype in sorted({dest[k].dtype for k in keys}, key=str):
+                group_keys = [k for k in keys if dest[k].dtype == dtype]
+                if src is not None:
+                    flat = torch.cat([src[k].detach().reshape(-1) for k in group_keys])
+                else:
+                    flat = torch.empty(sum(dest[k].numel() for k in group_keys), dtype=dtype, device=self.ctx.device)
+                dist.broadcast(flat, group=self.pp_group, group_src=owner)
+                offset = 0
+                for k in group_keys:
+                    dest[k].data.copy_(flat[offset : offset + dest[k].numel()].view_as(dest[k]))
+                    offset += dest[k].numel()
+        return full
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {
+            "schedule": str(self.cfg.schedule),
+            "microbatches": self.microbatches,
+            "pp": self.plan.pp,
+            "dp": self.plan.dp,
+            "stages_per_rank": self.plan.stages_per_rank,
+            "stage_bounds": list(self.plan.bounds),
+            "stage_params": self.stage_params,
+            "stage_owner_pp_rank": [self.plan.owner(s) for s in range(self.plan.num_stages)],
+        }
