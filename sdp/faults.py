@@ -10,7 +10,7 @@ the ``step`` of that step's metrics row), before the step runs:
 
 - ``kill``: the rank sends itself SIGKILL (no cleanup, no error file: a dead node or an OOM kill);
 - ``hang``: the rank sleeps forever, so its peers wait in a collective until ``cluster.timeout_s``;
-- ``nan``: the rank's loss for that step is multiplied by NaN (so its gradients are NaN too).
+- ``nan_loss``: the rank's loss for that step is multiplied by NaN (so its gradients are NaN too).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-FAULTS = ("kill", "hang", "nan")
+FAULTS = ("kill", "hang", "nan_loss")  # not "nan": Hydra parses that as a float
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -49,8 +49,8 @@ class Faults:
                 time.sleep(3600)
 
     def loss_fn(self, fn: LossFn, n: int) -> LossFn:
-        """``fn``, or ``fn`` times NaN at the ``nan`` fault's step on its rank."""
-        if not (self.armed and self.fault == "nan" and n == self.at):
+        """``fn``, or ``fn`` times NaN at the ``nan_loss`` fault's step on its rank."""
+        if not (self.armed and self.fault == "nan_loss" and n == self.at):
             return fn
 
         def poisoned(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
