@@ -1,7 +1,11 @@
 """One validation pass over the resolved config, run in the driver before any rank starts.
 
 Why up front: a typo must cost seconds, not a cluster allocation. Every error names the key, the
-value and what is allowed (torchtitan's ``ParallelDims`` validation is the model).
+value and what is allowed (torchtitan's ``ParallelDims`` validation is the model). Unknown group
+options (``model=nope``) are refused by Hydra itself, listing the options; everything else is here:
+names and importable ``_target_``\ s, dataset paths, sizes and rates, the cluster, the reliability keys
+(``train.resume`` must resolve, ``train.debug`` must name a rank and step of the job), and last each
+strategy's own ``validate``. ``tests/test_validation.py`` holds the catalogue of bad inputs.
 """
 
 from __future__ import annotations

@@ -122,6 +122,8 @@ def test_hung_rank_hits_the_process_group_timeout_naming_the_step(tmp_path: Path
                                         "train.debug.fault_step=3"])
     assert job["rc"] != 0
     out = job["out"]
+    t_hang = float(re.search(r"hanging at step 3 t=([0-9.]+)", out).group(1))
+    print(f"\nhang -> job end: {job['ended'] - t_hang:.1f} s (cluster.timeout_s=5)")
     assert "step 3 failed on rank 0" in out, out[-3000:]
     assert "cluster.timeout_s=5" in out, out[-3000:]
     assert job["orphans"] == [], f"processes left behind: {job['orphans']}"
