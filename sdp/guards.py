@@ -37,9 +37,10 @@ def _ranks(flags: torch.Tensor) -> list[int]:
     return [int(i) for i in torch.nonzero(flags > 0).flatten()]
 
 
-def grads_finite(optimizer: torch.optim.Optimizer) -> bool:
-    """True when the norm of every gradient this rank's optimizer holds is finite (DTensor grads are
-    checked on their local shard; the guard's all-reduce combines the ranks)."""
+def grads_nonfinite(optimizer: torch.optim.Optimizer) -> torch.Tensor | float:
+    """1 when the norm of the gradients this rank's optimizer holds is not finite, else 0 (DTensor
+    grads are checked on their local shard; the guard's all-reduce combines the ranks). A device
+    tensor, so the check adds no host sync to the step."""
     grads = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -47,8 +48,8 @@ def grads_finite(optimizer: torch.optim.Optimizer) -> bool:
                 g = p.grad
                 grads.append(g.to_local() if hasattr(g, "to_local") else g)
     if not grads:
-        return True
-    return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)))
+        return 0.0
+    return (~torch.isfinite(torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False))).double()
 
 
 class NumericsGuard:
@@ -57,7 +58,7 @@ class NumericsGuard:
     def __init__(self, *, policy: str, ctx: DistContext, optimizer: torch.optim.Optimizer) -> None:
         assert policy in POLICIES, f"train.nan_policy={policy!r} not in {POLICIES}"
         self.policy, self.ctx, self.optimizer = policy, ctx, optimizer
-        self.grad_bad = False  # this rank's gradients were not finite in the current step
+        self.grad_bad: torch.Tensor | float = 0.0  # this rank's gradients were not finite in this step
         self.skipped_steps = 0
         self._skipped_now = False
         original, guard = optimizer.step, self
@@ -70,10 +71,10 @@ class NumericsGuard:
         optimizer.step = types.MethodType(guarded_step, optimizer)  # type: ignore[method-assign]
 
     def _guarded_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self.grad_bad = not grads_finite(self.optimizer)
+        self.grad_bad = grads_nonfinite(self.optimizer)
         if self.policy == "skip":
             flags = torch.zeros(self.ctx.world_size, dtype=torch.float64, device=self.ctx.device)
-            flags[self.ctx.rank] = float(self.grad_bad)
+            flags[self.ctx.rank] = self.grad_bad
             if self.ctx.world_size > 1:
                 dist.all_reduce(flags)
             if bool(flags.any()):
@@ -89,10 +90,10 @@ class NumericsGuard:
         loss_sum = float(result.loss_sum)
         buf[0], buf[1] = loss_sum, float(result.count)
         buf[2 + r] = float(result.count > 0 and not torch.isfinite(torch.tensor(loss_sum)))
-        buf[2 + w + r] = float(self.grad_bad)
+        buf[2 + w + r] = self.grad_bad
         if w > 1:
             dist.all_reduce(buf)
-        self.grad_bad = False
+        self.grad_bad = 0.0
         skipped, self._skipped_now = self._skipped_now, False
         loss = float(buf[0] / buf[1]) if buf[1] > 0 else float("nan")
         bad_loss, bad_grad = _ranks(buf[2 : 2 + w]), _ranks(buf[2 + w :])
