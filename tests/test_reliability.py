@@ -26,8 +26,16 @@ from sdp.parallel import STRATEGIES
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["experiment=smoke", "cluster.world_size=2", "train.steps=12", "train.eval_every=5", "logger.progress=false"]
 KILL = ["train.checkpoint_every=3", "train.debug.fault=kill", "train.debug.fault_rank=1", "train.debug.fault_step=8"]
-# strategy -> overrides selecting it (add a strategy here once its checkpoint_state/load_checkpoint_state exist)
-RESUME = {"ddp": [], "sdp": ["parallelism=sdp"], "fsdp": ["parallelism=fsdp"], "pipeline": ["parallelism=pipeline"]}
+# (id, strategy, overrides): add a strategy here once its checkpoint_state/load_checkpoint_state exist.
+# ddp-4ranks: several DDP buckets on 4 ranks, where gloo's ring sum order depends on the bucket layout
+# (see sdp.parallel.ddp.prime_buckets); 2 ranks sum a + b in any layout.
+RESUME = [
+    ("ddp", "ddp", []),
+    ("ddp-4ranks", "ddp", ["cluster.world_size=4", "train.batch_size=16", "parallelism.bucket_cap_mb=0.25"]),
+    ("sdp", "sdp", ["parallelism=sdp"]),
+    ("fsdp", "fsdp", ["parallelism=fsdp"]),
+    ("pipeline", "pipeline", ["parallelism=pipeline"]),
+]
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -84,13 +92,12 @@ def require_strategy(name: str) -> None:
         pytest.skip(f"strategy {name!r} is not registered on this branch")
 
 
-@pytest.mark.parametrize("strategy", list(RESUME))
-def test_resume_after_sigkill_is_bit_identical(jobs, strategy: str) -> None:
+@pytest.mark.parametrize(("case", "strategy", "sel"), RESUME, ids=[r[0] for r in RESUME])
+def test_resume_after_sigkill_is_bit_identical(jobs, case: str, strategy: str, sel: list[str]) -> None:
     require_strategy(strategy)
-    sel = RESUME[strategy]
-    full = jobs(f"{strategy}-full", sel)
+    full = jobs(f"{case}-full", sel)
     assert full["rc"] == 0, full["out"][-3000:]
-    killed = jobs(f"{strategy}-killed", sel + KILL)
+    killed = jobs(f"{case}-killed", sel + KILL)
     assert killed["rc"] != 0, "the killed job must fail"
     run_dir = killed["dir"]
     assert [r["step"] for r in rows(run_dir) if "loss" in r] == list(range(1, 8)), "rows up to the kill are kept"
