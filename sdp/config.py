@@ -1,7 +1,11 @@
 """One validation pass over the resolved config, run in the driver before any rank starts.
 
 Why up front: a typo must cost seconds, not a cluster allocation. Every error names the key, the
-value and what is allowed (torchtitan's ``ParallelDims`` validation is the model).
+value and what is allowed (torchtitan's ``ParallelDims`` validation is the model). Unknown group
+options (``model=nope``) are refused by Hydra itself, listing the options; everything else is here:
+names and importable ``_target_``\ s, dataset paths, sizes and rates, the cluster, the reliability keys
+(``train.resume`` must resolve, ``train.debug`` must name a rank and step of the job), and last each
+strategy's own ``validate``. ``tests/test_validation.py`` holds the catalogue of bad inputs.
 """
 
 from __future__ import annotations
@@ -39,12 +43,74 @@ def positive_float(key: str, value: Any) -> None:
             "must be a number > 0")
 
 
+def boolean(key: str, value: Any) -> None:
+    require(isinstance(value, bool), key, value, "must be true or false")
+
+
+def importable(key: str, value: Any, *, base: type | None = None) -> None:
+    """A ``_target_`` must name an importable object (and a subclass of ``base`` when it is a class)."""
+    from hydra.utils import get_object
+
+    require(isinstance(value, str) and bool(value), key, value, "must be a dotted path such as pkg.module.Name")
+    try:
+        obj = get_object(value)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's typo to report
+        fail(key, value, f"cannot be imported ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+             "allowed: a dotted path to an importable class or function")
+    if base is not None and isinstance(obj, type):
+        require(issubclass(obj, base), key, value, f"{obj.__name__} is not a subclass of {base.__module__}.{base.__name__}")
+
+
+def validate_train(cfg: DictConfig) -> None:
+    """The ``train:`` node, including the reliability keys and the ``train.debug`` fault injection."""
+    from sdp import checkpoint, faults, guards
+
+    tc = cfg.train
+    for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
+        positive_int(f"train.{key}", tc[key])
+    for key in ("eval_every", "warmup_steps", "num_workers", "checkpoint_every", "checkpoint_keep"):
+        positive_int(f"train.{key}", tc[key], minimum=0)
+    one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
+    boolean("train.deterministic", tc.deterministic)
+    if tc.resume is not None and str(tc.resume) != "auto":
+        checkpoint.resolve(resume=tc.resume, run_dir=None)  # raises ConfigError naming the path
+    dbg = tc.debug
+    if dbg.fault is not None:
+        one_of("train.debug.fault", dbg.fault, faults.FAULTS)
+        positive_int("train.debug.fault_rank", dbg.fault_rank, minimum=0)
+        require(dbg.fault_rank < cfg.cluster.world_size, "train.debug.fault_rank", dbg.fault_rank,
+                f"must be a rank of the job, < cluster.world_size={cfg.cluster.world_size}")
+        positive_int("train.debug.fault_step", dbg.fault_step)
+        require(dbg.fault_step <= tc.steps, "train.debug.fault_step", dbg.fault_step,
+                f"must be a step of the run, <= train.steps={tc.steps}")
+
+
+def validate_strategy(cfg: DictConfig) -> None:
+    """The strategy's own checks; ``full_cfg`` is passed to overrides whose signature names it."""
+    import inspect
+
+    from sdp.parallel import STRATEGIES
+
+    cls = STRATEGIES.get(str(cfg.parallelism.name))
+    kwargs: dict[str, Any] = {"cfg": cfg.parallelism, "world_size": int(cfg.cluster.world_size)}
+    if "full_cfg" in inspect.signature(cls.validate).parameters:
+        kwargs["full_cfg"] = cfg
+    cls.validate(**kwargs)
+
+
 def validate(cfg: DictConfig) -> None:
     """Check everything that can be checked without starting a rank."""
     from sdp.launch import external_launcher
+    from sdp.models.base import SDPModel
     from sdp.parallel import STRATEGIES
 
     one_of("parallelism.name", cfg.parallelism.name, STRATEGIES.names())
+    importable("model._target_", cfg.model.get("_target_"), base=SDPModel)
+    importable("dataset._target_", cfg.dataset.get("_target_"))
+    from sdp.data.common import preflight
+
+    preflight(cfg.dataset)  # dataset files: a missing root or a bad shard fails here, named, before any rank
+    importable("optim.optimizer._target_", cfg.optim.optimizer.get("_target_"))
     cl = cfg.cluster
     positive_int("cluster.world_size", cl.world_size)
     one_of("cluster.device", cl.device, ("cpu", "cuda"))
@@ -66,20 +132,11 @@ def validate(cfg: DictConfig) -> None:
                     f"NCCL needs one GPU per rank and {n_gpu} are visible; use cluster.backend=gloo to share a GPU")
     if cl.device == "cpu":
         require(cl.backend != "nccl", "cluster.backend", cl.backend, "NCCL needs cluster.device=cuda; use gloo or auto on CPU")
-    tc = cfg.train
-    positive_int("train.steps", tc.steps)
-    positive_int("train.batch_size", tc.batch_size)
-    positive_int("train.eval_batch_size", tc.eval_batch_size)
-    positive_int("train.eval_every", tc.eval_every, minimum=0)
-    positive_int("train.log_every", tc.log_every)
-    positive_int("train.warmup_steps", tc.warmup_steps, minimum=0)
-    positive_int("train.num_workers", tc.num_workers, minimum=0)
+    validate_train(cfg)
     positive_int("seed", cfg.seed, minimum=0)
     positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)
     one_of("optim.schedule", cfg.optim.schedule, ("constant", "cosine", "linear"))
     positive_int("optim.warmup_steps", cfg.optim.warmup_steps, minimum=0)
     one_of("logger.wandb.mode", cfg.logger.wandb.mode, ("online", "offline", "disabled"))
-    STRATEGIES.get(cfg.parallelism.name).validate(cfg=cfg.parallelism, world_size=int(cl.world_size))
-    from sdp.data.common import preflight
-
-    preflight(cfg.dataset)  # dataset files: a missing root or a bad shard fails here, named, before any rank
+    positive_float("logger.wandb.init_timeout_s", cfg.logger.wandb.init_timeout_s)
+    validate_strategy(cfg)

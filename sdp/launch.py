@@ -17,7 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 
 
 class RankFailure(RuntimeError):
-    """A rank of the job raised; the message carries the rank and its traceback."""
+    """A rank of the job failed; the message carries the rank and its traceback (or signal)."""
+
+    def __init__(self, message: str, *, rank: int, exitcode: int) -> None:
+        super().__init__(message)
+        self.rank, self.exitcode = rank, exitcode
 
 
 def external_launcher() -> bool:
@@ -52,10 +56,18 @@ def launch(*, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     try:
         outputs = elastic_launch(launch_cfg, run_rank)(config, str(run_dir))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        # Root cause first: a rank killed by a signal (its peers then fail in their collectives,
+        # within the same second, so failure timestamps cannot tell them apart), else the earliest.
+        killed = sorted(r for r, f in exc.failures.items() if f.exitcode < 0)
+        rank, failure = (killed[0], exc.failures[killed[0]]) if killed else exc.get_first_failure()
         data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
         inner = data.get("message", {})
         callstack = inner.get("extraInfo", {}).get("py_callstack") if isinstance(inner, dict) else None
         message = callstack or failure.message
-        raise RankFailure(f"rank {rank} of {world} failed (exit code {failure.exitcode}):\n{message}") from None
+        others = sorted(r for r in exc.failures if r != rank)
+        also = f" (then also rank(s) {others})" if others else ""
+        raise RankFailure(
+            f"rank {rank} of {world} failed (exit code {failure.exitcode}){also}:\n{message}",
+            rank=rank, exitcode=failure.exitcode,
+        ) from None
     return outputs.get(0)

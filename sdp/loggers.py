@@ -56,26 +56,35 @@ class JsonlLogger:
 
 
 class WandbLogger:
-    """Mirrors rows to W&B. If W&B cannot start (no network, bad key) the run goes on without it."""
+    """Mirrors rows to W&B. If W&B cannot start (no network, bad key, online mode on an offline node)
+    the run goes on: online falls back to offline (sync later with ``wandb sync``), offline to
+    disabled, each said on stderr; ``mode_used`` records what it ended up as. ``init_timeout_s``
+    bounds how long a start may take, so an unreachable server costs seconds, not the run."""
 
     def __init__(self, *, cfg: Any, run_dir: Path, config: dict[str, Any], group: str, job_type: str, name: str) -> None:
         self.run = None
         mode = str(cfg.mode)
         if mode not in ("online", "offline", "disabled"):
             raise ValueError(f"logger.wandb.mode={mode!r} not in ('online', 'offline', 'disabled')")
-        if mode == "disabled":
-            return
-        try:
-            import wandb
+        self.mode_used = "disabled"
+        for attempt in (("online", "offline") if mode == "online" else (mode,)) if mode != "disabled" else ():
+            try:
+                import wandb
 
-            self.run = wandb.init(
-                project=cfg.project, entity=cfg.get("entity"), group=cfg.get("group") or group,
-                job_type=job_type, name=name, tags=list(cfg.get("tags") or []), config=config,
-                dir=str(run_dir), mode=mode, reinit="create_new",
-            )
-        except Exception as exc:  # noqa: BLE001 - any W&B failure must not cost the run
-            warnings.warn(f"W&B ({mode}) could not start, continuing without it: {exc}")
-            self.run = None
+                self.run = wandb.init(
+                    project=cfg.project, entity=cfg.get("entity"), group=cfg.get("group") or group,
+                    job_type=job_type, name=name, tags=list(cfg.get("tags") or []), config=config,
+                    dir=str(run_dir), mode=attempt, reinit="create_new",
+                    settings=wandb.Settings(init_timeout=float(cfg.get("init_timeout_s") or 30)),
+                )
+                self.mode_used = attempt
+                return
+            except Exception as exc:  # noqa: BLE001 - any W&B failure must not cost the run
+                then = "trying offline" if attempt == "online" else "continuing with W&B disabled"
+                msg = f"W&B ({attempt}) could not start, {then}; metrics.jsonl is unaffected: {type(exc).__name__}: {exc}"
+                print(f"[sdp] {msg}", file=sys.stderr, flush=True)
+                warnings.warn(msg)
+                self.run = None
 
     def log(self, row: dict[str, Any]) -> None:
         if self.run is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sdp import results
+from sdp import checkpoint, results
 from sdp.budget import resolve_steps
 from sdp.config import validate
-from sdp.launch import external_launcher, launch
+from sdp.launch import RankFailure, external_launcher, launch
 
 # A per-process unique token for run directories: two jobs started in the same second never share
 # a directory (cached, so every interpolation in one process sees the same value).
@@ -75,9 +76,22 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     validate(cfg)
     cfg.train.steps, budget = resolve_steps(cfg)
-    if not external_launcher() or os.environ.get("RANK") == "0":
+    driver = not external_launcher() or os.environ.get("RANK") == "0"
+    ckpt = checkpoint.resolve(resume=cfg.train.resume, run_dir=run_dir)
+    cfg.train.resume = str(ckpt) if ckpt is not None else None  # ranks load exactly this directory
+    if ckpt is not None and driver:
+        step = checkpoint.prepare_run_dir(ckpt=ckpt, run_dir=run_dir)
+        print(f"resuming from {ckpt} (step {step}); metrics.jsonl holds steps <= {step}", flush=True)
+    if driver:
         results.write_config(cfg=cfg, run_dir=run_dir)
-    summary = launch(cfg=cfg, run_dir=run_dir)
+    started = time.time()
+    try:
+        summary = launch(cfg=cfg, run_dir=run_dir)
+    except RankFailure as exc:
+        # The job-level verdict, next to whatever metrics.jsonl already holds.
+        results.write_json(run_dir / "failure.json", {"rank": exc.rank, "exitcode": exc.exitcode,
+                                                      "seconds_after_start": time.time() - started, "message": str(exc)})
+        raise
     if summary is not None:
         summary["budget"] = budget
         results.write_json(Path(summary["run_dir"]) / "summary.json", summary)

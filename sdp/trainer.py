@@ -9,7 +9,8 @@ schedule, logging, evaluation of the full model on the sharded validation set, a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
+from sdp import checkpoint, guards
 from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches, val_batches
+from sdp.faults import Faults
 from sdp.loggers import Logger, ProgressBar
 from sdp.metrics.timing import PhaseTimer
 from sdp.parallel.base import Strategy
@@ -54,13 +57,20 @@ class TrainState:
     last_loss: float | None = None
     last_eval: dict[str, Any] = field(default_factory=dict)
     samples_seen: int = 0
+    skipped_steps: int = 0
 
 
 class Trainer:
-    """Runs ``train.steps`` steps of ``strategy`` on ``data``; logs rank 0 only."""
+    """Runs ``train.steps`` steps of ``strategy`` on ``data``; logs rank 0 only.
+
+    Reliability hooks, one call site each: ``train.resume`` is loaded at the end of ``__init__``
+    (:mod:`sdp.checkpoint`), every step runs inside :func:`sdp.guards.naming_step` with the
+    :class:`~sdp.guards.NumericsGuard` check, ``train.debug`` faults fire before a step
+    (:mod:`sdp.faults`), and checkpoints are written after a step's logging and evaluation."""
 
     def __init__(
-        self, *, cfg: DictConfig, strategy: Strategy, data: DataBundle, logger: Logger, timer: PhaseTimer
+        self, *, cfg: DictConfig, strategy: Strategy, data: DataBundle, logger: Logger, timer: PhaseTimer,
+        run_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.strategy = strategy
@@ -73,6 +83,8 @@ class Trainer:
         self.global_batch = int(tc.batch_size) * self.ctx.world_size
         self.sampler = GlobalBatchSampler(num_samples=len(data.train), global_batch=self.global_batch, seed=int(cfg.seed))
         assert strategy.optimizer is not None, f"strategy {strategy.name!r} built no optimizer"
+        # Before the scheduler: it wraps optimizer.step too, and warns when the step is replaced after it.
+        self.guard = guards.NumericsGuard(policy=str(tc.nan_policy), ctx=self.ctx, optimizer=strategy.optimizer)
         oc = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             strategy.optimizer,
@@ -84,6 +96,17 @@ class Trainer:
             ),
         )
         self.state = TrainState()
+        self.run_dir = run_dir
+        self.faults = Faults(debug=tc.get("debug"), rank=self.ctx.rank)
+        if tc.get("resume"):
+            saved = checkpoint.load(path=Path(str(tc.resume)), strategy=strategy, scheduler=self.scheduler,
+                                    data_key=self.data_key())
+            self.state = TrainState(**saved)
+            self.guard.skipped_steps = self.state.skipped_steps
+
+    def data_key(self) -> dict[str, Any]:
+        """What the data order depends on besides the step (see :mod:`sdp.checkpoint`)."""
+        return {"seed": int(self.cfg.seed), "global_batch": self.global_batch, "num_samples": self.sampler.num_samples}
 
     # ---- loop -----------------------------------------------------------------------------------
     def fit(self) -> TrainState:
@@ -96,43 +119,46 @@ class Trainer:
             replica=self.replica, replicas=self.replicas, num_workers=int(tc.num_workers),
         )
         comm = self.ctx.comm
+        ckpt_every = int(tc.checkpoint_every)
         try:
             for step in range(self.state.step, steps):
-                comm.measuring = step >= warmup
-                self.timer.start_step()
-                with self.timer.phase("data"):
-                    inputs, targets = next(batches)
-                    inputs = inputs.to(self.ctx.device, non_blocking=True)
-                    targets = targets.to(self.ctx.device, non_blocking=True)
-                result = self.strategy.train_step(
-                    inputs=inputs, targets=targets, loss_fn=loss_fn, timer=self.timer, step=step
-                )
-                lr = self.scheduler.get_last_lr()[0]
-                self.scheduler.step()
-                step_s = self.timer.end_step()
-                comm.end_step()
-                self.state.step = step + 1
-                self.state.samples_seen += self.global_batch
-                if self.state.step % log_every == 0 or self.state.step == steps:
-                    loss = self._global_mean(result.loss_sum, result.count)
-                    self.state.last_loss = loss
-                    self.logger.log(
-                        {"step": self.state.step, "loss": loss, "lr": lr,
-                         "samples_per_s": self.global_batch / step_s, "step_s": step_s}
+                n = step + 1  # 1-based, as in metrics rows, messages and train.debug.fault_step
+                self.faults.before_step(n)
+                with guards.naming_step(step=n, rank=self.ctx.rank, timeout_s=float(self.cfg.cluster.timeout_s)):
+                    comm.measuring = step >= warmup
+                    self.timer.start_step()
+                    with self.timer.phase("data"):
+                        inputs, targets = next(batches)
+                        inputs = inputs.to(self.ctx.device, non_blocking=True)
+                        targets = targets.to(self.ctx.device, non_blocking=True)
+                    result = self.strategy.train_step(
+                        inputs=inputs, targets=targets, loss_fn=self.faults.loss_fn(loss_fn, n), timer=self.timer, step=step
                     )
-                    bar.update(self.state.step, loss=loss, samples_per_s=self.global_batch / step_s)
-                if (eval_every > 0 and self.state.step % eval_every == 0) or self.state.step == steps:
-                    self.evaluate()
+                    lr = self.scheduler.get_last_lr()[0]
+                    self.scheduler.step()
+                    step_s = self.timer.end_step()
+                    comm.end_step()
+                    # Mean loss over the global batch + numerics check: one all-reduce, measurement traffic.
+                    loss, problem = self.guard.check(step=n, result=result)
+                    self.state.step = n
+                    self.state.samples_seen += self.global_batch
+                    self.state.skipped_steps = self.guard.skipped_steps
+                    if n % log_every == 0 or n == steps or problem:
+                        self.state.last_loss = loss
+                        row = {"step": n, "loss": loss, "lr": lr, "samples_per_s": self.global_batch / step_s, "step_s": step_s}
+                        self.logger.log({**row, "nonfinite": problem} if problem else row)
+                        bar.update(n, loss=loss, samples_per_s=self.global_batch / step_s)
+                    if problem and self.guard.policy == "stop":
+                        raise guards.NonFiniteError(f"{problem} (rank {self.ctx.rank} reporting)")
+                    if (eval_every > 0 and n % eval_every == 0) or n == steps:
+                        self.evaluate()
+                    if self.run_dir is not None and ckpt_every > 0 and (n % ckpt_every == 0 or n == steps):
+                        checkpoint.save(run_dir=self.run_dir, step=n, strategy=self.strategy, scheduler=self.scheduler,
+                                        train_state=asdict(self.state), data_key=self.data_key(),
+                                        keep=int(tc.checkpoint_keep))
         finally:
             bar.close()
         return self.state
-
-    def _global_mean(self, loss_sum: torch.Tensor, count: int) -> float:
-        """Mean loss over the global batch (measurement traffic, not counted as strategy comm)."""
-        buf = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64, device=self.ctx.device)
-        if self.ctx.world_size > 1:
-            dist.all_reduce(buf)
-        return float(buf[0] / buf[1]) if buf[1] > 0 else float("nan")
 
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from sdp import results
+from sdp import results, rng
 from sdp.data.base import DataBundle
 from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
 from sdp.metrics.memory import PeakTracker
@@ -83,6 +83,7 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device, backend = resolve_device(cfg.cluster, local_rank)
+    rng.set_deterministic(enabled=bool(cfg.train.deterministic), device=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     threads = cfg.cluster.get("threads_per_rank") or max(1, (os.cpu_count() or 1) // local_world)
@@ -90,6 +91,7 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
     peak = PeakTracker(device=device)
     dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg.cluster.timeout_s)))
     logger: Logger = NullLogger()
+    out = Path(run_dir)
     try:
         # Under an external launcher every process composed its own config; rank 0's dir wins.
         shared = [run_dir]
@@ -98,14 +100,14 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
         ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
         data: DataBundle = build(cfg.dataset)
         model = build_model(cfg, data)
-        torch.manual_seed(int(cfg.seed) * 7919 + rank + 1)  # per-rank stream (dropout, stochastic depth)
+        rng.seed_rank_streams(int(cfg.seed) * 7919 + rank + 1)  # per-rank streams (dropout, stochastic depth)
         strategy: Strategy = STRATEGIES.get(str(cfg.parallelism.name))(cfg=cfg.parallelism, full_cfg=cfg, ctx=ctx)
         strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
         if rank == 0:
             strategy.save_artifacts(run_dir=out)
         logger = make_logger(cfg=cfg, ctx=ctx, run_dir=out, config=config)
         timer = PhaseTimer(device=device)
-        trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer)
+        trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer, run_dir=out)
         state = trainer.fit()
         summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state)
         if rank == 0:
@@ -116,6 +118,10 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
                     if isinstance(lg, WandbLogger):
                         lg.summary({"final": summary["final"], "time": summary["time"]})
         return summary if rank == 0 else None
+    except Exception as exc:
+        # This rank's own account (the launcher's failure.json names the job's first failure).
+        results.write_json(out / f"failure_rank{rank}.json", {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
+        raise
     finally:
         logger.finish()
         dist.destroy_process_group()
@@ -154,6 +160,7 @@ def collect_summary(
         "dataset": str(cfg.dataset.get("name", "")),
         "world_size": ctx.world_size,
         "steps": state.step,
+        "skipped_steps": state.skipped_steps,
         "global_batch": trainer.global_batch,
         "seed": int(cfg.seed),
         "dataset_notes": list(trainer.data.notes),  # e.g. files loaded without their checksum check

@@ -69,7 +69,10 @@ class Strategy(ABC):
     # ---- validation before any rank starts -----------------------------------------------------
     @classmethod
     def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
-        """Raise ``ValueError`` naming key, value and what is allowed for impossible settings."""
+        """Raise ``ValueError`` naming key, value and what is allowed for impossible settings.
+
+        An override may also accept ``full_cfg`` (the whole config: batch size, model depth, ...);
+        :func:`sdp.config.validate` passes it when the signature names it."""
 
     # ---- set-up and one step --------------------------------------------------------------------
     @abstractmethod
@@ -131,6 +134,39 @@ class Strategy(ABC):
 
     def save_artifacts(self, *, run_dir: Path) -> None:
         """Write strategy-specific files into the run directory (SDP's plan.json); rank 0 only."""
+    # ---- checkpoint / resume (written and read by sdp.checkpoint) --------------------------------
+    def checkpoint_state(self) -> dict[str, dict[str, Any]]:
+        """This rank's model and optimizer state, keyed by how it is laid out over the ranks.
+
+        - ``"shared"``: identical on every rank; rank 0 writes it once, every rank reads it.
+        - ``"local"``: this rank's own state; every rank writes and reads its own file.
+        - ``"sharded"``: a state dict of DTensors, saved and loaded collectively with
+          ``torch.distributed.checkpoint`` (FSDP2: ``get_state_dict(self.module, self.optimizer)``).
+
+        Values are tensors, numbers, strings and containers only (loaded with ``weights_only=True``);
+        put strategy facts that must survive a restart (SDP's plan) under ``"extra"`` in either part.
+        Default, right for the DDP family: parameters and optimizer state are replicated (shared);
+        buffers are rank-local (BatchNorm statistics with ``broadcast_buffers=false``), so they are
+        local. Disjoint strategies (SDP: each rank's held subnetwork and its optimizer state; pipeline:
+        each rank's stages) return everything under ``"local"``.
+        """
+        assert self.optimizer is not None, f"strategy {self.name!r} has no optimizer to checkpoint"
+        model = self.unwrapped()
+        buffers = {name for name, _ in model.named_buffers()}
+        full = model.state_dict()
+        return {
+            "shared": {"model": {k: v for k, v in full.items() if k not in buffers},
+                       "optimizer": self.optimizer.state_dict()},
+            "local": {"buffers": {k: v for k, v in full.items() if k in buffers}},
+        }
+
+    def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
+        """Inverse of :meth:`checkpoint_state`: ``state`` has the same keys, read back (``"sharded"``
+        already loaded in place into a fresh :meth:`checkpoint_state` template; FSDP2 then calls
+        ``set_state_dict``). Called after ``setup``; must leave the rank exactly as it was saved."""
+        assert self.optimizer is not None, f"strategy {self.name!r} has no optimizer to restore"
+        self.unwrapped().load_state_dict({**state["shared"]["model"], **state["local"]["buffers"]})
+        self.optimizer.load_state_dict(state["shared"]["optimizer"])
 
 
 STRATEGIES: Registry[type[Strategy]] = Registry(kind="strategy", key="parallelism.name")

@@ -60,6 +60,23 @@ def _ddp(model: torch.nn.Module, *, cfg: Any, device: torch.device, process_grou
     )
 
 
+def prime_buckets(ddp: DistributedDataParallel, *, example: torch.Tensor, comm: CommCounter) -> None:
+    """One forward/backward of zeros so DDP records its gradient-ready order, as the first step of a
+    fresh run does; the next forward then rebuilds buckets exactly as the uninterrupted run did at
+    its step 2. Without it a resumed run trains its first step with the initial bucket layout, and on
+    more than 2 ranks gloo's ring sums elements in an order that depends on their bucket offset, so the
+    curve drifts in the last bits. Call before the checkpoint is loaded (the forward touches BatchNorm
+    statistics and RNG streams, which the load then overwrites); its all-reduce is counted as
+    ``checkpoint`` traffic, not training."""
+    prev, comm.phase = comm.phase, "checkpoint"
+    try:
+        out = ddp(example)
+        (out.float().sum() * 0).backward()
+        ddp.zero_grad(set_to_none=False)
+    finally:
+        comm.phase = prev
+
+
 @register("ddp")
 class DDPStrategy(Strategy):
     """Every rank holds the full model; gradients are averaged over the world each step."""
@@ -82,3 +99,9 @@ class DDPStrategy(Strategy):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
         return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
+
+    def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
+        assert isinstance(self.module, DistributedDataParallel)
+        model = self.unwrapped()
+        prime_buckets(self.module, example=model.example_input(2).to(self.ctx.device), comm=self.ctx.comm)
+        super().load_checkpoint_state(state)

@@ -1,0 +1,167 @@
+"""Checkpoint and resume: every rank continues bit for bit where it stopped.
+
+Layout of ``<run_dir>/checkpoints/step_00000012/``:
+
+- ``shared.pt`` (rank 0): the strategy's ``"shared"`` state (replicated parameters and optimizer
+  state), the LR scheduler, the trainer's counters and the data-order key;
+- ``rank00003.pt`` (every rank): the strategy's ``"local"`` state (rank-local buffers; SDP's held
+  subnetwork; a pipeline stage) and the rank's RNG streams (torch CPU/CUDA, python, numpy);
+- ``sharded/`` (strategies with DTensor state, FSDP2): ``torch.distributed.checkpoint`` files;
+- ``meta.json``: step, world size, strategy, so a resume can be checked before anything is loaded.
+
+Why no data-loader state: a global batch is a pure function of (seed, step) (``sdp.data.base``), so
+the step *is* the data position; ``data_key`` records what that function depends on and a resume
+with a different seed, batch or dataset size is refused. Why atomic: everything is written into
+``step_N.tmp/`` and renamed by rank 0 after a barrier, so a crash mid-write never leaves a directory
+that looks complete. Loading uses ``torch.load(weights_only=True)``: no arbitrary pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdp import rng
+from sdp.config import ConfigError
+from sdp.parallel.base import Strategy
+
+CKPT_DIR = "checkpoints"
+PREFIX = "step_"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CKPT_DIR / f"{PREFIX}{step:08d}"
+
+
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (a ``meta.json``, no ``.tmp`` suffix) of a run directory, by step."""
+    root = run_dir / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(p.name[len(PREFIX):]), p) for p in root.iterdir()
+             if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and (p / "meta.json").exists()]
+    return sorted(found)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((path / "meta.json").read_text())
+
+
+def resolve(*, resume: Any, run_dir: Path | None) -> Path | None:
+    """``train.resume`` -> a checkpoint directory, or None for a fresh start.
+
+    ``null``: fresh; ``auto``: the latest checkpoint of this run directory (fresh when there is none,
+    so the same command line starts or resumes a job); a path: a checkpoint directory, or a run
+    directory (this one re-used, or a previous run's) whose latest checkpoint is taken."""
+    if resume is None or str(resume) in ("", "null", "none"):
+        return None
+    if str(resume) == "auto":
+        found = checkpoints(run_dir) if run_dir is not None else []
+        return found[-1][1] if found else None
+    path = Path(str(resume)).expanduser().resolve()
+    if (path / "meta.json").is_file():
+        return path
+    found = checkpoints(path)
+    if found:
+        return found[-1][1]
+    why = "does not exist" if not path.exists() else "holds no complete checkpoint"
+    raise ConfigError(
+        f"train.resume={str(resume)!r} is invalid: {path} {why}; allowed: null, auto (latest checkpoint of "
+        f"this run directory), a checkpoint directory (with meta.json) or a run directory with {CKPT_DIR}/"
+    )
+
+
+def save(
+    *, run_dir: Path, step: int, strategy: Strategy, scheduler: Any, train_state: dict[str, Any],
+    data_key: dict[str, Any], keep: int,
+) -> Path:
+    """Write this rank's part of the checkpoint of ``step``; collective (every rank calls it)."""
+    ctx = strategy.ctx
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(ctx.world_size)
+    state = strategy.checkpoint_state()
+    if "sharded" in state:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state["sharded"], checkpoint_id=str(tmp / "sharded"))
+    if ctx.rank == 0:
+        torch.save({"shared": state.get("shared", {}), "scheduler": scheduler.state_dict(),
+                    "train": train_state, "data_key": data_key}, tmp / "shared.pt")
+    torch.save({"local": state.get("local", {}), "rng": rng.capture()}, tmp / f"rank{ctx.rank:05d}.pt")
+    _barrier(ctx.world_size)
+    if ctx.rank == 0:
+        meta = {"step": step, "world_size": ctx.world_size, "strategy": strategy.name, "data_key": data_key}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for _, old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(*, path: Path, strategy: Strategy, scheduler: Any, data_key: dict[str, Any]) -> dict[str, Any]:
+    """Restore strategy, scheduler and RNG streams from ``path``; returns the trainer's counters."""
+    ctx = strategy.ctx
+    meta = read_meta(path)
+    for key, now, then in (("cluster.world_size", ctx.world_size, meta["world_size"]),
+                           ("parallelism.name", strategy.name, meta["strategy"])):
+        if now != then:
+            raise ConfigError(f"{key}={now!r} is invalid for resuming {path}: the checkpoint was written with {then!r}")
+    for key, now in data_key.items():
+        if meta["data_key"].get(key) != now:
+            raise ConfigError(f"{key}={now!r} is invalid for resuming {path}: the data order was "
+                              f"{meta['data_key'].get(key)!r} when it was written (resume needs the same)")
+    shared = torch.load(path / "shared.pt", map_location="cpu", weights_only=True)
+    mine = torch.load(path / f"rank{ctx.rank:05d}.pt", map_location="cpu", weights_only=True)
+    state: dict[str, Any] = {"shared": shared["shared"], "local": mine["local"]}
+    if (path / "sharded").exists():
+        import torch.distributed.checkpoint as dcp
+
+        template = strategy.checkpoint_state()["sharded"]
+        dcp.load(template, checkpoint_id=str(path / "sharded"))
+        state["sharded"] = template
+    strategy.load_checkpoint_state(state)
+    scheduler.load_state_dict(shared["scheduler"])
+    rng.restore(mine["rng"])
+    return shared["train"]
+
+
+def prepare_run_dir(*, ckpt: Path, run_dir: Path) -> int:
+    """Driver side of a resume: make ``run_dir/metrics.jsonl`` hold exactly the rows of steps up to
+    the checkpoint (copied from the checkpoint's run when it is another one; rows a killed run logged
+    after its checkpoint are dropped, so no step appears twice), and drop this run's checkpoints of
+    later steps (a stale future). Returns the checkpoint's step."""
+    step = int(read_meta(ckpt)["step"])
+    source = ckpt.parent.parent
+    rows = []
+    src = source / "metrics.jsonl"
+    if src.exists():
+        for line in src.read_text().splitlines():
+            try:
+                if int(json.loads(line)["step"]) <= step:
+                    rows.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a half-written last line of a killed run
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "metrics.jsonl.tmp"
+    tmp.write_text("".join(rows))
+    os.replace(tmp, run_dir / "metrics.jsonl")
+    for later, path in checkpoints(run_dir):
+        if later > step:
+            shutil.rmtree(path, ignore_errors=True)
+    return step
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
