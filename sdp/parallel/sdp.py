@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from sdp.config import ConfigError, one_of, positive_float, positive_int, require
@@ -70,8 +70,9 @@ class SDPStrategy(Strategy):
         if root is not cfg and "model" in root:
             from sdp.worker import build  # lazy: sdp.worker imports this package
 
+            node = OmegaConf.create(OmegaConf.to_container(root.model, resolve=True))  # resolve against the root
             with torch.device("meta"):
-                model = build(root.model)
+                model = build(node)
             try:
                 plan_for(model=model, cfg=cfg, world_size=world_size)
             except PlanError as exc:
