@@ -1,8 +1,8 @@
 """Starting ranks: torch elastic locally (the engine behind torchrun), or nothing at all when the
 process already is a rank of an external launcher (torchrun, Slurm tasks).
 
-Under Slurm (``cluster.name=slurm``) every Slurm task is one rank: :func:`slurm_environment` turns
-the task's SLURM_* variables into the torch.distributed ones, so nothing is spawned inside a task.
+Under Slurm every Slurm task is one rank (:mod:`sdp.slurm` sets the rank variables), so nothing is
+spawned inside a task.
 
 Why elastic and not a hand-written process manager: it picks a free rendezvous port, sets the rank
 environment, watches every worker, and when one raises it tears the others down within a monitor
@@ -38,7 +38,7 @@ LAUNCHER_ENV = (
     "SLURM_LOCALID", "SLURM_NODEID", "SLURM_RESTART_COUNT", "SUBMITIT_EXECUTOR", "TORCHELASTIC_RUN_ID",
     "GROUP_RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
 )
-FAILURE_GRACE_S = 10.0  # how long a failing rank waits for the other ranks' error reports
+FAILURE_GRACE_S = 3.0  # how long a rank whose report is alone waits for an earlier one (shared-FS lag)
 # What tells one attempt of a job from another in the same run directory (requeue, elastic restart).
 ATTEMPT_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
 
@@ -49,52 +49,14 @@ def launcher_identity() -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "pid": os.getpid(), "env": env}
 
 
-def master_port(*, job_id: int) -> int:
-    """A rendezvous port from the Slurm job id: 20000 + id mod 40000. Every element of a job array
-    has its own consecutive SLURM_JOB_ID, so jobs sharing a node never pick the same port (a
-    random draw, as in submitit's helper, collides now and then)."""
-    return 20000 + job_id % 40000
-
-
-def slurm_environment(*, cluster: DictConfig) -> None:
-    """Make this Slurm task a torch.distributed rank (``cluster.name=slurm``; no-op otherwise).
-
-    Exports MASTER_ADDR (first node of the job), MASTER_PORT (from the job id unless already set),
-    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from SLURM_* variables; works for tasks started
-    by the submitit launcher and by a plain ``srun`` (slurm/sdp.sbatch) alike.
-    """
-    from sdp.config import ConfigError, require
-
-    if cluster.name != "slurm" or external_launcher():
-        return
-    if "SLURM_JOB_ID" not in os.environ or "SLURM_STEP_ID" not in os.environ:
-        raise ConfigError(
-            "cluster.name='slurm' runs every rank as a Slurm task, but this process is not a Slurm job step: "
-            "add --multirun (-m) so Hydra's submitit launcher submits the job, or start it with srun "
-            "(slurm/sdp.sbatch); for local processes use cluster=local"
-        )
-    from submitit.slurm.slurm import SlurmJobEnvironment
-
-    env = SlurmJobEnvironment()  # parses SLURM_JOB_NODELIST (node[01-04] style) for the first host
-    require(env.num_tasks == int(cluster.world_size), "cluster.world_size", cluster.world_size,
-            f"this Slurm job has {env.num_tasks} tasks (SLURM_NTASKS); launch nodes x tasks_per_node = "
-            "cluster.nodes x cluster.tasks_per_node tasks (hydra.launcher resources cannot change per sweep job)")
-    os.environ.update(
-        MASTER_ADDR=env.hostnames[0],
-        MASTER_PORT=os.environ.get("MASTER_PORT") or str(master_port(job_id=int(env.raw_job_id))),
-        RANK=str(env.global_rank),
-        WORLD_SIZE=str(env.num_tasks),
-        LOCAL_RANK=str(env.local_rank),
-        LOCAL_WORLD_SIZE=str(env.num_tasks // env.num_nodes),
-    )
-
-
 def run_external(*, config: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
     """Run this process's rank; if it fails, raise the failure of the rank that failed first.
 
-    When one rank raises, its peers only see a closed connection; each failing rank writes its
-    traceback to ``run_dir/failures/<attempt>/`` and reports the earliest one, so the job's error (what Hydra
-    and the Slurm launcher show for rank 0) is the root cause, as with the local launcher.
+    When one rank raises, its peers only see a closed connection once it has exited; each failing
+    rank writes its traceback to ``run_dir/failures/<attempt>/`` and reports the earliest one, so the
+    job's error (what Hydra and the Slurm launcher show for rank 0) is the root cause, as with the local
+    launcher. A rank never waits for later failures (its peers may be blocked on it), only briefly for
+    an earlier report that a shared file system has not shown yet.
     """
     from sdp.results import write_json
     from sdp.worker import run_rank
@@ -108,14 +70,13 @@ def run_external(*, config: dict[str, Any], run_dir: Path) -> dict[str, Any] | N
         mine = {"rank": int(rank), "time": time.time(), "traceback": traceback.format_exc()}
         write_json(folder / f"rank{rank}.json", mine)
         deadline = time.time() + FAILURE_GRACE_S
-        reports = [mine]
-        while time.time() < deadline:
+        while True:
             reports = [json.loads(f.read_text()) for f in sorted(folder.glob("rank*.json"))]
-            if len(reports) == int(world):
+            if len(reports) > 1 or time.time() > deadline:
                 break
             time.sleep(0.5)
         first = min(reports, key=lambda r: r["time"])
-        others = sorted(r["rank"] for r in reports if r is not first)
+        others = sorted(r["rank"] for r in reports if r["rank"] != first["rank"])
         raise RankFailure(
             f"rank {first['rank']} of {world} failed first (ranks {others} failed after it):\n{first['traceback']}"
         ) from None

@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from sdp import results
 from sdp.budget import resolve_steps
 from sdp.config import validate
-from sdp.launch import external_launcher, launch, slurm_environment
+from sdp.launch import external_launcher, launch
+from sdp.slurm import slurm_environment
 
 # A per-process unique token for run directories: two jobs started in the same second never share
 # a directory (cached, so every interpolation in one process sees the same value).
