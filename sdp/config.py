@@ -74,6 +74,8 @@ def validate(cfg: DictConfig) -> None:
     positive_int("train.log_every", tc.log_every)
     positive_int("train.warmup_steps", tc.warmup_steps, minimum=0)
     positive_int("train.num_workers", tc.num_workers, minimum=0)
+    positive_int("train.checkpoint_every", tc.checkpoint_every, minimum=0)
+    one_of("train.resume", tc.resume, ("never", "auto"))
     positive_int("seed", cfg.seed, minimum=0)
     positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)
     one_of("optim.schedule", cfg.optim.schedule, ("constant", "cosine", "linear"))

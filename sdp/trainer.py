@@ -60,13 +60,15 @@ class Trainer:
     """Runs ``train.steps`` steps of ``strategy`` on ``data``; logs rank 0 only."""
 
     def __init__(
-        self, *, cfg: DictConfig, strategy: Strategy, data: DataBundle, logger: Logger, timer: PhaseTimer
+        self, *, cfg: DictConfig, strategy: Strategy, data: DataBundle, logger: Logger, timer: PhaseTimer,
+        checkpointer: Any = None,
     ) -> None:
         self.cfg = cfg
         self.strategy = strategy
         self.data = data
         self.logger = logger
         self.timer = timer
+        self.checkpointer = checkpointer  # sdp.resume.Checkpointer: step_end(trainer) after every step
         self.ctx = strategy.ctx
         tc = cfg.train
         self.replica, self.replicas = strategy.data_parallel()
@@ -123,6 +125,8 @@ class Trainer:
                     bar.update(self.state.step, loss=loss, samples_per_s=self.global_batch / step_s)
                 if (eval_every > 0 and self.state.step % eval_every == 0) or self.state.step == steps:
                     self.evaluate()
+                if self.checkpointer is not None:
+                    self.checkpointer.step_end(self)
         finally:
             bar.close()
         return self.state

@@ -28,6 +28,7 @@ from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
 from sdp.parallel import STRATEGIES, DistContext, Strategy
+from sdp.resume import Checkpointer
 from sdp.trainer import Trainer
 
 META_KEYS = ("name",)
@@ -106,7 +107,10 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
             strategy.save_artifacts(run_dir=out)
         logger = make_logger(cfg=cfg, ctx=ctx, run_dir=out, config=config)
         timer = PhaseTimer(device=device)
-        trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer)
+        checkpointer = Checkpointer(run_dir=out, every=int(cfg.train.checkpoint_every),
+                                    resume=str(cfg.train.resume), rank=rank)
+        trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer, checkpointer=checkpointer)
+        checkpointer.restore(trainer, metrics=out / "metrics.jsonl")
         state = trainer.fit()
         summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state)
         if rank == 0:
