@@ -77,9 +77,8 @@ def run_external(*, config: dict[str, Any], run_dir: Path) -> dict[str, Any] | N
             time.sleep(0.5)
         first = min(reports, key=lambda r: r["time"])
         others = sorted(r["rank"] for r in reports if r["rank"] != first["rank"])
-        raise RankFailure(
-            f"rank {first['rank']} of {world} failed first (ranks {others} failed after it):\n{first['traceback']}"
-        ) from None
+        after = f" (then ranks {others})" if others else ""
+        raise RankFailure(f"rank {first['rank']} of {world} failed first{after}:\n{first['traceback']}") from None
 
 
 def launch(*, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
