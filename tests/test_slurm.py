@@ -76,6 +76,7 @@ def test_sweep_runs_every_rank_as_a_slurm_task(tmp_path):
         ports.add(envs[0]["MASTER_PORT"])
         assert (sweeps[0] / num / "config.yaml").exists() and (sweeps[0] / num / "metrics.jsonl").exists()
     assert len(job_ids) == 2 and len(ports) == 2, f"jobs of the sweep shared a Slurm job or port: {job_ids} {ports}"
+    assert "tables written to" in job.output, f"no multirun-end report after the Slurm sweep:\n{job.output[-3000:]}"
 
 
 @pytest.mark.timeout(240)
