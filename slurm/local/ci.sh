@@ -6,7 +6,12 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-trap 'bash "$HERE/stop.sh" >/dev/null 2>&1 || true' EXIT
+finish() {  # let jobs that are still exiting end (a job stopped with the daemons is restored next start), then stop
+  for _ in $(seq 1 60); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.5; done
+  scancel --user="$(id -un)" 2>/dev/null || true
+  bash "$HERE/stop.sh" >/dev/null 2>&1 || true
+}
+trap finish EXIT
 bash "$HERE/start.sh"
 cd "$ROOT"
 t0=$(date +%s)
