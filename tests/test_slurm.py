@@ -20,8 +20,8 @@ from conftest import REPO, run_train, sdp_env
 
 pytestmark = [pytest.mark.slurm]
 
-# Strategies the sweep test runs as one 2-job sweep (extend to "ddp,sdp" once the sdp strategy exists).
-STRATEGIES = "ddp"
+# Strategies the sweep test runs, one Slurm job each (extend the list to sweep more of them).
+STRATEGIES = "ddp,sdp"
 # Small, fast jobs: 2 tasks per job (cluster/slurm.yaml default), short Slurm time limit.
 COMMON = ("cluster=slurm", "model=mlp", "train.eval_every=0", "train.warmup_steps=1", "hydra.launcher.timeout_min=10")
 
@@ -55,13 +55,14 @@ def launcher_env(summary: dict) -> list[dict]:
 @pytest.mark.timeout(240)
 def test_sweep_runs_every_rank_as_a_slurm_task(tmp_path):
     # The sweep dir keeps the per-process ${sdp_uid:} resolver: every task must see the driver's value.
-    job = run_train(tmp_path / "sweep_${sdp_uid:}", *COMMON, f"parallelism={STRATEGIES}", "seed=0,1",
-                    "train.steps=6", multirun=True, timeout=230)
+    job = run_train(tmp_path / "sweep_${sdp_uid:}", *COMMON, f"parallelism={STRATEGIES}", "train.steps=6",
+                    multirun=True, timeout=230)
     sweeps = list(tmp_path.iterdir())
     assert len(sweeps) == 1, f"tasks resolved different sweep dirs: {sweeps}\n{job.output[-3000:]}"
     found = summaries(sweeps[0])
-    assert sorted(found) == ["0", "1"], f"jobs with summary.json: {sorted(found)}\n{job.output[-3000:]}"
-    assert sorted(s["seed"] for s in found.values()) == [0, 1]
+    names = STRATEGIES.split(",")
+    assert sorted(found) == [str(i) for i in range(len(names))], f"jobs with summary.json: {sorted(found)}\n{job.output[-3000:]}"
+    assert [found[str(i)]["strategy"] for i in range(len(names))] == names
     ports, job_ids = set(), set()
     for num, s in found.items():
         assert s["world_size"] == 2 and s["steps"] == 6, s
@@ -75,7 +76,7 @@ def test_sweep_runs_every_rank_as_a_slurm_task(tmp_path):
         job_ids.add(job_id)
         ports.add(envs[0]["MASTER_PORT"])
         assert (sweeps[0] / num / "config.yaml").exists() and (sweeps[0] / num / "metrics.jsonl").exists()
-    assert len(job_ids) == 2 and len(ports) == 2, f"jobs of the sweep shared a Slurm job or port: {job_ids} {ports}"
+    assert len(job_ids) == len(names) and len(ports) == len(names), f"jobs of the sweep shared a Slurm job or port: {job_ids} {ports}"
     assert "tables written to" in job.output, f"no multirun-end report after the Slurm sweep:\n{job.output[-3000:]}"
 
 
