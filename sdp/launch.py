@@ -1,6 +1,9 @@
 """Starting ranks: torch elastic locally (the engine behind torchrun), or nothing at all when the
 process already is a rank of an external launcher (torchrun, Slurm tasks).
 
+Under Slurm every Slurm task is one rank (:mod:`sdp.slurm` sets the rank variables), so nothing is
+spawned inside a task.
+
 Why elastic and not a hand-written process manager: it picks a free rendezvous port, sets the rank
 environment, watches every worker, and when one raises it tears the others down within a monitor
 interval and returns the failed rank's traceback (recorded by ``@record`` in the worker).
@@ -8,7 +11,11 @@ interval and returns the failed rank's traceback (recorded by ``@record`` in the
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,13 +36,62 @@ def external_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+# Variables that say which launcher started a rank and as what (recorded per rank in summary.json).
+LAUNCHER_ENV = (
+    "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_STEP_ID", "SLURM_PROCID",
+    "SLURM_LOCALID", "SLURM_NODEID", "SLURM_RESTART_COUNT", "SUBMITIT_EXECUTOR", "TORCHELASTIC_RUN_ID",
+    "GROUP_RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+)
+FAILURE_GRACE_S = 3.0  # how long a rank whose report is alone waits for an earlier one (shared-FS lag)
+# What tells one attempt of a job from another in the same run directory (requeue, elastic restart).
+ATTEMPT_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
+
+
+def launcher_identity() -> dict[str, Any]:
+    """This process as its launcher sees it: host, pid and the launcher's variables that are set."""
+    env = {k: os.environ[k] for k in LAUNCHER_ENV if k in os.environ}
+    return {"hostname": socket.gethostname(), "pid": os.getpid(), "env": env}
+
+
+def run_external(*, config: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
+    """Run this process's rank; if it fails, raise the failure of the rank that failed first.
+
+    When one rank raises, its peers only see a closed connection once it has exited; each failing
+    rank writes its traceback to ``run_dir/failures/<attempt>/`` and reports the earliest one, so the
+    job's error (what Hydra and the Slurm launcher show for rank 0) is the root cause, as with the local
+    launcher. A rank never waits for later failures (its peers may be blocked on it), only briefly for
+    an earlier report that a shared file system has not shown yet.
+    """
+    from sdp.results import write_json
+    from sdp.worker import run_rank
+
+    try:
+        return run_rank(config, str(run_dir))
+    except Exception:
+        rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+        folder = run_dir / "failures" / "-".join(os.environ.get(k, "") for k in ATTEMPT_ENV)
+        folder.mkdir(parents=True, exist_ok=True)
+        mine = {"rank": int(rank), "time": time.time(), "traceback": traceback.format_exc()}
+        write_json(folder / f"rank{rank}.json", mine)
+        deadline = time.time() + FAILURE_GRACE_S
+        while True:
+            reports = [json.loads(f.read_text()) for f in sorted(folder.glob("rank*.json"))]
+            if len(reports) > 1 or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        first = min(reports, key=lambda r: r["time"])
+        others = sorted(r["rank"] for r in reports if r["rank"] != first["rank"])
+        after = f" (then ranks {others})" if others else ""
+        raise RankFailure(f"rank {first['rank']} of {world} failed first{after}:\n{first['traceback']}") from None
+
+
 def launch(*, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Run the job's ranks and return rank 0's summary (None on other ranks of an external job)."""
     from sdp.worker import run_rank
 
     config = OmegaConf.to_container(cfg, resolve=True)
     if external_launcher():
-        return run_rank(config, str(run_dir))
+        return run_external(config=config, run_dir=run_dir)
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

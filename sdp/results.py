@@ -4,7 +4,7 @@
 - ``metrics.jsonl``: one JSON row per logged step from rank 0 (``step``, ``loss``, ``lr``,
   ``samples_per_s``; eval rows with ``eval_loss``, ``eval_accuracy``);
 - ``summary.json``: strategy, world size, steps, final losses, per-rank memory and communication,
-  time, versions and machine info.
+  time, versions and machine info, and per rank how it was launched (host, pid, SLURM_*/torchrun variables).
 
 Reports read these files only (W&B is a mirror), so this module is the one place their shape is
 defined. Extend it, never break it.

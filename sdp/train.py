@@ -9,6 +9,7 @@ runs each job's ranks in turn.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -23,11 +24,15 @@ from sdp import checkpoint, results
 from sdp.budget import resolve_steps
 from sdp.config import validate
 from sdp.launch import RankFailure, external_launcher, launch
+from sdp.slurm import slurm_environment
 
 # A per-process unique token for run directories: two jobs started in the same second never share
 # a directory (cached, so every interpolation in one process sees the same value).
 if not OmegaConf.has_resolver("sdp_uid"):
     OmegaConf.register_new_resolver("sdp_uid", lambda: f"{os.getpid()}-{uuid.uuid4().hex[:6]}", use_cache=True)
+# Products of config values, e.g. cluster.world_size = ${sdp_mul:${cluster.nodes},${cluster.tasks_per_node}}.
+if not OmegaConf.has_resolver("sdp_mul"):
+    OmegaConf.register_new_resolver("sdp_mul", lambda *xs: math.prod(int(x) for x in xs))
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -74,6 +79,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     final ``train.steps``; what was counted is added to ``summary.json`` as ``budget``.
     """
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    slurm_environment(cluster=cfg.cluster)  # a Slurm task becomes a rank (RANK, WORLD_SIZE, ...) before validation
     validate(cfg)
     cfg.train.steps, budget = resolve_steps(cfg)
     driver = not external_launcher() or os.environ.get("RANK") == "0"

@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from sdp import results, rng
 from sdp.data.base import DataBundle
+from sdp.launch import launcher_identity
 from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
 from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
@@ -148,6 +149,7 @@ def collect_summary(
                    "param_digest": param_digest(strategy.unwrapped())},
         "comm": {"rank": ctx.rank, **ctx.comm.summary()},
         "time": {"rank": ctx.rank, **timer.summary(warmup=warmup)},
+        "launcher": {"rank": ctx.rank, **launcher_identity()},
     }
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, mine)
@@ -179,6 +181,7 @@ def collect_summary(
             "warmup_steps": warmup,
             "median_of_rank_medians": statistics.median(medians) if medians else None,
         },
+        "launcher": {"per_rank": [g["launcher"] for g in gathered]},  # which process/task each rank was
         "strategy_info": strategy.summary_extra(),
         "versions": results.versions(),
         "machine": results.machine(),
