@@ -67,24 +67,3 @@ def train_job(tmp_path: Path):
 
     return make
 
-
-# Options other branches add (SDP presets, CIFAR/ImageNet/FineWeb, Swin, LLaMA, baselines). A config that
-# needs one of them is skipped while it is absent; any other missing option is a real error.
-PENDING = {"parallelism": {"sdp", "sdp_block_bwd", "sdp_neuron_fwd", "sdp_neuron_bwd", "fsdp", "ddp_ac"},
-           "dataset": {"cifar10", "cifar100", "imagenet", "fineweb"},
-           "model": {"swin_t", "llama_134m", "llama_500m", "llama_1b"}}
-
-
-def pending_or_raise(compose, *overrides: str):
-    """``compose(*overrides)``, skipping the test if it needs an option of PENDING that is not in conf/ yet."""
-    from hydra.errors import MissingConfigException
-
-    conf = REPO / "conf"
-    try:
-        return compose(*overrides)
-    except MissingConfigException as exc:
-        missing = [(g, o) for g, opts in PENDING.items() for o in sorted(opts)
-                   if not (conf / g / f"{o}.yaml").exists() and f"'{g}/{o}'" in str(exc)]
-        if missing:
-            pytest.skip(f"needs {missing} (not on this branch yet)")
-        raise

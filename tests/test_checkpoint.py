@@ -2,9 +2,9 @@
 training continues exactly as if never stopped; RNG streams survive ``weights_only`` loading; resume
 paths resolve; a resumed run's metrics hold each step once.
 
-The ``sharded`` layout is exercised with the exact recipe FSDP2 uses (``get_state_dict`` /
-``set_state_dict`` + ``torch.distributed.checkpoint``) on an unsharded model, so the DCP code path is
-covered before FSDP lands on this branch.
+The ``sharded`` layout is exercised here with the recipe :mod:`sdp.parallel.fsdp` uses (``get_state_dict``
+/ ``set_state_dict`` + ``torch.distributed.checkpoint``) on an unsharded model, in one process; every real
+strategy (DDP, SDP, FSDP2, pipeline, stochastic depth) resumes end to end in ``test_reliability.py``.
 """
 
 from __future__ import annotations

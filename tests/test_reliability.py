@@ -1,8 +1,8 @@
 """Reliability end to end through ``python -m sdp.train`` (real ranks, real signals, real collectives):
 exact resume after a SIGKILL, fail-fast on a dead or hung rank, the NaN guard, determinism.
 
-Strategies are added to the resume test by listing them in ``RESUME``; one not registered on this
-branch is skipped. Every job runs with an environment token, so the orphan check can find any
+Every strategy family is in the resume test (``RESUME``): DDP, SDP (forward block level, backward
+neuron level), FSDP2, pipeline, and stochastic depth (whose per-rank draw generator is checkpointed). Every job runs with an environment token, so the orphan check can find any
 process of the job still alive after it ended, wherever it was re-parented.
 """
 
@@ -26,15 +26,17 @@ from sdp.parallel import STRATEGIES
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["experiment=smoke", "cluster.world_size=2", "train.steps=12", "train.eval_every=5", "logger.progress=false"]
 KILL = ["train.checkpoint_every=3", "train.debug.fault=kill", "train.debug.fault_rank=1", "train.debug.fault_step=8"]
-# (id, strategy, overrides): add a strategy here once its checkpoint_state/load_checkpoint_state exist.
+# (id, strategy, overrides): one case per checkpoint layout (shared, local, sharded) and strategy family.
 # ddp-4ranks: several DDP buckets on 4 ranks, where gloo's ring sum order depends on the bucket layout
 # (see sdp.parallel.ddp.prime_buckets); 2 ranks sum a + b in any layout.
 RESUME = [
     ("ddp", "ddp", []),
     ("ddp-4ranks", "ddp", ["cluster.world_size=4", "train.batch_size=16", "parallelism.bucket_cap_mb=0.25"]),
     ("sdp", "sdp", ["parallelism=sdp"]),
+    ("sdp-neuron-bwd", "sdp", ["parallelism=sdp_neuron_bwd"]),
     ("fsdp", "fsdp", ["parallelism=fsdp"]),
     ("pipeline", "pipeline", ["parallelism=pipeline"]),
+    ("ddp-stochastic-depth", "ddp_stochastic_depth", ["parallelism=ddp_stochastic_depth"]),
 ]
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
@@ -87,14 +89,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def require_strategy(name: str) -> None:
-    if name not in STRATEGIES:
-        pytest.skip(f"strategy {name!r} is not registered on this branch")
-
-
 @pytest.mark.parametrize(("case", "strategy", "sel"), RESUME, ids=[r[0] for r in RESUME])
 def test_resume_after_sigkill_is_bit_identical(jobs, case: str, strategy: str, sel: list[str]) -> None:
-    require_strategy(strategy)
+    assert strategy in STRATEGIES, f"strategy {strategy!r} is not registered"
     full = jobs(f"{case}-full", sel)
     assert full["rc"] == 0, full["out"][-3000:]
     killed = jobs(f"{case}-killed", sel + KILL)

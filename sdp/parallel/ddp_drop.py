@@ -91,6 +91,19 @@ class _DropStrategy(DDPStrategy):
         self.draws += 1
         return result
 
+    def checkpoint_state(self) -> dict[str, dict[str, Any]]:
+        """DDP's state plus this rank's draw generator, so a resumed run drops the same blocks."""
+        state = super().checkpoint_state()
+        state["local"]["extra"] = {"generator": self.generator.get_state(), "kept_counts": list(self.kept_counts),
+                                   "draws": self.draws}
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
+        super().load_checkpoint_state(state)
+        extra = state["local"]["extra"]
+        self.generator.set_state(extra["generator"])
+        self.kept_counts, self.draws = list(extra["kept_counts"]), int(extra["draws"])
+
     def summary_extra(self) -> dict[str, Any]:
         n = max(self.draws, 1)
         return {

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -129,6 +130,24 @@ class FSDPStrategy(Strategy):
         model: Any = self.module
         model.set_reshard_after_forward(self.reshard_after_forward, recurse=True)
         model.set_reshard_after_forward(False, recurse=False)
+
+    # ---- checkpoint / resume ------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, dict[str, Any]]:
+        """Parameters and optimizer state as DTensor shards (``"sharded"``, saved and loaded with
+        ``torch.distributed.checkpoint`` by every rank; HSDP alike, its replicas dedup on save).
+        Buffers are plain, rank-local tensors (BatchNorm statistics, never synchronised in training):
+        DCP would keep one rank's copy of a non-DTensor value, so they go under ``"local"``."""
+        assert self.module is not None and self.optimizer is not None
+        model, optim = get_state_dict(self.module, self.optimizer)
+        buffers = {name for name, _ in self.module.named_buffers()}
+        return {"sharded": {"model": {k: v for k, v in model.items() if k not in buffers}, "optimizer": optim},
+                "local": {"buffers": {k: v for k, v in model.items() if k in buffers}}}
+
+    def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
+        assert self.module is not None and self.optimizer is not None
+        set_state_dict(self.module, self.optimizer,
+                       model_state_dict={**state["sharded"]["model"], **state["local"]["buffers"]},
+                       optim_state_dict=state["sharded"]["optimizer"])
 
     def summary_extra(self) -> dict[str, Any]:
         return {

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from sdp.config import require
 from sdp.metrics.collectives import count_collectives
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel, count_params
@@ -200,6 +201,24 @@ class PipelineStrategy(Strategy):
                     dest[k].data.copy_(flat[offset : offset + dest[k].numel()].view_as(dest[k]))
                     offset += dest[k].numel()
         return full
+
+    # ---- checkpoint / resume ------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, dict[str, Any]]:
+        """Everything under ``"local"``: a rank holds its own stages (parameters under their original
+        names, buffers) and their optimizer state; the cut goes along to be checked on load."""
+        assert self.module is not None and self.optimizer is not None
+        return {"local": {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                          "extra": {"stages": list(self.stage_ids), "bounds": list(self.plan.bounds)}}}
+
+    def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
+        assert self.module is not None and self.optimizer is not None
+        local = state["local"]
+        now = {"stages": list(self.stage_ids), "bounds": list(self.plan.bounds)}
+        require(local["extra"] == now, "parallelism.split_points", self.cfg.get("split_points"),
+                f"must cut the model as the checkpoint does to resume (saved {local['extra']}, now {now}; "
+                f"set parallelism.split_points={local['extra']['bounds'][1:-1]})")
+        self.module.load_state_dict(local["model"])
+        self.optimizer.load_state_dict(local["optimizer"])
 
     def summary_extra(self) -> dict[str, Any]:
         return {

@@ -202,3 +202,48 @@ class SDPStrategy(Strategy):
 
     def save_artifacts(self, *, run_dir: Path) -> None:
         self.plan.save(Path(run_dir) / "plan.json")
+
+    # ---- checkpoint / resume ------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, dict[str, Any]]:
+        """Everything under ``"local"``: ranks hold different subnetworks. The module's own state dict
+        is exactly what this rank stores: narrowed tensors (forward masking, deleted ones are absent),
+        held/frozen parts of split tensors and frozen non-held tensors (backward masking, part of the
+        model's state since this rank runs them), buffers. The plan goes along as plain lists."""
+        assert self.module is not None and self.optimizer is not None
+        return {"local": {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                          "extra": {"plan": plan_lists(self.plan), "redraws": self.redraws,
+                                    "bn_cache": [x.cpu() for x in self.bn_cache]}}}
+
+    def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
+        """Rebuild the saved plan's subnetwork, then load values into it. A fixed plan must be the one
+        this config builds (a changed coverage, level, assignment or model is refused); with
+        ``resample_every`` the saved draw is adopted (a collective re-draw, as the run did)."""
+        assert self.optimizer is not None
+        local = state["local"]
+        saved = local["extra"]["plan"]
+        if saved != plan_lists(self.plan):
+            require(bool(self.cfg.resample_every) and saved["draw"] > 0, "parallelism", _plan_keys(self.cfg),
+                    f"must build the checkpoint's plan to resume (saved {saved}, now {plan_lists(self.plan)})")
+            prev, self.ctx.comm.phase = self.ctx.comm.phase, "checkpoint"
+            try:
+                self._redraw(draw=int(saved["draw"]))
+            finally:
+                self.ctx.comm.phase = prev
+            require(saved == plan_lists(self.plan), "parallelism", _plan_keys(self.cfg),
+                    f"re-draw {saved['draw']} gives {plan_lists(self.plan)}, the checkpoint holds {saved}")
+        assert self.module is not None
+        self.module.load_state_dict(local["model"])
+        self.optimizer.load_state_dict(local["optimizer"])
+        self.redraws = int(local["extra"]["redraws"])
+        self.bn_cache = [x.to(self.ctx.device) for x in local["extra"]["bn_cache"]]
+
+
+def plan_lists(plan: Plan) -> dict[str, Any]:
+    """What identifies a plan, as plain types (``weights_only``-loadable, comparable with ``==``)."""
+    return {"world_size": plan.world_size, "k": plan.k, "level": plan.level, "groups": plan.groups, "draw": plan.draw,
+            "units": [[u.block, -1 if u.group is None else u.group] for u in plan.units],
+            "holders": [list(h) for h in plan.holders]}
+
+
+def _plan_keys(cfg: DictConfig) -> str:
+    return ", ".join(f"{k}={cfg[k]}" for k in ("level", "coverage", "assignment", "groups", "plan_seed", "resample_every"))

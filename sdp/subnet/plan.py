@@ -233,6 +233,11 @@ def declare_units(model: SDPModel, *, level: str, groups: int, drop_downsample: 
     """(block index, group) of every unit, from the model's declarations."""
     if level not in LEVELS:
         raise PlanError(f"parallelism.level={level!r} is invalid: allowed: {', '.join(LEVELS)}")
+    if level == "neuron" and not any(block.hidden_dims() for _, block in model.sdp_units()):
+        raise PlanError(
+            f"parallelism.level='neuron' is invalid for model {type(model).__name__}: none of its blocks "
+            f"declares hidden dims (ResidualBlock.hidden_dims), so there are no neurons to split; allowed: block"
+        )
     out: list[tuple[int, int | None]] = []
     for b, block in model.sdp_units():
         if block.shared_submodules() and not drop_downsample:
