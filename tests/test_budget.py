@@ -35,7 +35,7 @@ def with_coverage(cfg, coverage: float, masking: str = "forward"):
 
 
 def test_iterations_budget_keeps_steps_and_counts_flops():
-    cfg = compose_with("model=mlp", "train.steps=40", "train.budget=iterations")
+    cfg = compose_with("model=mlp", "parallelism=ddp", "train.steps=40", "train.budget=iterations")
     steps, info = resolve_steps(cfg)
     assert steps == 40 and info["step_ratio"] == 1.0
     gb = cfg.train.batch_size * cfg.cluster.world_size
@@ -60,7 +60,7 @@ def test_flops_budget_coverage_rule(coverage: float, expected: int):
 
 
 def test_flops_budget_without_coverage_is_ddp_steps():
-    steps, info = resolve_steps(compose_with("train.steps=40", "train.budget=flops"))
+    steps, info = resolve_steps(compose_with("parallelism=ddp", "train.steps=40", "train.budget=flops"))
     assert steps == 40 and info["step_ratio"] == 1.0
 
 

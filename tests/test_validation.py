@@ -130,6 +130,6 @@ def test_strategy_validate_receives_full_cfg_when_it_asks(monkeypatch: pytest.Mo
 
     monkeypatch.setitem(STRATEGIES._items, "ddp", Probe)
     with pytest.raises(ConfigError, match="train.batch_size=32"):
-        compose_and_validate([])
-    compose_and_validate(["train.batch_size=33"])
+        compose_and_validate(["parallelism=ddp"])
+    compose_and_validate(["parallelism=ddp", "train.batch_size=33"])
     assert seen["batch"] == 33
