@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ from omegaconf import DictConfig
 
 from sdp.metrics.activations import measure_saved_tensors
 from sdp.metrics.comm import wire_bytes
+from sdp.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
 from sdp.models.base import SDPModel
 from sdp.trainer import loss_fn
 
@@ -245,7 +247,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parent.parent / "conf"), config_name="config")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     plan = predict(cfg)
     print(format_plan(plan), flush=True)
@@ -256,6 +258,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    """Nothing is launched, so nothing is written either: no Hydra run directory unless asked for."""
+    if not any(a.startswith(("hydra.run.dir=", "hydra.output_subdir=")) for a in sys.argv[1:]):
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     _hydra_main()
 
 

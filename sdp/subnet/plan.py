@@ -222,11 +222,12 @@ def _search(*, costs: list[tuple[float, ...]], n: int, holders: list[list[int]])
 
 
 def _exact(*, costs: list[tuple[float, ...]], n: int, k: int, start: tuple[tuple[float, ...], list[list[int]]],
-           budget: int = 200_000) -> tuple[tuple[float, ...], list[list[int]]]:
+           space: int = 1_000_000, budget: int = 50_000) -> tuple[tuple[float, ...], list[list[int]]]:
     """Branch and bound over every assignment, seeded with the local search's ``start``: minimises the
     worst worker's largest normalised load (then the sum of the per-resource peaks), exactly when it
-    finishes within ``budget`` nodes (a handful of units: ResNet-18's 8 blocks on 4 workers), else
-    returns the best found. Why: the local search stops in local minima that matter at small unit
+    finishes within ``budget`` nodes, else returns the best found; skipped (``start`` returned) when
+    the space, C(n, k) ** (units - 1), exceeds ``space`` (a handful of units: ResNet-18's 8 blocks on
+    4 workers is 6 ** 7). Why: the local search stops in local minima that matter at small unit
     counts (ResNet-18 at C=0.5 on 4 workers: 0.544 instead of 0.537 of the parameters on the fullest
     worker). Units go largest first; the first unit's holders are fixed (workers are interchangeable)."""
     import itertools
@@ -234,6 +235,8 @@ def _exact(*, costs: list[tuple[float, ...]], n: int, k: int, start: tuple[tuple
     dims = len(costs[0]) if costs else 0
     order = sorted(range(len(costs)), key=lambda u: -max(costs[u]))
     combos = list(itertools.combinations(range(n), k))
+    if not costs or len(combos) ** (len(costs) - 1) > space:
+        return start
     best_obj, best = start[0], [list(h) for h in start[1]]
     load = [[0.0] * dims for _ in range(n)]
     chosen: list[tuple[int, ...]] = [()] * len(costs)
