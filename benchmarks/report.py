@@ -66,7 +66,7 @@ def row(label: str, run_dir: Path) -> dict[str, Any]:
             "memory_by_category": {c: full.get(c) or 0 for c in CATEGORIES}, "memory_rank": full["rank"],
             "phases_s": {p: v for p, v in slow.get("phases_s_median", {}).items()}, "phase_rank": slow["rank"],
             "comm_by_kind": {k: v["bytes"] for k, v in busy.get("by_kind", {}).items()}, "comm_rank": busy["rank"],
-            "loss_curve": curve, "per_rank_step_s": [t["step_s_median"] for t in s["time"]["per_rank"]]}
+            "loss_curve": curve, "memory_per_rank": mem, "per_rank_step_s": [t["step_s_median"] for t in s["time"]["per_rank"]]}
 
 
 def add_ratios(rows: list[dict[str, Any]], *, reference: str = "ddp") -> None:

@@ -56,6 +56,8 @@ def _is_param(t: torch.Tensor) -> bool:
 
 
 def _key(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
+    if hasattr(t, "to_local"):  # a DTensor (FSDP2's sharded parameters): its local shard's storage
+        t = t.to_local()
     if t.device.type == "meta":
         base = t._base if t._base is not None else t
         keep.append(base)
