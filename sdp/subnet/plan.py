@@ -313,7 +313,7 @@ def sliced_names(block: ResidualBlock) -> dict[str, tuple[int, int]]:
 
 def _block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
     """Per block (FLOPs of forward+backward of the residual branch, bytes its branch keeps for
-    backward) for one sample, measured by running the model on the meta device (no memory, no
+    backward) per sample, measured by running the model on the meta device (no memory, no
     compute). The bytes are what the measurement counts (:mod:`sdp.metrics.activations`): saved for
     backward by the full block minus by its skip path, so the plan balances the memory it is judged on."""
     meta = model if next(model.parameters()).is_meta else None
@@ -323,14 +323,14 @@ def _block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
         meta = copy.deepcopy(model).to("meta")
     out: dict[int, tuple[float, float]] = {}
     with torch.enable_grad():
-        x = meta.stem(meta.example_input(1).to("meta"))
+        x = meta.stem(meta.example_input(2).to("meta"))  # 2 samples: BatchNorm refuses one value per channel
         for b, block in enumerate(meta.blocks):
             if isinstance(block, ResidualBlock):
                 with FlopCounterMode(display=False) as full, measure_saved_tensors() as kept_full:
                     y = block.forward_full(x)
                 with FlopCounterMode(display=False) as skip, measure_saved_tensors() as kept_skip:
                     block.forward_skip(x)
-                out[b] = (3.0 * (full.get_total_flops() - skip.get_total_flops()), float(kept_full.bytes - kept_skip.bytes))
+                out[b] = (1.5 * (full.get_total_flops() - skip.get_total_flops()), (kept_full.bytes - kept_skip.bytes) / 2.0)
                 x = y
             else:
                 x = block(x)
