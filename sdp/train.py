@@ -24,6 +24,7 @@ from sdp import checkpoint, results
 from sdp.budget import resolve_steps
 from sdp.config import validate
 from sdp.launch import RankFailure, external_launcher, launch
+from sdp.metrics.flops import throughput
 from sdp.slurm import slurm_environment
 
 # A per-process unique token for run directories: two jobs started in the same second never share
@@ -54,12 +55,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"final train_loss={f['train_loss']:.4f} eval_loss={f['eval_loss']:.4f} "
         f"eval_accuracy={'n/a' if acc is None else f'{acc:.4f}'}",
         f"time step_s_median={t['step_s_median']:.4f} samples_per_s={t['samples_per_s']:.1f} "
-        f"straggler_spread={t['straggler_spread']:.3f}",
+        f"straggler_spread={t['straggler_spread']:.3f}"
+        + (f" tokens_per_s={t['tokens_per_s']:.0f}" if t.get("tokens_per_s") else "")
+        + (f" mfu={t['mfu']:.3f}" if t.get("mfu") is not None else ""),
     ]
     for m, c in zip(mem, comm):
         lines.append(
             f"rank {m['rank']}: params {mib(m['param_bytes'])} grads {mib(m['grad_bytes'])} "
-            f"optim {mib(m['optim_bytes'])} peak_rss_delta {mib(m['peak_rss_delta_bytes'])} | "
+            f"optim {mib(m['optim_bytes'])} activations {mib(m.get('activation_bytes'))} "
+            f"peak_rss_delta {mib(m['peak_rss_delta_bytes'])} | "
             f"comm {mib(c['bytes_per_step'])}/step in {c['collectives_per_step']:.1f} collectives"
         )
     b = summary.get("budget") or {}
@@ -100,6 +104,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         raise
     if summary is not None:
         summary["budget"] = budget
+        summary["time"].update(throughput(summary=summary, flops_per_step=budget.get("flops_per_step")))
         results.write_json(Path(summary["run_dir"]) / "summary.json", summary)
         print(format_summary(summary), flush=True)
     return summary

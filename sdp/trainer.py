@@ -22,6 +22,8 @@ from sdp import checkpoint, guards
 from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches, val_batches
 from sdp.faults import Faults
 from sdp.loggers import Logger, ProgressBar
+from sdp.metrics.activations import measure_saved_tensors
+from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
 from sdp.parallel.base import Strategy
 
@@ -70,7 +72,7 @@ class Trainer:
 
     def __init__(
         self, *, cfg: DictConfig, strategy: Strategy, data: DataBundle, logger: Logger, timer: PhaseTimer,
-        run_dir: Path | None = None,
+        run_dir: Path | None = None, peak: PeakTracker | None = None,
     ) -> None:
         self.cfg = cfg
         self.strategy = strategy
@@ -97,6 +99,9 @@ class Trainer:
         )
         self.state = TrainState()
         self.run_dir = run_dir
+        self.peak = peak
+        self.activation_bytes: int | None = None  # saved for backward in the first measured step
+        self.tokens_per_sample: int | None = None  # LM: targets per sequence; None for classification
         self.faults = Faults(debug=tc.get("debug"), rank=self.ctx.rank)
         if tc.get("resume"):
             saved = checkpoint.load(path=Path(str(tc.resume)), strategy=strategy, scheduler=self.scheduler,
@@ -131,9 +136,8 @@ class Trainer:
                         inputs, targets = next(batches)
                         inputs = inputs.to(self.ctx.device, non_blocking=True)
                         targets = targets.to(self.ctx.device, non_blocking=True)
-                    result = self.strategy.train_step(
-                        inputs=inputs, targets=targets, loss_fn=self.faults.loss_fn(loss_fn, n), timer=self.timer, step=step
-                    )
+                    result = self._step(inputs=inputs, targets=targets, loss=self.faults.loss_fn(loss_fn, n), step=step,
+                                        measured=step == max(warmup, self.state.step))
                     lr = self.scheduler.get_last_lr()[0]
                     self.scheduler.step()
                     step_s = self.timer.end_step()
@@ -159,6 +163,21 @@ class Trainer:
         finally:
             bar.close()
         return self.state
+
+    def _step(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss: Any, step: int, measured: bool) -> Any:
+        """One strategy step; the first measured step also counts the bytes saved for backward (one
+        meter around every strategy's step, so activations are measured the same way for all) and
+        resets the peak-memory counters, so peaks cover the measured steps only."""
+        if not measured:
+            return self.strategy.train_step(inputs=inputs, targets=targets, loss_fn=loss, timer=self.timer, step=step)
+        if self.peak is not None:
+            self.peak.start_measuring()
+        if targets.dim() > 1:
+            self.tokens_per_sample = int(targets[0].numel())
+        with measure_saved_tensors(exclude=list(self.strategy.module.parameters())) as meter:  # type: ignore[union-attr]
+            result = self.strategy.train_step(inputs=inputs, targets=targets, loss_fn=loss, timer=self.timer, step=step)
+        self.activation_bytes = meter.bytes
+        return result
 
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()

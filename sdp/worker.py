@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import statistics
 from datetime import timedelta
 from pathlib import Path
@@ -108,7 +109,7 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
             strategy.save_artifacts(run_dir=out)
         logger = make_logger(cfg=cfg, ctx=ctx, run_dir=out, config=config)
         timer = PhaseTimer(device=device)
-        trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer, run_dir=out)
+        trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer, run_dir=out, peak=peak)
         state = trainer.fit()
         summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state)
         if rank == 0:
@@ -138,17 +139,25 @@ def param_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def device_facts(device: torch.device) -> dict[str, Any]:
+    """Where a rank computed (host, device, its name): MFU counts distinct devices, not ranks."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"host": socket.gethostname(), "device": str(device), "device_name": name}
+
+
 def collect_summary(
     *, cfg: DictConfig, ctx: DistContext, strategy: Strategy, trainer: Trainer, peak: PeakTracker, timer: PhaseTimer, state: Any
 ) -> dict[str, Any]:
     """Gather every rank's measurements and assemble summary.json (meaningful on rank 0)."""
     warmup = int(cfg.train.warmup_steps)
+    extra = strategy.summary_extra()
     mine = {
         "rank": ctx.rank,
-        "memory": {"rank": ctx.rank, **strategy.state_bytes(), **peak.summary(),
+        "memory": {"rank": ctx.rank, **strategy.state_bytes(), "activation_bytes": trainer.activation_bytes,
+                   **peak.summary(), "eval_full_copy_bytes": extra.get("eval_full_copy_bytes"),
                    "param_digest": param_digest(strategy.unwrapped())},
         "comm": {"rank": ctx.rank, **ctx.comm.summary()},
-        "time": {"rank": ctx.rank, **timer.summary(warmup=warmup)},
+        "time": {"rank": ctx.rank, **timer.summary(warmup=warmup), **device_facts(ctx.device)},
         "launcher": {"rank": ctx.rank, **launcher_identity()},
     }
     gathered: list[Any] = [None] * ctx.world_size
@@ -177,12 +186,14 @@ def collect_summary(
             "step_s_median": step_s,
             "samples_per_s": trainer.global_batch / step_s if step_s else None,
             "straggler_spread": (max(medians) / min(medians)) if medians else None,
+            "tokens_per_sample": trainer.tokens_per_sample,
+            "tokens_per_s": trainer.global_batch * trainer.tokens_per_sample / step_s if step_s and trainer.tokens_per_sample else None,
             "per_rank": per_rank_time,
             "warmup_steps": warmup,
             "median_of_rank_medians": statistics.median(medians) if medians else None,
         },
         "launcher": {"per_rank": [g["launcher"] for g in gathered]},  # which process/task each rank was
-        "strategy_info": strategy.summary_extra(),
+        "strategy_info": extra,
         "versions": results.versions(),
         "machine": results.machine(),
     }

@@ -4,10 +4,16 @@ Why saved-tensor hooks: every tensor autograd saves for backward passes through 
 ``torch.autograd.graph.saved_tensors_hooks`` pack hook, so registering one around a forward sees the
 whole activation footprint. Bytes are counted per distinct storage (views and tensors saved by
 several ops count once) and parameters are excluded (weights saved by linear/conv layers are model
-state, counted elsewhere). Non-reentrant activation checkpointing installs its own hooks inside a
-checkpointed region (whose tensors are then *not* kept) and keeps the region's inputs alive for the
-recomputation outside autograd's saved tensors; code that checkpoints reports those inputs with
-:func:`note_retained`, so the measurement stays complete.
+state, counted elsewhere): the ``exclude`` tensors given up front, and any ``nn.Parameter`` (or view
+of one) met during the pass, which covers parameters created inside the forward (FSDP2's unsharded
+parameters, SDP's re-joined neuron groups). Non-reentrant activation checkpointing installs its own
+hooks inside a checkpointed region (whose tensors are then *not* kept) and keeps the region's inputs
+alive for the recomputation outside autograd's saved tensors; code that checkpoints reports those
+inputs with :func:`note_retained`, so the measurement stays complete.
+
+The same meter runs on the meta device (the planner's prediction and the SDP planner's unit costs):
+meta tensors have no address, so a storage is identified by its base tensor object, kept referenced
+for the duration of the pass so that its identity cannot be reused.
 """
 
 from __future__ import annotations
@@ -16,21 +22,23 @@ from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 import torch
+from torch import nn
 
 _active: list["SavedTensorMeter"] = []
 
 
 class SavedTensorMeter:
-    """Distinct storages (by address) kept for backward, with their byte sizes."""
+    """Distinct storages kept for backward, with their byte sizes."""
 
     def __init__(self, *, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._exclude = {_key(t) for t in exclude}
+        self._keep: list[torch.Tensor] = []  # meta bases, so their ids stay unique
+        self._exclude = {_key(t, self._keep) for t in exclude}
         self._seen: dict[int, int] = {}
 
     def add(self, t: torch.Tensor) -> None:
-        if t.layout != torch.strided or t.device.type == "meta":
+        if t.layout != torch.strided or _is_param(t):
             return
-        key = _key(t)
+        key = _key(t, self._keep)
         if key and key not in self._exclude and key not in self._seen:
             self._seen[key] = t.untyped_storage().nbytes()
 
@@ -43,7 +51,17 @@ class SavedTensorMeter:
         return len(self._seen)
 
 
-def _key(t: torch.Tensor) -> int:
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+def _key(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
+    if hasattr(t, "to_local"):  # a DTensor (FSDP2's sharded parameters): its local shard's storage
+        t = t.to_local()
+    if t.device.type == "meta":
+        base = t._base if t._base is not None else t
+        keep.append(base)
+        return id(base)
     return t.untyped_storage().data_ptr()
 
 

@@ -75,7 +75,12 @@ def reset_peak_rss() -> bool:
 
 
 class PeakTracker:
-    """Baseline after imports; peak delta at the end (CUDA peaks too when on a GPU)."""
+    """Baseline after imports; peak delta at the end (CUDA peaks too when on a GPU).
+
+    The trainer calls :meth:`start_measuring` at the first measured (post-warm-up) step: CUDA peaks
+    then cover the measured steps only. The RSS peak is not reset there (the kernel's reset drops it
+    to the current RSS, which would hide the model and optimizer state built before); it stays the
+    peak since the post-import baseline."""
 
     def __init__(self, *, device: torch.device) -> None:
         self.device = device
@@ -83,6 +88,11 @@ class PeakTracker:
         self.baseline_rss = current_rss()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+
+    def start_measuring(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def summary(self) -> dict:
         out = {

@@ -5,8 +5,9 @@ Why patch the blocks' ``forward`` instead of wrapping them in a module: paramete
 stay those of the plain model (checkpoints and the gradient tests compare by name). Why restore
 buffers after the recomputation: recomputing a BatchNorm forward in training mode would update its
 running statistics a second time, so DDP+AC would evaluate differently from DDP; the recomputation
-must repeat the forward's values and leave no other trace. Activation bytes are measured once, on
-the first step, with :func:`sdp.metrics.activations.measure_saved_tensors`.
+must repeat the forward's values and leave no other trace. Activation bytes are measured by the
+trainer for every strategy (``memory.per_rank[*].activation_bytes``); checkpointed inputs are
+reported to that meter with :func:`sdp.metrics.activations.note_retained`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sdp.config import positive_int
-from sdp.metrics.activations import measure_saved_tensors, note_retained
-from sdp.metrics.timing import PhaseTimer
+from sdp.metrics.activations import note_retained
 from sdp.models.base import SDPModel
-from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, register
+from sdp.parallel.base import OptimizerFactory, register
 from sdp.parallel.ddp import DDPStrategy
 
 
@@ -78,20 +78,7 @@ class DDPActivationCheckpointStrategy(DDPStrategy):
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         self.checkpointed = apply_checkpointing(model, every=int(self.cfg.get("ac_every", 1)))
-        self.activation_bytes: int | None = None
         super().setup(model=model, optimizer_factory=optimizer_factory)
 
-    def train_step(
-        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
-    ) -> StepResult:
-        if self.activation_bytes is not None:
-            return super().train_step(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer, step=step)
-        assert self.module is not None
-        with measure_saved_tensors(exclude=list(self.module.parameters())) as meter:
-            result = super().train_step(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer, step=step)
-        self.activation_bytes = meter.bytes
-        return result
-
     def summary_extra(self) -> dict[str, Any]:
-        return {"checkpointed_blocks": self.checkpointed, "activation_bytes": self.activation_bytes,
-                "activation_bytes_note": "bytes kept for backward on this rank (rank 0 in summary.json), first step"}
+        return {"checkpointed_blocks": self.checkpointed}

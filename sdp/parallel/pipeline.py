@@ -141,12 +141,12 @@ class PipelineStrategy(Strategy):
         first, last = 0 in self.stage_ids, self.plan.num_stages - 1 in self.stage_ids
         losses: list[torch.Tensor] = []
         with count_collectives(self.ctx.comm):
-            with timer.phase("pipeline"):  # forward + backward of all microbatches, with stage sends
+            with timer.phase("forward_backward"):  # all microbatches, interleaved, with stage sends
                 self.schedule.step(*((inputs,) if first else ()), target=targets if last else None,
                                    losses=losses if last else None, return_outputs=False)
             self.note_grads()
             if self.plan.dp > 1:
-                with timer.phase("grad_sync"):
+                with timer.phase("comm"):  # not overlapped: after the schedule
                     self._sync_grads()
             with timer.phase("optimizer"):
                 self.optimizer.step()

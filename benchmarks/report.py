@@ -1,0 +1,224 @@
+"""The measurement report: run a set of strategies on one model/dataset/batch (via
+``benchmarks/compare.py``'s ``run_one``, each a real ``sdp-train`` job), then write ``report.md``
+(table with ratios to DDP, every figure on the rank where it is largest), ``report.json``,
+``machine.json`` and PNG plots: stacked memory by category, comm bytes per step by kind, the step-time
+split, and loss against step and against wall-clock.
+
+    PYTHONPATH=$PWD python benchmarks/report.py --suite resnet18 --out benchmarks/results/cpu-4ranks/resnet18
+    PYTHONPATH=$PWD python benchmarks/report.py --suite llama --out benchmarks/results/cpu-4ranks/llama
+    PYTHONPATH=$PWD python benchmarks/report.py --render-only --out DIR     # re-render existing run dirs
+
+Per-run figures come from :func:`sdp.report.runs.run_figures` (shared with the paper tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.compare import ROOT, run_one  # noqa: E402
+from sdp.report.runs import load_run, run_figures  # noqa: E402
+from sdp.results import machine, read_metrics, versions  # noqa: E402
+
+BASE = ["logger.wandb.mode=disabled", "logger.progress=false", "train.eval_every=0", "train.warmup_steps=3",
+        "cluster.world_size=4"]
+SUITES: dict[str, dict[str, list[str]]] = {
+    "resnet18": {
+        "common": [*BASE, "model=resnet18_cifar", "model.width=64", "dataset=synthetic", "dataset.image_size=32",
+                   "train.batch_size=32", "train.steps=10"],
+        "runs": ["ddp=ddp", "ddp_ac=ddp_ac", "fsdp=fsdp", "pipeline_1f1b=pipeline,parallelism.schedule=1f1b,parallelism.microbatches=4",
+                 "sdp=sdp", "sdp_block_bwd=sdp_block_bwd", "sdp_neuron_fwd=sdp_neuron_fwd"],
+    },
+    "llama": {
+        "common": [*BASE, "model=llama_tiny", "dataset=synthetic_text", "optim=adamw", "train.batch_size=16",
+                   "train.steps=10"],
+        "runs": ["ddp=ddp", "fsdp=fsdp", "sdp=sdp"],
+    },
+}
+CATEGORIES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes")
+PHASES = ("data", "forward", "backward", "forward_backward", "comm", "optimizer", "resample")
+RATIO_KEYS = ("model_state_bytes", "activation_bytes", "peak_bytes", "comm_bytes_per_step", "wire_bytes_per_step", "step_s")
+
+
+def row(label: str, run_dir: Path) -> dict[str, Any]:
+    """One strategy's figures (largest rank), its memory by category on its fullest rank, the
+    step-time split of its slowest rank, comm by kind of its busiest rank, and its loss curve."""
+    s = load_run(run_dir).summary
+    assert s is not None, f"{run_dir} has no summary.json"
+    fig = run_figures(s)
+    mem = s["memory"]["per_rank"]
+    full = max(mem, key=lambda m: sum(m.get(c) or 0 for c in CATEGORIES))
+    slow = max(s["time"]["per_rank"], key=lambda t: t["step_s_median"] or 0)
+    busy = max(s["comm"]["per_rank"], key=lambda c: c["bytes_per_step"])
+    metrics = [r for r in read_metrics(run_dir) if "loss" in r]
+    wall, curve = 0.0, []
+    for r in metrics:
+        wall += r.get("step_s", 0.0)
+        curve.append((r["step"], wall, r["loss"]))
+    return {"run": label, "strategy": s["strategy"], "run_dir": str(run_dir), **fig,
+            "memory_by_category": {c: full.get(c) or 0 for c in CATEGORIES}, "memory_rank": full["rank"],
+            "phases_s": {p: v for p, v in slow.get("phases_s_median", {}).items()}, "phase_rank": slow["rank"],
+            "comm_by_kind": {k: v["bytes"] for k, v in busy.get("by_kind", {}).items()}, "comm_rank": busy["rank"],
+            "loss_curve": curve, "memory_per_rank": mem, "per_rank_step_s": [t["step_s_median"] for t in s["time"]["per_rank"]]}
+
+
+def add_ratios(rows: list[dict[str, Any]], *, reference: str = "ddp") -> None:
+    base = next((r for r in rows if r["strategy"] == reference), rows[0])
+    for r in rows:
+        r["x_ddp"] = {k: (r[k] / base[k]) if r.get(k) is not None and base.get(k) else None for k in RATIO_KEYS}
+
+
+def markdown(rows: list[dict[str, Any]], *, title: str) -> str:
+    mib = lambda b: "" if b is None else f"{b / 2**20:.2f}"  # noqa: E731
+    x = lambda r, k: "" if r["x_ddp"].get(k) is None else f" ({r['x_ddp'][k]:.3f}x)"  # noqa: E731
+    opt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    head = ("| run | model state MiB | activations MiB | peak MiB | comm MiB/step | wire MiB/step | step s (median) | "
+            "straggler | samples/s | tokens/s | MFU | eval loss |")
+    lines = [f"### {title}", "", head, "|" + "---|" * 12]
+    for r in rows:
+        lines.append(
+            f"| {r['run']} | {mib(r['model_state_bytes'])}{x(r, 'model_state_bytes')} | {mib(r['activation_bytes'])}{x(r, 'activation_bytes')} | "
+            f"{mib(r['peak_bytes'])}{x(r, 'peak_bytes')} | {mib(r['comm_bytes_per_step'])}{x(r, 'comm_bytes_per_step')} | "
+            f"{mib(r['wire_bytes_per_step'])}{x(r, 'wire_bytes_per_step')} | {opt(r['step_s'], '.4f')}{x(r, 'step_s')} | "
+            f"{opt(r['straggler_spread'], '.3f')} | {opt(r['samples_per_s'], '.1f')} | {opt(r['tokens_per_s'], '.0f')} | "
+            f"{opt(r['mfu'], '.3f')} | {opt(r['eval_loss'], '.4f')} |")
+    kind = rows[0]["peak_kind"] if rows else ""
+    lines += ["", f"Every figure on the rank where it is largest; ratios to DDP in parentheses. Model state = params + "
+              f"grads + optimizer state; activations = bytes saved for backward in the first measured step; peak = {kind}; "
+              "step s = the slowest rank's median step time (warm-up excluded); straggler = max/min of per-rank medians. "
+              "SDP's transient evaluation copy is reported apart (report.json: eval_full_copy_bytes)."]
+    return "\n".join(lines)
+
+
+def plots(rows: list[dict[str, Any]], *, out: Path, title: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["run"] for r in rows]
+    files = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(out / name)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bottom = [0.0] * len(rows)
+    for c in CATEGORIES:
+        vals = [r["memory_by_category"][c] / 2**20 for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=c.replace("_bytes", ""))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("MiB (fullest rank)")
+    ax.set_title(f"Memory by category — {title}")
+    ax.legend()
+    ax.tick_params(axis="x", rotation=30)
+    save(fig, "memory.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    kinds = sorted({k for r in rows for k in r["comm_by_kind"]})
+    bottom = [0.0] * len(rows)
+    for k in kinds:
+        vals = [r["comm_by_kind"].get(k, 0) / 2**20 for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=k)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("MiB per step (busiest rank)")
+    ax.set_title(f"Communication per step — {title}")
+    ax.legend()
+    ax.tick_params(axis="x", rotation=30)
+    save(fig, "comm.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bottom = [0.0] * len(rows)
+    for p in [p for p in PHASES if any(p in r["phases_s"] for r in rows)] + ["other"]:
+        vals = [(r["step_s"] or 0) - sum(r["phases_s"].values()) if p == "other" else r["phases_s"].get(p, 0.0) for r in rows]
+        vals = [max(v, 0.0) for v in vals]
+        ax.bar(labels, vals, bottom=bottom, label=p)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("seconds (slowest rank, median)")
+    ax.set_title(f"Step-time split — {title}")
+    ax.legend()
+    ax.tick_params(axis="x", rotation=30)
+    save(fig, "step_time.png")
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in rows:
+        steps, wall, loss = zip(*r["loss_curve"]) if r["loss_curve"] else ((), (), ())
+        a1.plot(steps, loss, label=r["run"], marker=".")
+        a2.plot(wall, loss, label=r["run"], marker=".")
+    a1.set_xlabel("step")
+    a2.set_xlabel("wall-clock s (sum of step times)")
+    a1.set_ylabel("train loss")
+    a1.legend(fontsize=7)
+    fig.suptitle(f"Loss — {title}")
+    save(fig, "loss.png")
+    return files
+
+
+def machine_description() -> dict[str, Any]:
+    info = {**machine(), "versions": versions(), "python": platform.python_version()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        info["load_average"] = list(__import__("os").getloadavg())
+    except OSError:
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=sorted(SUITES), default="resnet18")
+    ap.add_argument("--runs", nargs="+", default=None, help="label=preset[,override,...] (default: the suite's)")
+    ap.add_argument("--extra", nargs="*", default=[], help="overrides added to the suite's common ones")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "report")
+    ap.add_argument("--render-only", action="store_true", help="re-render from the run directories under --out")
+    args = ap.parse_args(argv)
+    suite = SUITES[args.suite]
+    specs = args.runs or suite["runs"]
+    common = suite["common"] + args.extra
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    seconds: dict[str, float] = {}
+    rows = []
+    for spec in specs:
+        label, _, rest = spec.partition("=")
+        t0 = time.time()
+        if not args.render_only:
+            run_one(label=label, spec=rest or label, common=common, out=out / "runs")
+        seconds[label] = time.time() - t0
+        rows.append(row(label, out / "runs" / label))
+    add_ratios(rows)
+    title = f"{args.suite}: " + " ".join(o for o in common if o.split("=")[0] in (
+        "model", "model.width", "dataset", "train.batch_size", "cluster.world_size", "train.steps", "cluster.device"))
+    table = markdown(rows, title=title)
+    files = plots(rows, out=out, title=args.suite)
+    total = time.time() - started
+    mach = machine_description()
+    (out / "machine.json").write_text(json.dumps(mach, indent=2, default=str))
+    text = (table + f"\n\nPlots: {', '.join(f.name for f in files)}. Machine: {mach.get('cpu_model', mach.get('processor'))}, "
+            f"{mach.get('cpu_count')} CPUs, gpus {mach.get('gpus', [])}, load average at the end {mach.get('load_average')}. "
+            + ("" if args.render_only else f"Whole report: {total:.0f} s (per run: {', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())}).")
+            + f"\n\nCommand: `python benchmarks/report.py --suite {args.suite} {' '.join(args.extra)} --out {out}`\n")
+    (out / "report.md").write_text(text)
+    report = {"suite": args.suite, "common": common, "runs": specs, "rows": rows, "seconds": seconds, "total_s": total,
+              "machine": mach}
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    print(text, flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""FLOPs per step and model FLOPs utilisation (MFU) against a per-device peak table.
+
+Why FLOPs from the model's count rather than a profiler: ``flops_per_sample`` (forward + backward,
+``torch.utils.flop_counter`` on the meta device) times the global batch times the fraction of the
+model the workers compute (:func:`sdp.budget.compute_fraction`: 1 for DDP/FSDP/pipeline, shared +
+C x masked under forward SDP) is the useful work of a step, the same for every strategy; activation
+recomputation (DDP+AC) is overhead, not useful work, as in the usual MFU definition. The budget
+module already counts it once per run in the driver (``summary.json["budget"]["flops_per_step"]``).
+
+MFU = useful FLOPs per second / (dense peak of one device x distinct devices). Several gloo ranks
+sharing one GPU count that GPU once. Peaks are the vendors' dense (no sparsity) figures; on CPU
+(no reliable peak) MFU is null.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# dense peak FLOP/s per device: bf16 / tf32 / fp32 tensor-core or CUDA-core figures from the data sheets
+PEAKS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "H100 PCIe": {"bf16": 756.0e12, "tf32": 378.0e12, "fp32": 51.2e12},
+    "H100": {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},  # SXM
+    "A100": {"bf16": 312.0e12, "tf32": 156.0e12, "fp32": 19.5e12},
+}
+
+
+def peak_flops(*, device_name: str, dtype: str) -> float | None:
+    """Dense peak of ``device_name`` (as ``torch.cuda.get_device_name`` spells it) for ``dtype``; None if unknown."""
+    name = device_name.upper()
+    for key, table in PEAKS.items():  # most specific first (H100 PCIe before H100)
+        if all(part.upper() in name for part in key.split()):
+            return table.get(dtype)
+    return None
+
+
+def compute_dtype(summary: dict[str, Any]) -> str:
+    """bf16 when FSDP's mixed precision is on, else fp32 (what the run's matmuls ran in)."""
+    return "bf16" if summary.get("strategy_info", {}).get("mixed_precision") else "fp32"
+
+
+def throughput(*, summary: dict[str, Any], flops_per_step: float | None) -> dict[str, Any]:
+    """FLOPs per step, achieved FLOP/s and MFU of a run, from its summary and the budget's count."""
+    t = summary["time"]
+    step_s = t.get("step_s_median")
+    devices = {(r.get("host"), r.get("device")) for r in t.get("per_rank", [])}
+    names = {r.get("device_name", "cpu") for r in t.get("per_rank", [])}
+    dtype = compute_dtype(summary)
+    peak = peak_flops(device_name=names.pop(), dtype=dtype) if len(names) == 1 else None
+    achieved = flops_per_step / step_s if flops_per_step and step_s else None
+    mfu = achieved / (peak * len(devices)) if achieved and peak and devices else None
+    return {"flops_per_step": flops_per_step, "flops_per_s": achieved, "mfu": mfu, "mfu_dtype": dtype,
+            "peak_flops_per_device": peak, "devices": len(devices)}
