@@ -67,3 +67,56 @@ def train_job(tmp_path: Path):
 
     return make
 
+
+
+# ---- test tiers ----------------------------------------------------------------------------------
+# The multi-rank (``dist``) tests CI runs on every submission: the backbone of each part — equivalence
+# of every strategy family with DDP or a single-process reference, SDP's masking and comm accounting,
+# fail-fast, resume, the NaN guard, the planner and the multirun report. Every other ``dist`` test is in
+# the slow tier (more ranks, more presets of the same property), run with ``pytest --runslow``; on 2
+# shared CPU cores the whole multi-rank set takes far longer than a CI run may.
+CORE_DIST = {
+    "tests/test_ddp.py::test_ddp_trains_and_follows_contract[2]",
+    "tests/test_ddp.py::test_multirun_jobs_get_distinct_directories",
+    "tests/test_ddp.py::test_rank_that_raises_ends_the_job_fast_with_its_traceback",
+    "tests/test_ddp.py::test_inside_torchrun_it_does_not_spawn_again",
+    "tests/test_sdp_equivalence.py::test_coverage_one_matches_ddp_every_step",
+    "tests/test_sdp_ranks.py::test_backward_masking_grad_is_mean_over_holders_of_reference[block]",
+    "tests/test_sdp_ranks.py::test_forward_masking_skips_prunes_and_narrows[neuron]",
+    "tests/test_sdp_ranks.py::test_replicas_identical_after_10_steps[sdp_block_bwd]",
+    "tests/test_sdp_ranks.py::test_comm_bytes_equal_analytic_bucket_sum[4-0.5]",
+    "tests/test_fsdp.py::test_fsdp_grads_equal_single_process_reference[fsdp2]",
+    "tests/test_fsdp.py::test_fsdp_losses_match_ddp[fsdp2-resnet]",
+    "tests/test_pipeline.py::test_stage_grads_equal_unsplit_reference[1f1b]",
+    "tests/test_pipeline.py::test_pipeline_losses_match_ddp[gpipe]",
+    "tests/test_ddp_ac.py::test_ddp_ac_losses_equal_ddp",
+    "tests/test_ddp_drop.py::test_survival_one_is_ddp[ddp_stochastic_depth]",
+    "tests/test_reliability.py::test_resume_after_sigkill_is_bit_identical[ddp]",
+    "tests/test_reliability.py::test_resume_after_sigkill_is_bit_identical[sdp]",
+    "tests/test_reliability.py::test_killed_rank_ends_the_job_fast_naming_the_rank",
+    "tests/test_reliability.py::test_nan_loss_stops_the_run_naming_step_and_rank",
+    "tests/test_report.py::test_multirun_ends_by_printing_the_table",
+    "tests/test_plan.py::test_prediction_matches_measurement[ddp]",
+    "tests/test_plan.py::test_prediction_matches_measurement[sdp]",
+    "tests/test_data_train.py::test_llama_tiny_trains_on_shards_with_ddp",
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the slow tier (every multi-rank test; see CORE_DIST in tests/conftest.py)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k/-m deselection: every collected test is seen
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ids = {item.nodeid for item in items}
+    files = {i.split("::")[0] for i in ids}
+    unknown = sorted(n for n in CORE_DIST if n.split("::")[0] in files and n not in ids)
+    if unknown:  # a renamed core test must not silently drop out of CI
+        raise pytest.UsageError(f"CORE_DIST names tests that do not exist: {unknown}")
+    run_all = config.getoption("--runslow")
+    for item in items:
+        if "dist" in item.keywords and item.nodeid not in CORE_DIST:
+            item.add_marker(pytest.mark.slow)
+        if "slow" in item.keywords and not run_all:
+            item.add_marker(pytest.mark.skip(reason="slow tier: run with pytest --runslow"))

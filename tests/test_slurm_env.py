@@ -38,8 +38,9 @@ def test_cluster_configs_select_the_submitit_launcher_and_derive_the_world(name,
 @pytest.fixture
 def slurm_task(monkeypatch):
     """Rank 3 of a 2-node x 2-task job step (no rank variables set yet)."""
-    for k in RANK_VARS:
-        monkeypatch.delenv(k, raising=False)
+    for k in RANK_VARS:  # set-then-delete registers them, so what slurm_environment exports is undone after
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     for k, v in dict(SLURM_JOB_ID="1234", SLURM_STEP_ID="0", SLURM_NTASKS="4", SLURM_PROCID="3",
                      SLURM_LOCALID="1", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2",
                      SLURM_JOB_NODELIST="gpu[07-08]").items():
