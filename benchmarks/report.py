@@ -112,43 +112,28 @@ def plots(rows: list[dict[str, Any]], *, out: Path, title: str) -> list[Path]:
         plt.close(fig)
         files.append(out / name)
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bottom = [0.0] * len(rows)
-    for c in CATEGORIES:
-        vals = [r["memory_by_category"][c] / 2**20 for r in rows]
-        ax.bar(labels, vals, bottom=bottom, label=c.replace("_bytes", ""))
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("MiB (fullest rank)")
-    ax.set_title(f"Memory by category — {title}")
-    ax.legend()
-    ax.tick_params(axis="x", rotation=30)
-    save(fig, "memory.png")
+    def stacked(series: dict[str, list[float]], *, ylabel: str, what: str, name: str) -> None:
+        """One bar per run, stacked by ``series`` (category, collective kind or phase)."""
+        fig, ax = plt.subplots(figsize=(8, 4))
+        bottom = [0.0] * len(rows)
+        for key, vals in series.items():
+            ax.bar(labels, vals, bottom=bottom, label=key)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{what} — {title}")
+        ax.legend()
+        ax.tick_params(axis="x", rotation=30)
+        save(fig, name)
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    stacked({c.replace("_bytes", ""): [r["memory_by_category"][c] / 2**20 for r in rows] for c in CATEGORIES},
+            ylabel="MiB (fullest rank)", what="Memory by category", name="memory.png")
     kinds = sorted({k for r in rows for k in r["comm_by_kind"]})
-    bottom = [0.0] * len(rows)
-    for k in kinds:
-        vals = [r["comm_by_kind"].get(k, 0) / 2**20 for r in rows]
-        ax.bar(labels, vals, bottom=bottom, label=k)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("MiB per step (busiest rank)")
-    ax.set_title(f"Communication per step — {title}")
-    ax.legend()
-    ax.tick_params(axis="x", rotation=30)
-    save(fig, "comm.png")
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bottom = [0.0] * len(rows)
-    for p in [p for p in PHASES if any(p in r["phases_s"] for r in rows)] + ["other"]:
-        vals = [(r["step_s"] or 0) - sum(r["phases_s"].values()) if p == "other" else r["phases_s"].get(p, 0.0) for r in rows]
-        vals = [max(v, 0.0) for v in vals]
-        ax.bar(labels, vals, bottom=bottom, label=p)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("seconds (slowest rank, median)")
-    ax.set_title(f"Step-time split — {title}")
-    ax.legend()
-    ax.tick_params(axis="x", rotation=30)
-    save(fig, "step_time.png")
+    stacked({k: [r["comm_by_kind"].get(k, 0) / 2**20 for r in rows] for k in kinds},
+            ylabel="MiB per step (busiest rank)", what="Communication per step", name="comm.png")
+    phases = [p for p in PHASES if any(p in r["phases_s"] for r in rows)]
+    split = {p: [r["phases_s"].get(p, 0.0) for r in rows] for p in phases}
+    split["other"] = [max((r["step_s"] or 0) - sum(r["phases_s"].values()), 0.0) for r in rows]
+    stacked(split, ylabel="seconds (slowest rank, median)", what="Step-time split", name="step_time.png")
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     for r in rows:

@@ -105,3 +105,18 @@ def reference_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) ->
     model.zero_grad()
     loss_fn(model(x), y).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def small_mlp(*, depth: int) -> torch.nn.Module:
+    """The tiny residual MLP the strategy gradient tests use (seeded: identical on every rank)."""
+    from sdp.models.mlp import MLP
+
+    torch.manual_seed(0)
+    return MLP(num_classes=10, input_shape=(1, 4, 4), dim=16, hidden=24, depth=depth)
+
+
+def global_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` seeded 1x4x4 inputs with labels: the global batch every rank slices."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 10, (n,), generator=g)
+

@@ -11,31 +11,20 @@ import torch
 from omegaconf import OmegaConf
 
 from sdp.metrics.timing import PhaseTimer
-from sdp.models.mlp import MLP
 from sdp.parallel.base import DistContext
 from sdp.parallel.fsdp import FSDPStrategy, fsdp_modules
 from sdp.trainer import loss_fn
-from tests.dist_helpers import CapturingSGD, reference_grads, run_job, spawn, train_losses
+from tests.dist_helpers import CapturingSGD, global_batch, small_mlp, reference_grads, run_job, spawn, train_losses
 
 CPU = torch.device("cpu")
 DEPTH, PER_RANK = 3, 6
-
-
-def small_mlp() -> MLP:
-    torch.manual_seed(0)
-    return MLP(num_classes=10, input_shape=(1, 4, 4), dim=16, hidden=24, depth=DEPTH)
-
-
-def global_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def _grad_worker(rank: int, world: int, replicate: int, out: str) -> None:
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=CPU, backend="gloo")
     cfg = OmegaConf.create({"name": "fsdp", "replicate": replicate, "reshard_after_forward": True, "mixed_precision": False})
     strategy = FSDPStrategy(cfg=cfg, full_cfg=OmegaConf.create({}), ctx=ctx)
-    strategy.setup(model=small_mlp(), optimizer_factory=lambda ps: CapturingSGD(ps))
+    strategy.setup(model=small_mlp(depth=DEPTH), optimizer_factory=lambda ps: CapturingSGD(ps))
     x, y = global_batch(PER_RANK * world)
     sl = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     strategy.train_step(inputs=x[sl], targets=y[sl], loss_fn=loss_fn, timer=PhaseTimer(device=CPU), step=0)
@@ -56,8 +45,8 @@ def test_fsdp_grads_equal_single_process_reference(tmp_path: Path, world: int, r
     out = str(tmp_path / "grads")
     spawn(_grad_worker, world=world, args=(replicate, out))
     x, y = global_batch(PER_RANK * world)
-    ref = reference_grads(small_mlp(), x, y)
-    full_bytes = sum(p.numel() * 4 for p in small_mlp().parameters())
+    ref = reference_grads(small_mlp(depth=DEPTH), x, y)
+    full_bytes = sum(p.numel() * 4 for p in small_mlp(depth=DEPTH).parameters())
     shard = world // replicate
     per_rank = [torch.load(f"{out}.{r}") for r in range(world)]
     for r, res in enumerate(per_rank):

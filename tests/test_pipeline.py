@@ -15,26 +15,15 @@ from omegaconf import OmegaConf
 
 from sdp.config import ConfigError, validate
 from sdp.metrics.timing import PhaseTimer
-from sdp.models.mlp import MLP
 from sdp.models.resnet import ResNetCIFAR
 from sdp.parallel.base import DistContext
 from sdp.parallel.pipeline import PipelineStrategy
 from sdp.parallel.pipeline_plan import balanced_bounds, make_plan
 from sdp.trainer import loss_fn
-from tests.dist_helpers import CapturingSGD, compose_cfg, reference_grads, run_job, spawn, train_losses
+from tests.dist_helpers import CapturingSGD, global_batch, small_mlp, compose_cfg, reference_grads, run_job, spawn, train_losses
 
 CPU = torch.device("cpu")
 DEPTH, PER_RANK = 4, 8
-
-
-def small_mlp() -> MLP:
-    torch.manual_seed(0)
-    return MLP(num_classes=10, input_shape=(1, 4, 4), dim=16, hidden=24, depth=DEPTH)
-
-
-def global_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def pp_cfg(**kw: object) -> object:
@@ -71,7 +60,7 @@ def test_resnet18_balanced_cut_is_even_by_parameters() -> None:
 )
 def test_invalid_settings_name_the_key(kw: dict, world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        make_plan(cfg=pp_cfg(**kw), world_size=world, model=small_mlp(), batch_size=PER_RANK)
+        make_plan(cfg=pp_cfg(**kw), world_size=world, model=small_mlp(depth=DEPTH), batch_size=PER_RANK)
 
 
 def test_validate_before_launch_sees_model_and_batch() -> None:
@@ -85,7 +74,7 @@ def test_validate_before_launch_sees_model_and_batch() -> None:
 def _grad_worker(rank: int, world: int, kw: dict, out: str) -> None:
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=CPU, backend="gloo")
     strategy = PipelineStrategy(cfg=pp_cfg(**kw), full_cfg=OmegaConf.create({"train": {"batch_size": PER_RANK}}), ctx=ctx)
-    strategy.setup(model=small_mlp(), optimizer_factory=lambda ps: CapturingSGD(ps))
+    strategy.setup(model=small_mlp(depth=DEPTH), optimizer_factory=lambda ps: CapturingSGD(ps))
     replica, replicas = strategy.data_parallel()
     x, y = global_batch(PER_RANK * world)
     n = x.shape[0] // replicas
@@ -114,7 +103,7 @@ def test_stage_grads_equal_unsplit_reference(tmp_path: Path, world: int, kw: dic
     out = str(tmp_path / "pp")
     spawn(_grad_worker, world=world, args=(kw, out))
     x, y = global_batch(PER_RANK * world)
-    ref = reference_grads(small_mlp(), x, y)
+    ref = reference_grads(small_mlp(depth=DEPTH), x, y)
     per_rank = [torch.load(f"{out}.{r}") for r in range(world)]
     seen: set[str] = set()
     for r, res in enumerate(per_rank):
@@ -133,7 +122,7 @@ def test_stage_grads_equal_unsplit_reference(tmp_path: Path, world: int, kw: dic
     count = sum(res["loss"][1] for res in per_rank)
     assert count == x.shape[0]
     with torch.no_grad():
-        assert abs(total / count - float(loss_fn(small_mlp()(x), y))) < 1e-5
+        assert abs(total / count - float(loss_fn(small_mlp(depth=DEPTH)(x), y))) < 1e-5
 
 
 # ---- whole runs: losses match DDP ------------------------------------------------------------------
