@@ -6,9 +6,14 @@ the result and recorded in ``config.yaml``, the details in ``summary.json["budge
 - ``iterations``: ``train.steps`` for every method (the reviewers' same-iteration comparison);
 - ``flops``: ``train.steps`` is the DDP step count; a method that computes a fraction ``r`` of the full
   model's FLOPs per step runs ``round(train.steps / r)`` steps, as the paper's FLOP matching extends
-  training by 1/C. ``train.flops_ratio=coverage`` takes ``r = parallelism.coverage`` (the paper's rule);
-  ``measured`` takes ``r`` from the model's FLOP count (see :func:`compute_fraction`). A strategy
-  without ``parallelism.coverage`` (DDP, FSDP, pipeline, ...) computes the full model: ``r = 1``;
+  training by 1/C. ``train.flops_ratio=coverage`` takes ``r = C`` (the paper's rule); ``measured``
+  takes ``r`` from the model's FLOP count (see :func:`compute_fraction`). ``C`` is the fraction of the
+  model's units a worker computes per step (:func:`unit_fraction`): ``parallelism.coverage`` for SDP,
+  the mean survival probability (``parallelism.survival_prob``, ``decay``) for stochastic depth and
+  LayerDrop, which skip a dropped block's forward and backward like forward masking -- so a drop
+  baseline at ``survival_prob = p`` with ``decay = uniform`` is FLOP-matched exactly like SDP at
+  ``C = p``. A strategy with neither key (DDP, DDP+AC, FSDP, pipeline) computes the full model:
+  ``r = 1`` (activation checkpointing's recomputation is not counted: budgets count model FLOPs);
 - ``tokens``: ``ceil(train.tokens / (global batch x sequence length))`` steps for every method.
 
 What we count as training FLOPs: ``steps x global batch x flops_per_sample x r_measured``, where
@@ -64,6 +69,33 @@ def compute_fraction(*, masked: float, coverage: float, masking: str) -> float:
     raise ValueError(f"parallelism.masking={masking!r} not in {MASKINGS}")
 
 
+def unit_fraction(cfg: DictConfig, *, n_units: int | None) -> tuple[float | None, str | None]:
+    """(fraction of the model's units one worker computes per step on average, the key it comes from).
+
+    SDP declares it (``parallelism.coverage``); stochastic depth / LayerDrop draw each block with its
+    survival probability, so the expected fraction is the mean of
+    :func:`sdp.parallel.ddp_drop.survival_probs` (``p`` itself under ``decay=uniform``; the linear decay's
+    mean needs the number of blocks ``n_units``). ``(None, None)``: the strategy runs the whole model.
+    """
+    coverage = _get(cfg, "parallelism.coverage")
+    if coverage is not None:
+        return coverage, "parallelism.coverage"
+    p = _get(cfg, "parallelism.survival_prob")
+    if p is None:
+        return None, None
+    from sdp.parallel.ddp_drop import survival_probs  # lazy: the strategy package imports torch.distributed
+
+    require(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1, "parallelism.survival_prob", p,
+            "must be a number in (0, 1]")
+    decay = str(_get(cfg, "parallelism.decay") or "uniform")
+    if decay == "uniform":
+        return float(p), "parallelism.survival_prob"
+    require(n_units is not None and n_units > 0, "parallelism.decay", decay,
+            "needs the model's block count, which could not be counted; use decay=uniform")
+    probs = survival_probs(n=int(n_units), p=float(p), decay=decay)
+    return sum(probs) / len(probs), "parallelism.survival_prob"
+
+
 def _get(cfg: DictConfig, dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
@@ -73,8 +105,9 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return node
 
 
-def model_flops(cfg: DictConfig) -> tuple[int | None, float | None, str | None]:
-    """(training FLOPs per sample of the full model, masked share, why not) from a meta-device build."""
+def model_flops(cfg: DictConfig) -> tuple[int | None, float | None, int | None, str | None]:
+    """(training FLOPs per sample of the full model, masked share, number of units, why not) from a
+    meta-device build."""
     from sdp.models.base import forward_flop_counts
     from sdp.worker import build
 
@@ -83,9 +116,10 @@ def model_flops(cfg: DictConfig) -> tuple[int | None, float | None, str | None]:
             model = build(cfg.model)
             per_sample = int(model.flops_per_sample())
             masked = masked_fraction(counts=forward_flop_counts(model), model=model)
+            n_units = len(model.sdp_units())
     except Exception as exc:  # noqa: BLE001 - FLOPs are a record, not a reason to fail a run
-        return None, None, f"{type(exc).__name__}: {exc}"
-    return per_sample, masked, None
+        return None, None, None, f"{type(exc).__name__}: {exc}"
+    return per_sample, masked, n_units, None
 
 
 def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
@@ -98,19 +132,20 @@ def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
     budget = str(tc.get("budget", "iterations"))
     one_of("train.budget", budget, BUDGETS)
     base = int(tc.steps)
-    coverage = _get(cfg, "parallelism.coverage")
-    masking = str(_get(cfg, "parallelism.masking") or "forward")
+    per_sample, masked, n_units, flops_error = model_flops(cfg)
+    coverage, coverage_key = unit_fraction(cfg, n_units=n_units)
+    masking = str(_get(cfg, "parallelism.masking") or "forward")  # drop baselines skip like forward masking
     if coverage is not None:
-        require(isinstance(coverage, (int, float)) and 0 < coverage <= 1, "parallelism.coverage", coverage,
+        require(isinstance(coverage, (int, float)) and 0 < coverage <= 1, coverage_key, coverage,
                 "must be a number in (0, 1]")
         one_of("parallelism.masking", masking, MASKINGS)
     global_batch = int(tc.batch_size) * int(cfg.cluster.world_size)
-    per_sample, masked, flops_error = model_flops(cfg)
     fraction = 1.0
     if coverage is not None:
         fraction = compute_fraction(masked=masked, coverage=float(coverage), masking=masking) if masked is not None else None
     info: dict[str, Any] = {"budget": budget, "base_steps": base, "global_batch": global_batch,
-                            "coverage": coverage, "masking": masking if coverage is not None else None,
+                            "coverage": coverage, "coverage_key": coverage_key,
+                            "masking": masking if coverage is not None else None,
                             "flops_per_sample": per_sample, "fraction_computed": fraction}
     if budget == "iterations":
         steps, ratio = base, 1.0

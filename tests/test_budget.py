@@ -4,6 +4,7 @@ variant and scale configs composing at both scales."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -115,28 +116,92 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 VARIANTS = sorted(p.stem for p in (CONF / "variant").glob("*.yaml"))
 
 
+def sweep_params(experiment: str) -> dict[str, list[str]]:
+    """An experiment's ``hydra.sweeper.params`` (its own and those of the experiments it includes)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.get("params")
+    params = OmegaConf.to_container(params) if params is not None else {}
+    return {k: [v.strip() for v in str(vals).split(",") if v.strip()] for k, vals in params.items()}
+
+
 @pytest.mark.parametrize("scale", ["paper", "cpu"])
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_experiment_composes_with_each_sweep_variant(experiment: str, scale: str):
+def test_experiment_composes_with_each_sweep_value(experiment: str, scale: str):
+    """Every value of every swept key (seed aside) composes and resolves at both scales, and its budget
+    resolves to a step count (one value at a time: the sweeps' products would take minutes)."""
     cfg = compose_with(f"experiment={experiment}", f"scale={scale}")
     OmegaConf.to_container(cfg, resolve=True)
-    params = yaml.safe_load((CONF / "experiment" / f"{experiment}.yaml").read_text()).get("hydra", {}) \
-        .get("sweeper", {}).get("params", {})
-    for v in [s.strip() for s in str(params.get("variant", "")).split(",") if s.strip()]:
-        assert v in VARIANTS, f"experiment {experiment} sweeps variant={v!r}, not in conf/variant: {VARIANTS}"
-        OmegaConf.to_container(compose_with(f"experiment={experiment}", f"scale={scale}", f"variant={v}"), resolve=True)
+    for key, values in sweep_params(experiment).items():
+        if key == "seed":
+            continue
+        for value in values:
+            if key == "variant":
+                assert value in VARIANTS, f"experiment {experiment} sweeps variant={value!r}, not in conf/variant: {VARIANTS}"
+            one = compose_with(f"experiment={experiment}", f"scale={scale}", f"{key}={value}")
+            OmegaConf.to_container(one, resolve=True)
+            if scale == "cpu":
+                steps, info = resolve_steps(one)
+                assert 1 <= steps <= 200, f"{experiment} {key}={value}: {steps} steps at scale=cpu ({info})"
     if scale == "cpu":
         assert cfg.cluster.world_size == 4 and cfg.cluster.device == "cpu" and cfg.dataset.name == "cpu_standin"
         assert cfg.scale.name == "cpu"
 
 
+def test_llama_scale_cpu_maps_each_size_to_a_tiny_llama_on_text():
+    sizes = []
+    for model in ("llama_134m", "llama_500m", "llama_1b"):
+        cfg = compose_with("experiment=paper_llama_fineweb", f"model={model}", "scale=cpu")
+        assert cfg.dataset.kind == "text" and cfg.model.dim <= 128, (model, cfg.model)
+        steps, info = resolve_steps(cfg)
+        assert info["budget"] == "tokens" and info["tokens_trained"] >= cfg.train.tokens
+        sizes.append(info["flops_per_sample"])
+        paper = compose_with("experiment=paper_llama_fineweb", f"model={model}")
+        assert paper.model.dim >= 768 and paper.train.tokens >= 10**9, (model, paper.model.dim, paper.train.tokens)
+    assert sizes == sorted(sizes) and len(set(sizes)) == 3, f"CPU LLaMAs must grow with the paper's sizes: {sizes}"
+
+
+_FRACTION = re.compile(r"_c(\d+)$")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variant_sets_method_and_coverage(variant: str):
+    """A ``*_cNN`` row computes a fraction NN/100 of the blocks (SDP coverage, or a drop baseline's
+    survival probability); the other rows name their strategy."""
     cfg = compose_with(f"variant={variant}", "scale=cpu")
-    if variant == "ddp":
-        assert cfg.parallelism.name == "ddp"
-    else:
-        assert cfg.parallelism.coverage == int(variant.rsplit("_c", 1)[1]) / 100
+    m = _FRACTION.search(variant)
+    if m is None:
+        assert cfg.parallelism.name == variant, (variant, cfg.parallelism.name)
+        assert "coverage" not in cfg.parallelism and "survival_prob" not in cfg.parallelism
+        return
+    key = "coverage" if "coverage" in cfg.parallelism else "survival_prob"
+    assert cfg.parallelism[key] == int(m.group(1)) / 100, (variant, key, cfg.parallelism[key])
+
+
+@pytest.mark.parametrize("variant", ["sd_c50", "layerdrop_c50"])
+def test_drop_baseline_at_p_is_flop_matched_like_sdp_at_c(variant: str):
+    """p = C: the drop baselines run exactly the steps B-SDP at C = 0.5 runs, under both ratio rules."""
+    for rule in ("coverage", "measured"):
+        base = ("model=resnet18_cifar", "train.steps=40", "train.budget=flops", f"train.flops_ratio={rule}")
+        drop_steps, drop = resolve_steps(compose_with(*base, f"variant={variant}"))
+        sdp_steps, sdp = resolve_steps(compose_with(*base, "variant=b_sdp_c50"))
+        assert drop["coverage_key"] == "parallelism.survival_prob" and drop["coverage"] == 0.5
+        assert drop_steps == sdp_steps and drop["fraction_computed"] == pytest.approx(sdp["fraction_computed"]), (drop, sdp)
+
+
+def test_linear_decay_counts_its_mean_survival():
+    """Stochastic depth's linear decay (last block at p) computes more than p: the budget uses the mean."""
+    cfg = compose_with("model=resnet18_cifar", "parallelism=ddp_stochastic_depth", "parallelism.survival_prob=0.5",
+                       "parallelism.decay=linear", "train.steps=40", "train.budget=flops")
+    steps, info = resolve_steps(cfg)
+    n = 8  # ResNet-18's BasicBlocks
+    mean = sum(1 - (i + 1) / n * 0.5 for i in range(n)) / n
+    assert info["coverage"] == pytest.approx(mean) and steps == round(40 / mean), info
+
+
+def test_bad_survival_prob_names_the_key():
+    with pytest.raises(ConfigError, match="parallelism.survival_prob"):
+        resolve_steps(compose_with("parallelism=ddp_layerdrop", "parallelism.survival_prob=0", "train.budget=flops"))
 
 
 def test_scale_cpu_shrinks_resnet_and_command_line_still_wins():

@@ -22,6 +22,7 @@ from sdp.report.runs import Run, run_figures
 
 DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir")
 METHOD_KEYS = ("parallelism.*", "train.steps")
+COVERAGE_KEYS = ("parallelism.coverage", "parallelism.survival_prob")  # what the C column shows
 TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
               "train.budget": "budget", "scale.name": "scale"}
 METHOD_ORDER = ("DDP", "B-SDP", "B_β-SDP", "N-SDP", "N_β-SDP")
@@ -43,6 +44,14 @@ def method_label(flat: dict[str, Any]) -> str:
         masking = str(flat.get("parallelism.masking") or "forward")
         return SDP_LABELS.get((level, masking), f"SDP ({level}, {masking})")
     return OTHER_LABELS.get(name, name)
+
+
+def row_coverage(flat: dict[str, Any]) -> float | None:
+    """The C column: SDP's coverage, or a drop baseline's survival probability p (the reviewers' p = C)."""
+    for key in COVERAGE_KEYS:
+        if flat.get(key) is not None:
+            return flat[key]
+    return None
 
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:
@@ -121,7 +130,7 @@ class Table:
 
 def _row(*, runs: list[Run], keys: dict[str, Any], expected: list[Any]) -> Row:
     flat = runs[0].flat
-    row = Row(method=method_label(flat), coverage=flat.get("parallelism.coverage"), keys=keys, runs=runs,
+    row = Row(method=method_label(flat), coverage=row_coverage(flat), keys=keys, runs=runs,
               expected_seeds=expected)
     figures = [run_figures(r.summary) for r in runs if r.ok]
     row.stats = {m: aggregate([f[m] for f in figures]) for m in AGGREGATED}
@@ -155,7 +164,7 @@ def build_tables(runs: list[Run], *, exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
         ctx = tuple(_hashable(r.flat.get(k)) for k in context_keys)
         grp = tuple(_hashable(r.flat.get(k)) for k in row_keys)
         tables.setdefault(ctx, {}).setdefault(grp, []).append(r)
-    label_keys = ("parallelism.name", "parallelism.level", "parallelism.masking", "parallelism.coverage", "train.steps")
+    label_keys = ("parallelism.name", "parallelism.level", "parallelism.masking", *COVERAGE_KEYS, "train.steps")
     extra = [k for k in row_keys if k not in label_keys]
     out = []
     for ctx, groups in tables.items():
