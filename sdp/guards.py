@@ -14,6 +14,7 @@ what the forward pass itself changed (BatchNorm running statistics).
 from __future__ import annotations
 
 import types
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -108,13 +109,17 @@ class NumericsGuard:
         return loss, f"step {step}: {' and '.join(parts)}; {action}"
 
 
+PEER_LOST = "a peer rank went away mid-collective"  # marks a failure that is a consequence, not the cause
+PEER_LOST_GRACE_S = 3.0  # how long such a rank waits before failing, so the cause is reported first
+
+
 def _hint(exc: BaseException, *, timeout_s: float) -> str:
     text = f"{type(exc).__name__} {exc}".lower()
     if "timed out" in text or "timeout" in text:
         return (f" (a collective did not complete within cluster.timeout_s={timeout_s:g}: another rank is hung, "
                 "dead or slower than the timeout)")
     if "closed by peer" in text or "connection reset" in text or "broken pipe" in text:
-        return " (a peer rank went away mid-collective: see that rank's failure)"
+        return f" ({PEER_LOST}: see that rank's failure)"
     return ""
 
 
@@ -127,5 +132,9 @@ def naming_step(*, step: int, rank: int, timeout_s: float) -> Iterator[None]:
     except (NonFiniteError, StepFailure, KeyboardInterrupt):
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with context
-        raise StepFailure(f"step {step} failed on rank {rank}{_hint(exc, timeout_s=timeout_s)}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        hint = _hint(exc, timeout_s=timeout_s)
+        if PEER_LOST in hint:
+            # A consequence, not the cause: give the failing peer time to exit first, so the launcher
+            # (which reports the first rank it sees die) names the root cause, not this rank.
+            time.sleep(PEER_LOST_GRACE_S)
+        raise StepFailure(f"step {step} failed on rank {rank}{hint}: {type(exc).__name__}: {exc}") from exc

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 import traceback
@@ -79,10 +80,36 @@ def run_external(*, config: dict[str, Any], run_dir: Path) -> dict[str, Any] | N
             if len(reports) > 1 or time.time() > deadline:
                 break
             time.sleep(0.5)
-        first = min(reports, key=lambda r: r["time"])
+        from sdp.guards import PEER_LOST
+
+        first = min(reports, key=lambda r: (PEER_LOST in r["traceback"], r["time"]))  # a cause, not a consequence
         others = sorted(r["rank"] for r in reports if r["rank"] != first["rank"])
         after = f" (then ranks {others})" if others else ""
-        raise RankFailure(f"rank {first['rank']} of {world} failed first{after}:\n{first['traceback']}") from None
+        raise RankFailure(f"rank {first['rank']} of {world} failed first{after}:\n{first['traceback']}",
+                          rank=first["rank"], exitcode=1) from None
+
+
+def root_cause(failures: dict[int, Any]) -> tuple[int, Any, str]:
+    """(rank, failure, traceback) of the failure that caused the others.
+
+    A rank killed by a signal (not the agent's SIGTERM) comes first, then a rank whose error is its own (not a collective that
+    broke because a peer went away, which peers report within the same second, so timestamps cannot
+    tell them apart), then the earliest.
+    """
+    from sdp.guards import PEER_LOST
+
+    def text(f: Any) -> str:
+        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+        inner = data.get("message", {})
+        callstack = inner.get("extraInfo", {}).get("py_callstack") if isinstance(inner, dict) else None
+        return str(callstack or f.message)
+
+    def killed(f: Any) -> bool:  # by a signal from outside (the agent itself stops ranks with SIGTERM)
+        return f.exitcode < 0 and f.exitcode != -signal.SIGTERM
+
+    rank = min(failures, key=lambda r: (not killed(failures[r]), PEER_LOST in text(failures[r]),
+                                        failures[r].timestamp, r))
+    return rank, failures[rank], text(failures[rank])
 
 
 def launch(*, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -112,14 +139,7 @@ def launch(*, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     try:
         outputs = elastic_launch(launch_cfg, run_rank)(config, str(run_dir))
     except ChildFailedError as exc:
-        # Root cause first: a rank killed by a signal (its peers then fail in their collectives,
-        # within the same second, so failure timestamps cannot tell them apart), else the earliest.
-        killed = sorted(r for r, f in exc.failures.items() if f.exitcode < 0)
-        rank, failure = (killed[0], exc.failures[killed[0]]) if killed else exc.get_first_failure()
-        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-        inner = data.get("message", {})
-        callstack = inner.get("extraInfo", {}).get("py_callstack") if isinstance(inner, dict) else None
-        message = callstack or failure.message
+        rank, failure, message = root_cause(exc.failures)
         others = sorted(r for r in exc.failures if r != rank)
         also = f" (then also rank(s) {others})" if others else ""
         raise RankFailure(
