@@ -27,9 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 class RankFailure(RuntimeError):
     """A rank of the job failed; the message carries the rank and its traceback (or signal)."""
 
-    def __init__(self, message: str, *, rank: int, exitcode: int) -> None:
+    def __init__(self, message: str, *, rank: int = -1, exitcode: int = 1) -> None:
         super().__init__(message)
         self.rank, self.exitcode = rank, exitcode
+
+    def __reduce__(self) -> tuple:
+        # Picklable with its fields: the Slurm launcher ships a job's exception back to the submitter.
+        return (type(self), (self.args[0],), {"rank": self.rank, "exitcode": self.exitcode})
 
 
 def external_launcher() -> bool:

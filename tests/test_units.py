@@ -87,3 +87,13 @@ def test_scrub_removes_secrets():
     out = scrub({"logger": {"wandb": {"api_key": "abc", "project": "p"}}, "x": [{"token": 1}]})
     assert out["logger"]["wandb"]["api_key"] == "<redacted>" and out["logger"]["wandb"]["project"] == "p"
     assert out["x"][0]["token"] == "<redacted>"
+
+
+def test_rank_failure_survives_pickling():
+    """The Slurm launcher pickles a job's exception back to the submitting process."""
+    import pickle
+
+    from sdp.launch import RankFailure
+
+    e = pickle.loads(pickle.dumps(RankFailure("rank 1 of 2 failed", rank=1, exitcode=-9)))
+    assert (str(e), e.rank, e.exitcode) == ("rank 1 of 2 failed", 1, -9)
