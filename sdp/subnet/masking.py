@@ -218,10 +218,6 @@ def view(t: torch.Tensor, dim: int | None, start: int, length: int) -> torch.Ten
     return t if dim is None else t.narrow(dim, start, length)
 
 
-def is_held(piece: Piece, rank: int) -> bool:
-    return rank in piece.holders
-
-
 def held_parameters(layout: dict[str, Local], pieces_: list[Piece], rank: int) -> Iterator[nn.Parameter]:
     """The parameters this rank trains (optimizer and gradient state exist only for these)."""
     seen: set[int] = set()
