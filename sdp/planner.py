@@ -234,6 +234,30 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
                       "stochastic depth / LayerDrop predicted with every block kept"]}
 
 
+def sdp_frontier(cfg: DictConfig) -> dict[str, Any]:
+    """The SDP plan's floor and Pareto frontier over every assignment (:mod:`sdp.subnet.frontier`)."""
+    from dataclasses import asdict
+
+    from sdp.parallel.sdp import plan_for
+    from sdp.subnet.frontier import format_frontier, frontier
+    from sdp.worker import build
+
+    if str(cfg.parallelism.name) != "sdp" or str(cfg.parallelism.masking) != "forward":
+        raise ValueError(f"plan.frontier=true scores SDP with forward masking (backward masking keeps every parameter "
+                         f"and activation on every worker), got parallelism.name={cfg.parallelism.name!r} "
+                         f"masking={cfg.parallelism.get('masking')!r}")
+    with torch.device("meta"):
+        model = build(cfg.model)
+    world = int(cfg.cluster.world_size)
+    plan = plan_for(model=model, cfg=cfg.parallelism, world_size=world)
+    result = frontier(plan=plan, full_activation_bytes=activations(model, model.example_input(2).to("meta")) / 2)
+    title = (f"model={cfg.model.get('name', '')} world_size={world} coverage={cfg.parallelism.coverage} "
+             f"level={plan.level} balance={dict(cfg.parallelism.balance)}")
+    out = {k: ([asdict(p) for p in v] if isinstance(v, list) else asdict(v) if not isinstance(v, int) else v)
+           for k, v in result.items()}
+    return {**out, "text": format_frontier(result, title=title)}
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     lines = [f"sdp-plan: strategy={plan['strategy']} model={plan['model']} world_size={plan['world_size']} "
              f"batch_size/rank={plan['batch_size']} optimizer={plan['optimizer']}",
@@ -251,6 +275,9 @@ def format_plan(plan: dict[str, Any]) -> str:
 def _hydra_main(cfg: DictConfig) -> None:
     plan = predict(cfg)
     print(format_plan(plan), flush=True)
+    if cfg.get("plan", {}).get("frontier"):
+        plan["frontier"] = sdp_frontier(cfg)
+        print(plan["frontier"].pop("text"), flush=True)
     output = cfg.get("plan", {}).get("output")
     if output:
         Path(str(output)).write_text(json.dumps(plan, indent=2))

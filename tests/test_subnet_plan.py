@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
 from sdp.models.mlp import MLP
 from sdp.models.resnet import ResNetCIFAR
+from sdp.metrics.activations import measure_saved_tensors
+from sdp.subnet.frontier import Point, frontier, worst_loads
 from sdp.subnet.plan import Plan, PlanError, assign, build_plan, check, num_holders
 
 CASES = list(itertools.product([1, 2, 3, 4, 5, 8], [0.125, 0.25, 0.5, 0.67, 0.75, 1.0], [1, 3, 8, 13]))
@@ -94,3 +97,77 @@ def test_impossible_plans_fail_with_values() -> None:
     bad = Plan(**{**plan.__dict__, "holders": ((0,), (0, 0))})
     with pytest.raises(PlanError, match=r"unit blocks.1 has holders \(0, 0\); need exactly k=1"):
         check(bad)
+
+
+def _resnet_meta(width: int = 16) -> ResNetCIFAR:
+    with torch.device("meta"):
+        return ResNetCIFAR(num_classes=10, width=width)
+
+
+def _kept_bytes(model: ResNetCIFAR, *, inactive: set[int] = frozenset()) -> int:
+    """What the trainer's meter counts for one forward with blocks ``inactive`` skipped (forward masking)."""
+    for b, block in model.sdp_units():
+        block.active = b not in inactive
+    try:
+        with torch.enable_grad(), measure_saved_tensors() as kept:
+            model(model.example_input(2).to("meta"))
+    finally:
+        for _, block in model.sdp_units():
+            block.active = True
+    return kept.bytes
+
+
+def test_unit_activation_costs_add_up_to_each_workers_measured_bytes() -> None:
+    """In-context unit costs: every worker's subnetwork keeps (full - dropped units' bytes), within 2 %,
+    and a stage-1 block costs its 4 new tensors, not also its input the stem's ReLU keeps anyway."""
+    model = _resnet_meta()
+    full = _kept_bytes(model)
+    plan = build_plan(model=model, world_size=4, coverage=0.5)
+    per_tensor = 2 * 16 * 32 * 32 * 4  # batch 2, 16 channels, 32x32, fp32
+    assert plan.units[0].act_bytes * 2 == pytest.approx(4 * per_tensor, rel=0.01), plan.units[0]  # + BN's mean/invstd
+    for r in range(4):
+        dropped = {u.block for u, h in zip(plan.units, plan.holders) if r not in h}
+        predicted = full - 2 * sum(u.act_bytes for u in plan.units if u.block in dropped)
+        measured = _kept_bytes(model, inactive=dropped)
+        assert abs(predicted - measured) <= 0.02 * measured, (r, sorted(dropped), predicted, measured)
+
+
+def test_frontier_floor_plan_point_and_exactness_of_balanced() -> None:
+    """The exhaustive frontier bounds the balanced plan; balanced is the exhaustive minimax optimum."""
+    model = _resnet_meta()
+    plan = build_plan(model=model, world_size=4, coverage=0.5)
+    full = _kept_bytes(model) / 2
+    result = frontier(plan=plan, full_activation_bytes=full)
+    assert result["assignments"] == 6**7
+    floor, own, points = result["floor"], result["plan"], result["frontier"]
+    assert all(floor.state <= p.state + 1e-12 and floor.activations <= p.activations + 1e-12 for p in [own, *points])
+    assert any(p.state <= own.state + 1e-12 and p.activations <= own.activations + 1e-12 for p in points), (own, points)
+    states = [p.state for p in points]
+    assert states == sorted(states) and [p.activations for p in points] == sorted((p.activations for p in points), reverse=True)
+    for p in points:  # each frontier point's holders reproduce its figures
+        check(Plan(**{**plan.__dict__, "holders": p.holders}))
+        assert frontier(plan=Plan(**{**plan.__dict__, "holders": p.holders}), full_activation_bytes=full,
+                        limit=6**7)["plan"] == Point(state=p.state, activations=p.activations, holders=p.holders)
+    costs = np.array([(u.params, u.flops, u.act_bytes) for u in plan.units])
+    worst, _ = worst_loads(costs=costs / costs.sum(axis=0), n=4, k=2)
+    loads = np.zeros((4, 3))
+    for c, h in zip(costs / costs.sum(axis=0), plan.holders):
+        loads[list(h)] += c
+    assert loads.max() == pytest.approx(worst.max(axis=1).min(), abs=1e-9)
+
+
+def test_balance_weights_pick_the_frontier_end_they_ask_for() -> None:
+    model = _resnet_meta()
+    full = _kept_bytes(model) / 2
+    points = frontier(plan=build_plan(model=model, world_size=4, coverage=0.5), full_activation_bytes=full)["frontier"]
+    acts_only = frontier(plan=build_plan(model=model, world_size=4, coverage=0.5, balance=(0, 0, 1)),
+                         full_activation_bytes=full)["plan"]
+    params_only = frontier(plan=build_plan(model=model, world_size=4, coverage=0.5, balance=(1, 0, 0)),
+                           full_activation_bytes=full)["plan"]
+    assert acts_only.activations == pytest.approx(points[-1].activations), (acts_only, points[-1])
+    assert params_only.state == pytest.approx(points[0].state), (params_only, points[0])
+    assert acts_only.state > params_only.state and acts_only.activations < params_only.activations
+    with pytest.raises(PlanError, match=r"balance=\(0, 0, 0\) is invalid"):
+        build_plan(model=model, world_size=4, coverage=0.5, balance=(0, 0, 0))
+    with pytest.raises(PlanError, match="1,679,616 assignments"):
+        worst_loads(costs=np.ones((9, 2)), n=4, k=2, limit=1000)

@@ -69,6 +69,11 @@ CATALOGUE = [
     # Strategy-specific (each strategy's validate classmethod).
     Bad("sdp-coverage-zero", ["parallelism=sdp", "parallelism.coverage=0"], ["parallelism.coverage", "0"]),
     Bad("sdp-coverage-above-one", ["parallelism=sdp", "parallelism.coverage=1.5"], ["parallelism.coverage", "1.5"]),
+    Bad("sdp-balance-negative", ["parallelism=sdp", "parallelism.balance.flops=-1"], ["parallelism.balance.flops", "-1", ">= 0"]),
+    Bad("sdp-balance-all-zero", ["parallelism=sdp", "parallelism.balance.params=0", "parallelism.balance.flops=0",
+                                 "parallelism.balance.activations=0"], ["parallelism.balance", "at least one weight > 0"]),
+    Bad("sdp-balance-unknown-key", ["parallelism=sdp", "+parallelism.balance.memory=1"],
+        ["parallelism.balance", "memory", "exactly the keys params, flops, activations"]),
     Bad("sdp-no-holder", ["parallelism=sdp", "parallelism.coverage=0.1", "cluster.world_size=2"], ["coverage", "0.1"]),
     Bad("sdp-groups-exceed-hidden", ["parallelism=sdp", "parallelism.level=neuron", "parallelism.groups=512", "model.hidden=256"],
         ["parallelism.groups", "512", "256"]),

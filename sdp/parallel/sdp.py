@@ -32,12 +32,15 @@ from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError, build_plan
 from sdp.subnet.sync import GroupSet, OwnerSetSync
 
 
+BALANCE_KEYS = ("params", "flops", "activations")
+
+
 def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0) -> Plan:
     """The plan of ``cfg`` (the parallelism node) for ``model``; same on every rank and in the driver."""
     return build_plan(
         model=model, world_size=world_size, coverage=float(cfg.coverage), level=str(cfg.level),
         assignment=str(cfg.assignment), groups=int(cfg.groups), drop_downsample=bool(cfg.drop_downsample),
-        seed=int(cfg.plan_seed), draw=draw,
+        seed=int(cfg.plan_seed), draw=draw, balance=tuple(float(cfg.balance[r]) for r in BALANCE_KEYS),
     )
 
 
@@ -66,6 +69,13 @@ class SDPStrategy(Strategy):
         require(isinstance(cfg.drop_downsample, bool), "parallelism.drop_downsample", cfg.drop_downsample, "true or false")
         positive_float("parallelism.bucket_cap_mb", cfg.bucket_cap_mb)
         positive_int("parallelism.plan_seed", cfg.plan_seed, minimum=0)
+        b = cfg.balance
+        require(isinstance(b, DictConfig) and set(b) == set(BALANCE_KEYS), "parallelism.balance",
+                b, f"a mapping with exactly the keys {', '.join(BALANCE_KEYS)}")
+        for r in BALANCE_KEYS:
+            require(isinstance(b[r], (int, float)) and not isinstance(b[r], bool) and b[r] >= 0,
+                    f"parallelism.balance.{r}", b[r], "a number >= 0")
+        require(any(b[r] for r in BALANCE_KEYS), "parallelism.balance", b, "at least one weight > 0")
         root = cfg._get_root()  # the full job config: the plan needs the model declarations
         if root is not cfg and "model" in root:
             from sdp.worker import build  # lazy: sdp.worker imports this package
@@ -246,4 +256,4 @@ def plan_lists(plan: Plan) -> dict[str, Any]:
 
 
 def _plan_keys(cfg: DictConfig) -> str:
-    return ", ".join(f"{k}={cfg[k]}" for k in ("level", "coverage", "assignment", "groups", "plan_seed", "resample_every"))
+    return ", ".join(f"{k}={cfg[k]}" for k in ("level", "coverage", "assignment", "balance", "groups", "plan_seed", "resample_every"))

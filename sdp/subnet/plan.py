@@ -14,8 +14,8 @@ builds the very same plan on every rank from the same model declarations, so no 
   (LPT greedy, biggest unit first onto the k least-loaded workers, then a local search over moves
   and swaps, then an exact branch and bound seeded with it, within a node budget). A unit's cost is
   the vector (params, FLOPs, bytes saved for backward), each normalised by its total so none
-  dominates by its unit of measure; the objective is minimax: the worst worker's worst resource
-  first, so that neither memory nor time has a straggler.
+  dominates by its unit of measure, then weighted by ``balance`` (default 1, 1, 1); the objective is
+  minimax: the worst worker's worst resource first, so that neither memory nor time has a straggler.
 - A re-draw (``resample_every``) relabels workers with a seeded permutation (cyclic, balanced: the
   balance is kept) or draws fresh subsets (random).
 """
@@ -317,34 +317,60 @@ def sliced_names(block: ResidualBlock) -> dict[str, tuple[int, int]]:
 
 
 def _block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
-    """Per block (FLOPs of forward+backward of the residual branch, bytes its branch keeps for
-    backward) per sample, measured by running the model on the meta device (no memory, no
-    compute). The bytes are what the measurement counts (:mod:`sdp.metrics.activations`): saved for
-    backward by the full block minus by its skip path, so the plan balances the memory it is judged on."""
+    """Per block (FLOPs of forward+backward of the residual branch, bytes holding the block adds to
+    what the model keeps for backward) per sample, measured by running on the meta device (no memory,
+    no compute).
+
+    The bytes are what the measurement counts (:mod:`sdp.metrics.activations`), taken in context:
+    the whole model's saved bytes minus those of the model with this one block skipped. A block
+    measured alone would count its input, which in a ResNet the previous ReLU keeps anyway (25 % too
+    much for a CIFAR ResNet-18 stage-1 block), and would miss that a dropped downsampling block still
+    keeps its projection shortcut's tensors; in context both come out right, so the plan balances the
+    memory it is judged on."""
     meta = model if next(model.parameters()).is_meta else None
     if meta is None:
         import copy
 
         meta = copy.deepcopy(model).to("meta")
     out: dict[int, tuple[float, float]] = {}
+    inputs = meta.example_input(2).to("meta")  # 2 samples: BatchNorm refuses one value per channel
     with torch.enable_grad():
-        x = meta.stem(meta.example_input(2).to("meta"))  # 2 samples: BatchNorm refuses one value per channel
+        kept_all = _saved_bytes(meta, inputs)
+        x = meta.stem(inputs)
         for b, block in enumerate(meta.blocks):
             if isinstance(block, ResidualBlock):
-                with FlopCounterMode(display=False) as full, measure_saved_tensors() as kept_full:
+                with FlopCounterMode(display=False) as full:
                     y = block.forward_full(x)
-                with FlopCounterMode(display=False) as skip, measure_saved_tensors() as kept_skip:
+                with FlopCounterMode(display=False) as skip:
                     block.forward_skip(x)
-                out[b] = (1.5 * (full.get_total_flops() - skip.get_total_flops()), (kept_full.bytes - kept_skip.bytes) / 2.0)
+                block.active = False
+                try:
+                    kept_without = _saved_bytes(meta, inputs)
+                finally:
+                    block.active = True
+                out[b] = (1.5 * (full.get_total_flops() - skip.get_total_flops()), (kept_all - kept_without) / 2.0)
                 x = y
             else:
                 x = block(x)
     return out
 
 
+def _saved_bytes(model: SDPModel, inputs: torch.Tensor) -> int:
+    with measure_saved_tensors() as kept:
+        model(inputs)
+    return kept.bytes
+
+
 def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str = "block", assignment: str = "balanced",
-               groups: int = 1, drop_downsample: bool = True, seed: int = 0, draw: int = 0) -> Plan:
-    """Declarations -> units with costs -> holders -> checked :class:`Plan` (same on every rank)."""
+               groups: int = 1, drop_downsample: bool = True, seed: int = 0, draw: int = 0,
+               balance: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> Plan:
+    """Declarations -> units with costs -> holders -> checked :class:`Plan` (same on every rank).
+
+    ``balance`` weighs the normalised (params, FLOPs, activation bytes) in the balanced objective: 0
+    ignores a resource, e.g. (0, 0, 1) gives the plan whose fullest worker keeps the fewest
+    activations whatever its parameters (``benchmarks/plan_frontier.py`` shows the trade-off)."""
+    if len(balance) != 3 or any(w < 0 for w in balance) or not any(balance):
+        raise PlanError(f"balance={tuple(balance)} is invalid: three weights >= 0 (params, FLOPs, activations), not all 0")
     k = num_holders(coverage=coverage, world_size=world_size)
     decl = declare_units(model, level=level, groups=groups, drop_downsample=drop_downsample)
     costs = _block_costs(model)
@@ -366,7 +392,8 @@ def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str 
     branch_total = sum(t.numel() for b in in_units for _, t in model.blocks[b].branch_parameters())
     shared = sum(t.numel() for t in model.parameters()) - branch_total
     tot = [max(sum(getattr(u, a) for u in units), 1e-30) for a in ("params", "flops", "act_bytes")]
-    unit_costs = [(u.params / tot[0], u.flops / tot[1], u.act_bytes / tot[2]) for u in units]
+    unit_costs = [tuple(w * getattr(u, a) / t for w, a, t in zip(balance, ("params", "flops", "act_bytes"), tot))
+                  for u in units]
     holders = assign(costs=unit_costs, world_size=world_size, k=k, method=assignment, seed=seed, draw=draw)
     plan = Plan(world_size=world_size, coverage=coverage, k=k, level=level, assignment=assignment,
                 groups=groups if level == "neuron" else 1, units=tuple(units), holders=holders,

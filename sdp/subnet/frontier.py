@@ -1,0 +1,106 @@
+"""Every assignment of a small SDP plan, scored: the memory floor and the Pareto frontier per worker.
+
+Why: a target such as "activations <= 0.6x of DDP on the fullest worker" may be out of reach for a
+model's shape, and two targets may pull apart (ResNet-18's parameters sit in its last stage, its
+activations in its first). Counting every assignment of units to k-subsets of the n workers, which
+is C(n, k) ** units (8 blocks on 4 workers at C = 0.5: 6 ** 8), shows what any planner could reach:
+
+- the **floor**: the mean over workers, which no assignment that holds every unit k times can beat on
+  its fullest worker (a sum over workers does not depend on who holds what);
+- the **frontier**: the assignments no other one beats on both model state and activations, each
+  figure on the fullest worker, as ratios to the full model (DDP).
+
+Per-worker figures are additive in the plan's unit costs: model state is the shared parameters plus
+the held units' (exact, since gradients and optimizer state follow the parameters), activations are
+the full model's bytes minus the dropped units' in-context bytes (see ``plan._block_costs``; exact up
+to how neighbouring dropped blocks interact, which the planner test bounds).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from sdp.subnet.plan import Plan, PlanError
+
+
+@dataclass(frozen=True)
+class Point:
+    """One assignment's fullest-worker figures as ratios to the full model, and its holder sets."""
+
+    state: float
+    activations: float
+    holders: tuple[tuple[int, ...], ...]
+
+
+def worst_loads(*, costs: np.ndarray, n: int, k: int, limit: int = 2_000_000) -> tuple[np.ndarray, list[tuple[int, ...]]]:
+    """For every assignment with unit 0 on workers 0..k-1 (workers are interchangeable), the largest
+    per-worker load of each resource: an (assignments, resources) array whose row i is the
+    assignment ``np.unravel_index(i, (len(combos),) * (units - 1))`` over units 1.. (unit 0 fixed)."""
+    units, resources = costs.shape
+    combos = list(itertools.combinations(range(n), k))
+    count = len(combos) ** (units - 1)
+    if count > limit:
+        raise PlanError(f"{units} units on {n} workers with k={k} give {count:,} assignments to enumerate, "
+                        f"over the limit of {limit:,}: use fewer units (block level) or a smaller world")
+    member = np.zeros((len(combos), n))
+    for i, h in enumerate(combos):
+        member[i, list(h)] = 1.0
+    loads = (member[0][:, None] * costs[0][None, :])[None]  # (1, n, resources)
+    for u in range(1, units):
+        step = member[:, :, None] * costs[u][None, None, :]  # (combos, n, resources)
+        loads = (loads[:, None] + step[None]).reshape(-1, n, resources)
+    return loads.max(axis=1), combos
+
+
+def frontier(*, plan: Plan, full_activation_bytes: float, limit: int = 2_000_000) -> dict[str, object]:
+    """The floor, the Pareto frontier and the given plan's own point (ratios to the full model).
+
+    ``full_activation_bytes``: the full model's saved bytes per sample, on the scale of the units'
+    ``act_bytes`` (per sample)."""
+    params = np.array([u.params for u in plan.units], dtype=np.float64)
+    acts = np.array([u.act_bytes for u in plan.units], dtype=np.float64)
+    total = plan.shared_params + params.sum()
+    base_act = full_activation_bytes - acts.sum()  # what a worker holding no unit keeps
+    assert base_act > -1e-6 * full_activation_bytes, (
+        f"units' activation bytes {acts.sum()} exceed the full model's {full_activation_bytes}")
+    worst, combos = worst_loads(costs=np.stack([params, acts], axis=1), n=plan.world_size, k=plan.k, limit=limit)
+    state = (plan.shared_params + worst[:, 0]) / total
+    act = (base_act + worst[:, 1]) / full_activation_bytes
+    order = np.lexsort((act, state))
+    points, best_act = [], np.inf
+    for i in order:
+        if act[i] < best_act - 1e-12:
+            best_act = act[i]
+            digits = np.unravel_index(i, (len(combos),) * (len(plan.units) - 1)) if len(plan.units) > 1 else ()
+            holders = (combos[0], *(combos[int(d)] for d in digits))
+            points.append(Point(state=float(state[i]), activations=float(act[i]), holders=holders))
+    n, k = plan.world_size, plan.k
+    own = [sum(u.params for u, h in zip(plan.units, plan.holders) if r in h) for r in range(n)]
+    own_act = [sum(u.act_bytes for u, h in zip(plan.units, plan.holders) if r in h) for r in range(n)]
+    return {
+        "assignments": len(state),
+        "floor": Point(state=(plan.shared_params + k * params.sum() / n) / total,
+                       activations=(base_act + k * acts.sum() / n) / full_activation_bytes, holders=()),
+        "frontier": points,
+        "plan": Point(state=(plan.shared_params + max(own)) / total,
+                      activations=(base_act + max(own_act)) / full_activation_bytes, holders=plan.holders),
+    }
+
+
+def format_frontier(result: dict[str, object], *, title: str) -> str:
+    """Markdown: the floor, the plan's point and the frontier, as ratios to the full model."""
+    pct = lambda p: f"{p.state:.3f}x | {p.activations:.3f}x"  # noqa: E731
+    lines = [f"SDP plan frontier: {title}; {result['assignments']:,} assignments (unit 0 fixed, workers are "
+             "interchangeable); fullest worker's figures as ratios to the full model (DDP)", "",
+             "| point | model state | activations | holder sets (unit 0, 1, ...) |", "|---|---|---|---|",
+             f"| floor (mean over workers: no assignment beats it) | {pct(result['floor'])} | |",
+             f"| this config's plan | {pct(result['plan'])} | {_holders(result['plan'])} |"]
+    lines += [f"| frontier {i} | {pct(p)} | {_holders(p)} |" for i, p in enumerate(result["frontier"])]
+    return "\n".join(lines)
+
+
+def _holders(p: Point) -> str:
+    return " ".join("{" + ",".join(map(str, h)) + "}" for h in p.holders)
