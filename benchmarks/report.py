@@ -44,7 +44,9 @@ SUITES: dict[str, dict[str, list[str]]] = {
 }
 CATEGORIES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes")
 PHASES = ("data", "forward", "backward", "forward_backward", "comm", "optimizer", "resample")
-RATIO_KEYS = ("model_state_bytes", "activation_bytes", "peak_bytes", "comm_bytes_per_step", "wire_bytes_per_step", "step_s")
+RATIO_KEYS = ("model_state_bytes", "activation_bytes", "peak_bytes", "comm_bytes_per_step", "wire_bytes_per_step", "step_s",
+              "model_state_mean_bytes", "activation_mean_bytes")
+STATE = ("param_bytes", "grad_bytes", "optim_bytes")
 
 
 def row(label: str, run_dir: Path) -> dict[str, Any]:
@@ -62,7 +64,10 @@ def row(label: str, run_dir: Path) -> dict[str, Any]:
     for r in metrics:
         wall += r.get("step_s", 0.0)
         curve.append((r["step"], wall, r["loss"]))
+    mean = lambda vals: sum(vals) / len(vals) if vals else None  # noqa: E731
     return {"run": label, "strategy": s["strategy"], "run_dir": str(run_dir), **fig,
+            "model_state_mean_bytes": mean([sum(m.get(c) or 0 for c in STATE) for m in mem]),
+            "activation_mean_bytes": mean([m["activation_bytes"] for m in mem if m.get("activation_bytes") is not None]),
             "memory_by_category": {c: full.get(c) or 0 for c in CATEGORIES}, "memory_rank": full["rank"],
             "phases_s": {p: v for p, v in slow.get("phases_s_median", {}).items()}, "phase_rank": slow["rank"],
             "comm_by_kind": {k: v["bytes"] for k, v in busy.get("by_kind", {}).items()}, "comm_rank": busy["rank"],
@@ -94,7 +99,32 @@ def markdown(rows: list[dict[str, Any]], *, title: str) -> str:
               f"grads + optimizer state; activations = bytes saved for backward in the first measured step; peak = {kind}; "
               "step s = the slowest rank's median step time (warm-up excluded); straggler = max/min of per-rank medians. "
               "SDP's transient evaluation copy is reported apart (report.json: eval_full_copy_bytes)."]
+    lines += ["", "| run | model state MiB: fullest rank | mean over ranks | activations MiB: fullest rank | mean over ranks |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['run']} | {mib(r['model_state_bytes'])}{x(r, 'model_state_bytes')} | {mib(r['model_state_mean_bytes'])}"
+              f"{x(r, 'model_state_mean_bytes')} | {mib(r['activation_bytes'])}{x(r, 'activation_bytes')} | "
+              f"{mib(r['activation_mean_bytes'])}{x(r, 'activation_mean_bytes')} |" for r in rows]
+    lines += ["", "The mean over ranks is the floor of the fullest rank: when every unit is held by the same number of "
+              "workers, the sum over ranks does not depend on which worker holds which unit (exactly for model state; "
+              "for activations up to how neighbouring dropped blocks interact), so no assignment puts the fullest "
+              "rank below the mean. `sdp-plan parallelism=sdp plan.frontier=true ...` scores every "
+              "assignment and prints the frontier between the two figures."]
     return "\n".join(lines)
+
+
+def frontiers(rows: list[dict[str, Any]]) -> str:
+    """For each forward-masked block-level SDP run, its plan's floor and frontier from its own config
+    (``sdp-plan plan.frontier=true``): how far the measured fullest rank is from what any plan reaches."""
+    from omegaconf import OmegaConf
+
+    from sdp.planner import sdp_frontier
+
+    out = []
+    for r in rows:
+        cfg = OmegaConf.load(Path(r["run_dir"]) / "config.yaml")
+        if r["strategy"] == "sdp" and cfg.parallelism.masking == "forward" and cfg.parallelism.level == "block":
+            out += ["", f"Run {r['run']}: " + sdp_frontier(cfg)["text"]]
+    return "\n".join(out)
 
 
 def plots(rows: list[dict[str, Any]], *, out: Path, title: str) -> list[Path]:
@@ -188,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_ratios(rows)
     title = f"{args.suite}: " + " ".join(o for o in common if o.split("=")[0] in (
         "model", "model.width", "dataset", "train.batch_size", "cluster.world_size", "train.steps", "cluster.device"))
-    table = markdown(rows, title=title)
+    table = markdown(rows, title=title) + frontiers(rows)
     files = plots(rows, out=out, title=args.suite)
     total = time.time() - started
     mach = machine_description()
