@@ -58,7 +58,7 @@ def launcher_identity() -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "pid": os.getpid(), "env": env}
 
 
-def run_external(*, config: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
+def run_external(*, config: dict[str, Any], run_dir: Path, budget: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Run this process's rank; if it fails, raise the failure of the rank that failed first.
 
     When one rank raises, its peers only see a closed connection once it has exited; each failing
@@ -71,7 +71,7 @@ def run_external(*, config: dict[str, Any], run_dir: Path) -> dict[str, Any] | N
     from sdp.worker import run_rank
 
     try:
-        return run_rank(config, str(run_dir))
+        return run_rank(config, str(run_dir), budget)
     except Exception:
         rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
         folder = run_dir / "failures" / "-".join(os.environ.get(k, "") for k in ATTEMPT_ENV)
@@ -116,13 +116,15 @@ def root_cause(failures: dict[int, Any]) -> tuple[int, Any, str]:
     return rank, failures[rank], text(failures[rank])
 
 
-def launch(*, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Run the job's ranks and return rank 0's summary (None on other ranks of an external job)."""
+def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Run the job's ranks and return rank 0's summary (None on other ranks of an external job).
+
+    ``budget``: what the driver counted to resolve ``train.steps``; rank 0 puts it in summary.json."""
     from sdp.worker import run_rank
 
     config = OmegaConf.to_container(cfg, resolve=True)
     if external_launcher():
-        return run_external(config=config, run_dir=run_dir)
+        return run_external(config=config, run_dir=run_dir, budget=budget)
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -141,7 +143,7 @@ def launch(*, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "rank_logs")),
     )
     try:
-        outputs = elastic_launch(launch_cfg, run_rank)(config, str(run_dir))
+        outputs = elastic_launch(launch_cfg, run_rank)(config, str(run_dir), budget)
     except ChildFailedError as exc:
         rank, failure, message = root_cause(exc.failures)
         others = sorted(r for r in exc.failures if r != rank)

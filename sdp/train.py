@@ -24,7 +24,6 @@ from sdp import checkpoint, results
 from sdp.budget import resolve_steps
 from sdp.config import validate
 from sdp.launch import RankFailure, external_launcher, launch
-from sdp.metrics.flops import throughput
 from sdp.slurm import slurm_environment
 
 # A per-process unique token for run directories: two jobs started in the same second never share
@@ -96,16 +95,13 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         results.write_config(cfg=cfg, run_dir=run_dir)
     started = time.time()
     try:
-        summary = launch(cfg=cfg, run_dir=run_dir)
+        summary = launch(cfg=cfg, run_dir=run_dir, budget=budget)
     except RankFailure as exc:
         # The job-level verdict, next to whatever metrics.jsonl already holds.
         results.write_json(run_dir / "failure.json", {"rank": exc.rank, "exitcode": exc.exitcode,
                                                       "seconds_after_start": time.time() - started, "message": str(exc)})
         raise
     if summary is not None:
-        summary["budget"] = budget
-        summary["time"].update(throughput(summary=summary, flops_per_step=budget.get("flops_per_step")))
-        results.write_json(Path(summary["run_dir"]) / "summary.json", summary)
         print(format_summary(summary), flush=True)
     return summary
 

@@ -25,6 +25,7 @@ from sdp import results, rng
 from sdp.data.base import DataBundle
 from sdp.launch import launcher_identity
 from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
+from sdp.metrics.flops import throughput
 from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
@@ -78,8 +79,11 @@ def make_logger(*, cfg: DictConfig, ctx: DistContext, run_dir: Path, config: dic
 
 
 @record
-def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
-    """Entry point of every rank; returns the summary on rank 0 and None elsewhere."""
+def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Entry point of every rank; returns the summary on rank 0 and None elsewhere.
+
+    ``budget`` (the driver's step count resolution, :mod:`sdp.budget`) goes into summary.json with the
+    throughput figures derived from it, so rank 0 writes the file once and complete."""
     cfg = OmegaConf.create(config)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -114,6 +118,8 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
         summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state)
         if rank == 0:
             summary["run_dir"] = str(out)
+            summary["budget"] = budget
+            summary["time"].update(throughput(summary=summary, flops_per_step=(budget or {}).get("flops_per_step")))
             results.write_json(out / "summary.json", summary)
             if isinstance(logger, MultiLogger):
                 for lg in logger.loggers:
