@@ -123,8 +123,8 @@ def frontiers(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         cfg = OmegaConf.load(Path(r["run_dir"]) / "config.yaml")
         if r["strategy"] == "sdp" and cfg.parallelism.masking == "forward" and cfg.parallelism.level == "block":
-            out += ["", f"Run {r['run']}: " + sdp_frontier(cfg)["text"]]
-    return "\n".join(out)
+            out.append(f"\n\nRun {r['run']}: " + sdp_frontier(cfg)["text"])
+    return "".join(out)
 
 
 def plots(rows: list[dict[str, Any]], *, out: Path, title: str) -> list[Path]:
