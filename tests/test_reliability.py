@@ -34,6 +34,8 @@ RESUME = [
     ("ddp-4ranks", "ddp", ["cluster.world_size=4", "train.batch_size=16", "parallelism.bucket_cap_mb=0.25"]),
     ("sdp", "sdp", ["parallelism=sdp"]),
     ("sdp-neuron-bwd", "sdp", ["parallelism=sdp_neuron_bwd"]),
+    # re-drawn plans: the step-6 checkpoint holds draw 1 (from step 4), which the resumed run must adopt
+    ("sdp-resample", "sdp", ["parallelism=sdp", "parallelism.resample_every=4"]),
     ("fsdp", "fsdp", ["parallelism=fsdp"]),
     ("pipeline", "pipeline", ["parallelism=pipeline"]),
     ("ddp-stochastic-depth", "ddp_stochastic_depth", ["parallelism=ddp_stochastic_depth"]),
