@@ -253,9 +253,8 @@ def sdp_frontier(cfg: DictConfig) -> dict[str, Any]:
     result = frontier(plan=plan, full_activation_bytes=activations(model, model.example_input(2).to("meta")) / 2)
     title = (f"model={cfg.model.get('name', '')} world_size={world} coverage={cfg.parallelism.coverage} "
              f"level={plan.level} balance={dict(cfg.parallelism.balance)}")
-    out = {k: ([asdict(p) for p in v] if isinstance(v, list) else asdict(v) if not isinstance(v, int) else v)
-           for k, v in result.items()}
-    return {**out, "text": format_frontier(result, title=title)}
+    return {"assignments": result["assignments"], "floor": asdict(result["floor"]), "plan": asdict(result["plan"]),
+            "frontier": [asdict(p) for p in result["frontier"]], "text": format_frontier(result, title=title)}
 
 
 def format_plan(plan: dict[str, Any]) -> str:

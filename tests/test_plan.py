@@ -51,6 +51,20 @@ def test_plan_predicts_llama_fsdp_and_sdp_on_meta_at_paper_scale() -> None:
         assert all(state(m) < 0.75 * full for m in mem), [state(m) for m in mem]
 
 
+def test_frontier_of_a_config_and_its_refusal_for_backward_masking() -> None:
+    from sdp.planner import sdp_frontier
+
+    base = ["model=resnet18_cifar", "model.width=16", "dataset=synthetic", "dataset.image_size=32", "cluster.world_size=4"]
+    out = sdp_frontier(compose_cfg([*base, "parallelism=sdp"]))
+    floor, own, points = out["floor"], out["plan"], out["frontier"]
+    assert out["assignments"] == 6**7 and points, out["assignments"]
+    assert floor["state"] <= own["state"] and floor["activations"] <= own["activations"], (floor, own)
+    assert min(p["activations"] for p in points) <= own["activations"] <= max(p["activations"] for p in points)
+    assert "this config's plan" in out["text"] and "balance={'params': 1.0" in out["text"]
+    with pytest.raises(ValueError, match="masking='backward'"):
+        sdp_frontier(compose_cfg([*base, "parallelism=sdp_block_bwd"]))
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(STRATEGIES))
