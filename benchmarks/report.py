@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -97,8 +98,14 @@ def markdown(rows: list[dict[str, Any]], *, title: str) -> str:
     kind = rows[0]["peak_kind"] if rows else ""
     lines += ["", f"Every figure on the rank where it is largest; ratios to DDP in parentheses. Model state = params + "
               f"grads + optimizer state; activations = bytes saved for backward in the first measured step; peak = {kind}; "
-              "step s = the slowest rank's median step time (warm-up excluded); straggler = max/min of per-rank medians. "
+              "step s = the slowest rank's median step time (warm-up excluded; with --repeat, the median over the "
+              "repeats); straggler = max/min of per-rank medians. "
               "SDP's transient evaluation copy is reported apart (report.json: eval_full_copy_bytes)."]
+    if rows and len(rows[0]["step_s_repeats"]) > 1:
+        base = next((r for r in rows if r["strategy"] == "ddp"), rows[0])
+        lines += ["", "| run | step s per interleaved repeat | ratio to the same repeat's DDP |", "|---|---|---|"]
+        lines += [f"| {r['run']} | {', '.join(f'{v:.4f}' for v in r['step_s_repeats'])} | "
+                  f"{', '.join(f'{v / b:.3f}x' for v, b in zip(r['step_s_repeats'], base['step_s_repeats']))} |" for r in rows]
     lines += ["", "| run | model state MiB: fullest rank | mean over ranks | activations MiB: fullest rank | mean over ranks |",
               "|---|---|---|---|---|"]
     lines += [f"| {r['run']} | {mib(r['model_state_bytes'])}{x(r, 'model_state_bytes')} | {mib(r['model_state_mean_bytes'])}"
@@ -199,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--extra", nargs="*", default=[], help="overrides added to the suite's common ones")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "report")
     ap.add_argument("--render-only", action="store_true", help="re-render from the run directories under --out")
+    ap.add_argument("--repeat", type=int, default=1, help="run the whole set N times, interleaved; step time is then "
+                    "the median over the repeats (the other figures are exact and taken from the first)")
     args = ap.parse_args(argv)
     suite = SUITES[args.suite]
     specs = args.runs or suite["runs"]
@@ -207,14 +216,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     seconds: dict[str, float] = {}
-    rows = []
-    for spec in specs:
-        label, _, rest = spec.partition("=")
-        t0 = time.time()
-        if not args.render_only:
-            run_one(label=label, spec=rest or label, common=common, out=out / "runs")
-        seconds[label] = time.time() - t0
-        rows.append(row(label, out / "runs" / label))
+    labels = [spec.partition("=")[0] for spec in specs]
+    for rep in range(args.repeat):  # interleaved: a drift in the machine's load hits every strategy alike
+        for spec, label in zip(specs, labels):
+            name = label if rep == 0 else f"{label}.rep{rep}"
+            t0 = time.time()
+            if not args.render_only:
+                run_one(label=name, spec=spec.partition("=")[2] or label, common=common, out=out / "runs")
+            seconds[name] = time.time() - t0
+    rows = [row(label, out / "runs" / label) for label in labels]
+    for r in rows:
+        repeats = sorted((out / "runs").glob(f"{r['run']}.rep*"), key=lambda d: int(d.name.rsplit("rep", 1)[1]))
+        r["step_s_repeats"] = [r["step_s"], *(run_figures(load_run(d).summary)["step_s"] for d in repeats)]
+        r["step_s"] = statistics.median(r["step_s_repeats"])
     add_ratios(rows)
     title = f"{args.suite}: " + " ".join(o for o in common if o.split("=")[0] in (
         "model", "model.width", "dataset", "train.batch_size", "cluster.world_size", "train.steps", "cluster.device"))
@@ -226,7 +240,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = (table + f"\n\nPlots: {', '.join(f.name for f in files)}. Machine: {mach.get('cpu_model', mach.get('processor'))}, "
             f"{mach.get('cpu_count')} CPUs, gpus {mach.get('gpus', [])}, load average at the end {mach.get('load_average')}. "
             + ("" if args.render_only else f"Whole report: {total:.0f} s (per run: {', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())}).")
-            + f"\n\nCommand: `python benchmarks/report.py --suite {args.suite} {' '.join(args.extra)} --out {out}`\n")
+            + f"\n\nCommand: `python benchmarks/report.py --suite {args.suite} {' '.join(args.extra)}"
+            + (f" --repeat {args.repeat}" if args.repeat > 1 else "") + f" --out {out}`\n")
     (out / "report.md").write_text(text)
     report = {"suite": args.suite, "common": common, "runs": specs, "rows": rows, "seconds": seconds, "total_s": total,
               "machine": mach}
