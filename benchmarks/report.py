@@ -47,7 +47,6 @@ CATEGORIES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes")
 PHASES = ("data", "forward", "backward", "forward_backward", "comm", "optimizer", "resample")
 RATIO_KEYS = ("model_state_bytes", "activation_bytes", "peak_bytes", "comm_bytes_per_step", "wire_bytes_per_step", "step_s",
               "model_state_mean_bytes", "activation_mean_bytes")
-STATE = ("param_bytes", "grad_bytes", "optim_bytes")
 
 
 def row(label: str, run_dir: Path) -> dict[str, Any]:
@@ -65,10 +64,7 @@ def row(label: str, run_dir: Path) -> dict[str, Any]:
     for r in metrics:
         wall += r.get("step_s", 0.0)
         curve.append((r["step"], wall, r["loss"]))
-    mean = lambda vals: sum(vals) / len(vals) if vals else None  # noqa: E731
     return {"run": label, "strategy": s["strategy"], "run_dir": str(run_dir), **fig,
-            "model_state_mean_bytes": mean([sum(m.get(c) or 0 for c in STATE) for m in mem]),
-            "activation_mean_bytes": mean([m["activation_bytes"] for m in mem if m.get("activation_bytes") is not None]),
             "memory_by_category": {c: full.get(c) or 0 for c in CATEGORIES}, "memory_rank": full["rank"],
             "phases_s": {p: v for p, v in slow.get("phases_s_median", {}).items()}, "phase_rank": slow["rank"],
             "comm_by_kind": {k: v["bytes"] for k, v in busy.get("by_kind", {}).items()}, "comm_rank": busy["rank"],

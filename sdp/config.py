@@ -38,9 +38,9 @@ def positive_int(key: str, value: Any, *, minimum: int = 1) -> None:
             f"must be an integer >= {minimum}")
 
 
-def positive_float(key: str, value: Any) -> None:
-    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, key, value,
-            "must be a number > 0")
+def positive_float(key: str, value: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    require(ok, key, value, f"must be a number {'>=' if allow_zero else '>'} 0")
 
 
 def boolean(key: str, value: Any) -> None:

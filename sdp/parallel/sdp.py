@@ -73,8 +73,7 @@ class SDPStrategy(Strategy):
         require(isinstance(b, DictConfig) and set(b) == set(BALANCE_KEYS), "parallelism.balance",
                 b, f"a mapping with exactly the keys {', '.join(BALANCE_KEYS)}")
         for r in BALANCE_KEYS:
-            require(isinstance(b[r], (int, float)) and not isinstance(b[r], bool) and b[r] >= 0,
-                    f"parallelism.balance.{r}", b[r], "a number >= 0")
+            positive_float(f"parallelism.balance.{r}", b[r], allow_zero=True)
         require(any(b[r] for r in BALANCE_KEYS), "parallelism.balance", b, "at least one weight > 0")
         root = cfg._get_root()  # the full job config: the plan needs the model declarations
         if root is not cfg and "model" in root:

@@ -109,6 +109,10 @@ def _max_over_ranks(per_rank: list[dict[str, Any]], key: str) -> float | None:
     return float(max(values)) if values else None
 
 
+def _mean(values: list[float]) -> float | None:
+    return float(sum(values) / len(values)) if values else None
+
+
 def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
     """The per-run numbers reports aggregate; every per-rank figure is taken on the rank where it is
     largest (the memory that decides whether a job fits is the fullest rank's)."""
@@ -125,11 +129,13 @@ def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
         "eval_accuracy": None if acc is None else 100.0 * acc,
         "train_loss": final.get("train_loss"),
         "model_state_bytes": float(max(state)) if state else None,
+        "model_state_mean_bytes": _mean(state),  # the fullest rank's floor under any assignment
         "peak_bytes": cuda_peak if cuda_peak is not None else _max_over_ranks(mem, "peak_rss_delta_bytes"),
         "peak_kind": "cuda_max_allocated" if cuda_peak is not None else "peak_rss_delta",
         "comm_bytes_per_step": _max_over_ranks(comm, "bytes_per_step"),
         "wire_bytes_per_step": _max_over_ranks(comm, "wire_bytes_per_step"),
         "activation_bytes": _max_over_ranks(mem, "activation_bytes"),
+        "activation_mean_bytes": _mean([r["activation_bytes"] for r in mem if r.get("activation_bytes") is not None]),
         "cuda_max_reserved_bytes": _max_over_ranks(mem, "cuda_max_reserved_bytes"),
         "eval_full_copy_bytes": _max_over_ranks(mem, "eval_full_copy_bytes"),
         "tokens_per_s": t.get("tokens_per_s"),

@@ -78,15 +78,15 @@ def frontier(*, plan: Plan, full_activation_bytes: float, limit: int = 2_000_000
             holders = (combos[0], *(combos[int(d)] for d in digits))
             points.append(Point(state=float(state[i]), activations=float(act[i]), holders=holders))
     n, k = plan.world_size, plan.k
-    own = [sum(u.params for u, h in zip(plan.units, plan.holders) if r in h) for r in range(n)]
-    own_act = [sum(u.act_bytes for u, h in zip(plan.units, plan.holders) if r in h) for r in range(n)]
+    own = plan.worker_costs()  # params include the shared ones
     return {
         "assignments": len(state),
         "floor": Point(state=(plan.shared_params + k * params.sum() / n) / total,
                        activations=(base_act + k * acts.sum() / n) / full_activation_bytes, holders=()),
         "frontier": points,
-        "plan": Point(state=(plan.shared_params + max(own)) / total,
-                      activations=(base_act + max(own_act)) / full_activation_bytes, holders=plan.holders),
+        "plan": Point(state=max(c["params"] for c in own) / total,
+                      activations=(base_act + max(c["act_bytes"] for c in own)) / full_activation_bytes,
+                      holders=plan.holders),
     }
 
 
