@@ -22,7 +22,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from sdp.metrics.activations import measure_saved_tensors
+from sdp.metrics.activations import forward_saved_bytes
 from sdp.metrics.comm import wire_bytes
 from sdp.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
 from sdp.models.base import SDPModel
@@ -49,11 +49,8 @@ def optim_bytes(*, held: int, tensors: int, optim: DictConfig) -> int:
 
 def activations(module: torch.nn.Module, inputs: torch.Tensor, *, loss: bool = True) -> int:
     """Bytes saved for backward by one forward (+ loss) on the meta device, parameters excluded."""
-    with torch.enable_grad(), measure_saved_tensors(exclude=list(module.parameters())) as meter:
-        out = module(inputs)
-        if loss:
-            loss_fn(out, torch.zeros(out.shape[:-1], dtype=torch.long, device="meta"))
-    return meter.bytes
+    meta_loss = lambda out: loss_fn(out, torch.zeros(out.shape[:-1], dtype=torch.long, device="meta"))  # noqa: E731
+    return forward_saved_bytes(module, inputs, loss=meta_loss if loss else None)
 
 
 def comm_entry(records: list[Record]) -> dict[str, Any]:

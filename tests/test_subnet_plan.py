@@ -10,7 +10,7 @@ import torch
 
 from sdp.models.mlp import MLP
 from sdp.models.resnet import ResNetCIFAR
-from sdp.metrics.activations import measure_saved_tensors
+from sdp.metrics.activations import forward_saved_bytes
 from sdp.subnet.frontier import Point, frontier, worst_loads
 from sdp.subnet.plan import Plan, PlanError, assign, build_plan, check, num_holders
 
@@ -109,12 +109,10 @@ def _kept_bytes(model: ResNetCIFAR, *, inactive: set[int] = frozenset()) -> int:
     for b, block in model.sdp_units():
         block.active = b not in inactive
     try:
-        with torch.enable_grad(), measure_saved_tensors() as kept:
-            model(model.example_input(2).to("meta"))
+        return forward_saved_bytes(model, model.example_input(2).to("meta"))
     finally:
         for _, block in model.sdp_units():
             block.active = True
-    return kept.bytes
 
 
 def test_unit_activation_costs_add_up_to_each_workers_measured_bytes() -> None:

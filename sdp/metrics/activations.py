@@ -19,7 +19,7 @@ for the duration of the pass so that its identity cannot be reused.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -80,6 +80,18 @@ def measure_saved_tensors(*, exclude: Iterable[torch.Tensor] = ()) -> Iterator[S
             yield meter
         finally:
             _active.remove(meter)
+
+
+def forward_saved_bytes(module: nn.Module, inputs: torch.Tensor, *,
+                        loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
+    """Bytes one forward of ``module`` (then ``loss`` of its output, when given) keeps for backward,
+    parameters excluded: the figure the trainer measures, here also run on the meta device by the
+    SDP planner's unit costs and by ``sdp-plan``."""
+    with torch.enable_grad(), measure_saved_tensors(exclude=list(module.parameters())) as meter:
+        out = module(inputs)
+        if loss is not None:
+            loss(out)
+    return meter.bytes
 
 
 def note_retained(t: torch.Tensor) -> None:

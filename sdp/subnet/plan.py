@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from sdp.metrics.activations import measure_saved_tensors
+from sdp.metrics.activations import forward_saved_bytes
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.subnet.assign import ASSIGNMENTS, PlanError, assign
 
@@ -204,7 +204,7 @@ def _block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
     out: dict[int, tuple[float, float]] = {}
     inputs = meta.example_input(2).to("meta")  # 2 samples: BatchNorm refuses one value per channel
     with torch.enable_grad():
-        kept_all = _saved_bytes(meta, inputs)
+        kept_all = forward_saved_bytes(meta, inputs)
         x = meta.stem(inputs)
         for b, block in enumerate(meta.blocks):
             if isinstance(block, ResidualBlock):
@@ -214,7 +214,7 @@ def _block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
                     block.forward_skip(x)
                 block.active = False
                 try:
-                    kept_without = _saved_bytes(meta, inputs)
+                    kept_without = forward_saved_bytes(meta, inputs)
                 finally:
                     block.active = True
                 out[b] = (1.5 * (full.get_total_flops() - skip.get_total_flops()), (kept_all - kept_without) / 2.0)
@@ -222,12 +222,6 @@ def _block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
             else:
                 x = block(x)
     return out
-
-
-def _saved_bytes(model: SDPModel, inputs: torch.Tensor) -> int:
-    with measure_saved_tensors() as kept:
-        model(inputs)
-    return kept.bytes
 
 
 def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str = "block", assignment: str = "balanced",
