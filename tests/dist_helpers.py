@@ -19,10 +19,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from tests.hydra_cfg import compose_config
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 PG_TIMEOUT = timedelta(seconds=60)
 
 
@@ -55,8 +54,7 @@ def spawn(fn: Callable[..., None], *, world: int, args: tuple = ()) -> None:
 def compose_cfg(overrides: list[str]) -> DictConfig:
     """The config ``sdp-train`` would compose for these overrides (W&B and progress bar off)."""
     base = ["logger.wandb.mode=disabled", "logger.progress=false", "cluster.timeout_s=60"]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=base + list(overrides))
+    return compose_config(*base, *overrides)
 
 
 def _job(rank: int, world: int, port: int, config: dict, run_dir: str) -> None:

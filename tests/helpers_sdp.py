@@ -21,19 +21,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from sdp import results
-from sdp.train import CONF_DIR
+from tests.hydra_cfg import compose_config
 
 FAST = ["logger.wandb.mode=disabled", "logger.progress=false"]
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=FAST + list(overrides))
+    return compose_config(*FAST, *overrides)
 
 
 def run_job(overrides: list[str], run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 import sdp.train
@@ -18,13 +16,12 @@ from sdp.budget import compute_fraction, masked_fraction, resolve_steps
 from sdp.config import ConfigError
 from sdp.models.base import forward_flop_counts
 from sdp.models.resnet import ResNetCIFAR
+from tests.hydra_cfg import compose_config
 
 CONF = Path(sdp.train.CONF_DIR)
 
 
-def compose_with(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+compose_with = compose_config
 
 
 def with_coverage(cfg, coverage: float, masking: str = "forward"):
@@ -118,8 +115,7 @@ VARIANTS = sorted(p.stem for p in (CONF / "variant").glob("*.yaml"))
 
 def sweep_params(experiment: str) -> dict[str, list[str]]:
     """An experiment's ``hydra.sweeper.params`` (its own and those of the experiments it includes)."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    cfg = compose_config(f"experiment={experiment}", hydra=True)
     params = cfg.hydra.sweeper.get("params")
     params = OmegaConf.to_container(params) if params is not None else {}
     return {k: [v.strip() for v in str(vals).split(",") if v.strip()] for k, vals in params.items()}

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import get_object
 from omegaconf import OmegaConf
 
 import sdp.train  # noqa: F401  (registers the sdp_uid resolver)
 from sdp.config import validate
 from sdp.worker import build
+from tests.hydra_cfg import compose_config
 
 CONF = Path(sdp.train.CONF_DIR)
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -35,8 +35,7 @@ def companions(group: str, option: str) -> list[str]:
 
 def compose_with(*overrides: str):
     """Compose config.yaml; a dataset root that is required (``???``) is pointed at a missing dir."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    cfg = compose_config(*overrides)
     if "root" in cfg.dataset.keys() and OmegaConf.is_missing(cfg.dataset, "root"):
         cfg.dataset.root = "/nonexistent/missing-root"
     return cfg

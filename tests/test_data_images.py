@@ -149,12 +149,9 @@ def test_image_folder_bad_inputs_name_the_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("model", "dataset"), [("resnet18_cifar", "cifar10"), ("resnet18_cifar", "cifar100"),
                                                 ("resnet18", "imagenet"), ("llama_tiny", "fineweb")])
 def test_driver_preflight_rejects_a_missing_root_before_any_rank(tmp_path: Path, model: str, dataset: str) -> None:
-    from hydra import compose, initialize_config_dir
-
     from sdp.config import validate
+    from tests.hydra_cfg import compose_config
 
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"model={model}", f"dataset={dataset}", f"dataset.root={tmp_path}/none"])
+    cfg = compose_config(f"model={model}", f"dataset={dataset}", f"dataset.root={tmp_path}/none")
     with pytest.raises(FileNotFoundError, match=r"dataset\.root=.*none.*no such directory"):
         validate(cfg)

@@ -3,7 +3,6 @@ with fewer bytes kept for backward, measured with saved-tensor hooks."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest

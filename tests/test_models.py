@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from hydra import compose, initialize_config_dir
 
 from sdp.models.base import ResidualBlock, SDPModel, count_forward_flops, count_params
 from sdp.models.llama import LLaMA
@@ -17,6 +16,7 @@ from sdp.models.resnet import ResNet, ResNetCIFAR
 from sdp.models.swin import Swin
 from sdp.models.vit import ViT
 from sdp.worker import build
+from tests.hydra_cfg import compose_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -47,8 +47,7 @@ COUNTS = [
 
 
 def meta_model(name: str, overrides: list[str]) -> SDPModel:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"model={name}", *overrides])
+    cfg = compose_config(f"model={name}", *overrides)
     with torch.device("meta"):
         return build(cfg.model)
 

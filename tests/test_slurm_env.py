@@ -6,19 +6,17 @@ from __future__ import annotations
 import signal
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import sdp.train  # noqa: F401  (registers the sdp_uid / sdp_mul resolvers)
 from sdp.config import ConfigError
 from sdp.slurm import install_preemption_handlers, master_port, slurm_environment
+from tests.hydra_cfg import compose_config
 
 RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def compose_cfg(*overrides: str):
-    with initialize_config_dir(version_base="1.3", config_dir=sdp.train.CONF_DIR):
-        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    return compose_config(*overrides, hydra=True)
 
 
 @pytest.mark.parametrize("name,nodes,tasks,world,gpus", [("slurm", 1, 2, 2, None), ("slurm_gpu", 2, 8, 16, 8)])

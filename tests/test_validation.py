@@ -12,12 +12,11 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from sdp.config import ConfigError, validate
 from sdp.parallel import STRATEGIES
+from tests.hydra_cfg import compose_config
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
 BASE = ["experiment=smoke", "model=mlp"]  # a small valid starting point every row modifies
 
 
@@ -95,9 +94,7 @@ if not torch.cuda.is_available():
 
 
 def compose_and_validate(overrides: list[str]) -> None:
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=BASE + overrides)
-    validate(cfg)
+    validate(compose_config(*BASE, *overrides))
 
 
 @pytest.mark.parametrize("row", CATALOGUE, ids=[r.id for r in CATALOGUE])
