@@ -14,7 +14,8 @@ import os
 import socket
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,14 +37,21 @@ def _set_env(rank: int, world: int, port: int) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WANDB_MODE="disabled")
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+@contextmanager
+def rank_process_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """Inside a spawned test rank: its launcher variables, one thread, a gloo group with a timeout."""
     _set_env(rank, world, port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PG_TIMEOUT)
     try:
-        fn(rank, world, *args)
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+    with rank_process_group(rank, world, port):
+        fn(rank, world, *args)
 
 
 def spawn(fn: Callable[..., None], *, world: int, args: tuple = ()) -> None:

@@ -11,19 +11,16 @@
 from __future__ import annotations
 
 import io
-import os
-import socket
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from sdp import results
+from tests.dist_helpers import free_port, rank_process_group
 from tests.hydra_cfg import compose_config
 
 FAST = ["logger.wandb.mode=disabled", "logger.progress=false"]
@@ -46,30 +43,20 @@ def run_job(overrides: list[str], run_dir: Path) -> tuple[dict[str, Any], list[d
     return summary, results.read_metrics(run_dir)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        buf = io.BytesIO()  # torch.save, not the queue's pickler: shared-memory tensors die with the child
-        torch.save(fn(rank, world, *args), buf)
-        queue.put((rank, buf.getvalue(), None))
-    except Exception:  # noqa: BLE001 - the parent re-raises with the rank's traceback
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+    with rank_process_group(rank, world, port):
+        try:
+            buf = io.BytesIO()  # torch.save, not the queue's pickler: shared-memory tensors die with the child
+            torch.save(fn(rank, world, *args), buf)
+            queue.put((rank, buf.getvalue(), None))
+        except Exception:  # noqa: BLE001 - the parent re-raises with the rank's traceback
+            queue.put((rank, None, traceback.format_exc()))
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
