@@ -267,14 +267,25 @@ def format_plan(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plan_options(cfg: DictConfig) -> tuple[str | None, bool]:
+    """The ``plan:`` node (read by sdp-plan only, so checked here, not by sdp-train's validation)."""
+    from sdp.config import boolean, require
+
+    node = cfg.get("plan") or {}
+    output, frontier = node.get("output"), node.get("frontier", False)
+    require(output is None or (isinstance(output, str) and bool(output)), "plan.output", output, "null or a file path")
+    boolean("plan.frontier", frontier)
+    return output, frontier
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
+    output, with_frontier = plan_options(cfg)
     plan = predict(cfg)
     print(format_plan(plan), flush=True)
-    if cfg.get("plan", {}).get("frontier"):
+    if with_frontier:
         plan["frontier"] = sdp_frontier(cfg)
         print(plan["frontier"].pop("text"), flush=True)
-    output = cfg.get("plan", {}).get("output")
     if output:
         Path(str(output)).write_text(json.dumps(plan, indent=2))
         print(f"written: {output}")

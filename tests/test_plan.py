@@ -51,6 +51,33 @@ def test_plan_predicts_llama_fsdp_and_sdp_on_meta_at_paper_scale() -> None:
         assert all(state(m) < 0.75 * full for m in mem), [state(m) for m in mem]
 
 
+def test_sdp_plan_command_prints_and_writes_the_prediction_and_frontier(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "sdp.planner", "parallelism=sdp", "cluster.world_size=4",
+                           "plan.frontier=true", f"plan.output={out}"], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| rank | params MiB" in proc.stdout and "| floor (mean over workers" in proc.stdout, proc.stdout
+    plan = json.loads(out.read_text())
+    assert len(plan["memory"]["per_rank"]) == len(plan["comm"]["per_rank"]) == 4
+    assert plan["frontier"]["floor"]["state"] <= plan["frontier"]["plan"]["state"] and "text" not in plan["frontier"]
+
+
+def test_plan_options_refuse_bad_values_naming_the_key() -> None:
+    from sdp.config import ConfigError
+    from sdp.planner import plan_options
+
+    assert plan_options(compose_cfg(["plan.frontier=true", "plan.output=p.json"])) == ("p.json", True)
+    with pytest.raises(ConfigError, match=r"plan.frontier='maybe' is invalid: must be true or false"):
+        plan_options(compose_cfg(["plan.frontier=maybe"]))
+    with pytest.raises(ConfigError, match=r"plan.output=3 is invalid: null or a file path"):
+        plan_options(compose_cfg(["plan.output=3"]))
+
+
 def test_frontier_of_a_config_and_its_refusal_for_backward_masking() -> None:
     from sdp.planner import sdp_frontier
 
