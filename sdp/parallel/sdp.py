@@ -28,6 +28,7 @@ from sdp.models.base import SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import assemble, reestimate_bn, set_branch_scales, tensor_map
+from sdp.subnet.carry import carry_state
 from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError, build_plan
 from sdp.subnet.sync import GroupSet, OwnerSetSync
 
@@ -158,20 +159,23 @@ class SDPStrategy(Strategy):
         return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
 
     def _redraw(self, *, draw: int) -> None:
-        """Re-draw the plan (ResIST style): assemble the full model, prune it to the new plan, and
-        keep optimizer state for tensors this rank held before and holds identically now."""
+        """Re-draw the plan (ResIST style): assemble the full model, prune it to the new plan, and carry
+        every piece's optimizer state from its old holders to its new ones (:mod:`sdp.subnet.carry`), so
+        all holders of a unit keep bit-identical parameters and state. Traffic: comm phase "resample"."""
         assert self.optimizer is not None
-        old = {name: (loc.held, loc.held_groups) for name, loc in self.layout.items() if loc.held is not None}
-        full = self._assemble()
-        self._mask(full, plan=plan_for(model=full, cfg=self.cfg, world_size=self.ctx.world_size, draw=draw))
-        params = self._trainable()
-        state = self.optimizer.state
-        for name, loc in self.layout.items():
-            prev = old.get(name)
-            if prev is not None and prev[0] in state and loc.held is not None and prev[1] == loc.held_groups:
-                state[loc.held] = state.pop(prev[0])
-        for stale in [p for p in state if all(p is not q for q in params)]:
-            del state[stale]
+        prev, self.ctx.comm.phase = self.ctx.comm.phase, "resample"
+        try:
+            old_pieces, old_layout = self.pieces, self.layout
+            full = self._assemble()
+            self._mask(full, plan=plan_for(model=full, cfg=self.cfg, world_size=self.ctx.world_size, draw=draw))
+            params = self._trainable()
+            carried = carry_state(state=self.optimizer.state, old=old_pieces, old_layout=old_layout, new=self.pieces,
+                                  new_layout=self.layout, params=params, every_rank=self.mode == "global",
+                                  shapes={k: t.shape for k, t in tensor_map(self.skeleton).items()}, ctx=self.ctx)
+        finally:
+            self.ctx.comm.phase = prev
+        self.optimizer.state.clear()
+        self.optimizer.state.update(carried)
         self.optimizer.param_groups[0]["params"] = params
         self.redraws += 1
 
@@ -233,11 +237,7 @@ class SDPStrategy(Strategy):
         if saved != plan_lists(self.plan):
             require(bool(self.cfg.resample_every) and saved["draw"] > 0, "parallelism", _plan_keys(self.cfg),
                     f"must build the checkpoint's plan to resume (saved {saved}, now {plan_lists(self.plan)})")
-            prev, self.ctx.comm.phase = self.ctx.comm.phase, "checkpoint"
-            try:
-                self._redraw(draw=int(saved["draw"]))
-            finally:
-                self.ctx.comm.phase = prev
+            self._redraw(draw=int(saved["draw"]))  # its traffic: comm phase "resample"; the state is loaded below
             require(saved == plan_lists(self.plan), "parallelism", _plan_keys(self.cfg),
                     f"re-draw {saved['draw']} gives {plan_lists(self.plan)}, the checkpoint holds {saved}")
         assert self.module is not None
