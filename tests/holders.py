@@ -64,29 +64,35 @@ def pieces_of(local: dict[str, Any], *, cfg: DictConfig, rank: int) -> dict[tupl
     return out
 
 
-def differing(ckpt: Path, *, cfg: DictConfig | None = None) -> dict[str, Any]:
-    """Pieces present on several ranks (``multi``), and the keys of those whose parameter values differ
-    (``params``), whose optimizer state differs between the ranks that have some (``state``), or which some
-    rank trains without state while another has it (``missing_state``)."""
-    cfg = cfg if cfg is not None else OmegaConf.load(ckpt.parent.parent / "config.yaml")
-    files = sorted(ckpt.glob("rank*.pt"))
-    ranks = [pieces_of(torch.load(f, map_location="cpu", weights_only=True)["local"], cfg=cfg, rank=r)
-             for r, f in enumerate(files)]
-    multi, diff_params, diff_state, missing_state = 0, [], [], []
+def compare(ranks: list[dict[tuple, dict[str, Any]]]) -> dict[str, Any]:
+    """Over ``pieces_of`` of every rank: the number of pieces present on several ranks (``multi``) and
+    trained by several (``trained_by_several``), and the keys of those whose parameter values differ
+    (``params``), whose optimizer state differs between the ranks that have some (``state``), or which
+    some rank trains without state while another has it (``missing_state``)."""
+    out: dict[str, Any] = {"multi": 0, "trained_by_several": 0, "params": [], "state": [], "missing_state": []}
     for key in sorted({k for r in ranks for k in r}):
         have = [r[key] for r in ranks if key in r]
         if len(have) < 2:
             continue
-        multi += 1
+        out["multi"] += 1
         if any(not torch.equal(have[0]["param"], h["param"]) for h in have[1:]):
-            diff_params.append(key)
+            out["params"].append(key)
         states = [h["state"] for h in have if h["state"] is not None]  # the ranks that train the piece
+        out["trained_by_several"] += len(states) > 1
         with_state = [s for s in states if s]
         if with_state and len(with_state) < len(states):
-            missing_state.append(key)
+            out["missing_state"].append(key)
         if any(set(s) != set(with_state[0]) or any(not _same(s[k], with_state[0][k]) for k in s) for s in with_state[1:]):
-            diff_state.append(key)
-    return {"multi": multi, "params": diff_params, "state": diff_state, "missing_state": missing_state}
+            out["state"].append(key)
+    return out
+
+
+def differing(ckpt: Path) -> dict[str, Any]:
+    """``compare`` over the ranks' files of the checkpoint directory ``ckpt`` (config: its run's)."""
+    cfg = OmegaConf.load(ckpt.parent.parent / "config.yaml")
+    files = sorted(ckpt.glob("rank*.pt"))
+    return compare([pieces_of(torch.load(f, map_location="cpu", weights_only=True)["local"], cfg=cfg, rank=r)
+                    for r, f in enumerate(files)])
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -2,7 +2,8 @@
 
 Wiring: :mod:`sdp.subnet.plan` says who holds which unit, :mod:`sdp.subnet.masking` turns the
 full model into this worker's subnetwork, :mod:`sdp.subnet.sync` averages gradients over holder
-sets, :mod:`sdp.subnet.assemble` rebuilds the full model for evaluation and re-draws.
+sets, :mod:`sdp.subnet.assemble` rebuilds the full model for evaluation and re-draws,
+:mod:`sdp.subnet.carry` carries each unit's optimizer state to its new holders at a re-draw.
 
 The worker builds the full model identically on every rank on the CPU (seeded) and passes it to
 ``setup``; masking prunes it there, *before* anything moves to the device, so under forward masking
