@@ -82,14 +82,16 @@ def compare(ranks: list[dict[tuple, dict[str, Any]]]) -> dict[str, Any]:
         with_state = [s for s in states if s]
         if with_state and len(with_state) < len(states):
             out["missing_state"].append(key)
-        if any(set(s) != set(with_state[0]) or any(not _same(s[k], with_state[0][k]) for k in s) for s in with_state[1:]):
+        ref = with_state[0] if with_state else {}
+        if any(set(s) != set(ref) or any(not _same(s[k], ref[k]) for k in s) for s in with_state[1:]):
             out["state"].append(key)
     return out
 
 
-def differing(ckpt: Path) -> dict[str, Any]:
-    """``compare`` over the ranks' files of the checkpoint directory ``ckpt`` (config: its run's)."""
-    cfg = OmegaConf.load(ckpt.parent.parent / "config.yaml")
+def differing(ckpt: Path, *, cfg: DictConfig | None = None) -> dict[str, Any]:
+    """``compare`` over the ranks' files of the checkpoint directory ``ckpt`` (config: the run's
+    ``config.yaml`` unless given)."""
+    cfg = cfg if cfg is not None else OmegaConf.load(ckpt.parent.parent / "config.yaml")
     files = sorted(ckpt.glob("rank*.pt"))
     return compare([pieces_of(torch.load(f, map_location="cpu", weights_only=True)["local"], cfg=cfg, rank=r)
                     for r, f in enumerate(files)])

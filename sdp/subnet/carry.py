@@ -88,10 +88,10 @@ def carry_state(*, state: dict[Any, dict[str, Any]], old: list[Piece], old_layou
             for key, v in state.get(t, {}).items():
                 d = describe(key=key, value=v, param=t)
                 had[i][key] = (d, view(v, dim, start, length) if d[0] == "tensor" else v)
-    descs = {i: {k: d for k, (d, _) in s.items()} for i, s in had.items()}
+    descs: dict[int, Described] = {i: {k: d for k, (d, _) in s.items()} for i, s in had.items()}
     moving = [i for i in idx if not set(trainers(new[i])) <= set(trainers(old[i]))]  # some new trainer lacks it
     moving_set = set(moving)
-    if moving:
+    if moving:  # (2) the sources describe what they will send
         mine = {i: descs[i] for i in moving if min(trainers(old[i])) == rank}
         gathered: list[Any] = [None] * n
         dist.all_gather_object(gathered, mine)
@@ -119,11 +119,11 @@ def carry_state(*, state: dict[Any, dict[str, Any]], old: list[Piece], old_layou
         if ds[0]:
             out[t] = {key: _rebuild(d, like=t) for key, d in ds[0].items()}
     for i, (t, dim, start, length) in where.items():  # (1) what this rank trained and trains again
-        if (i not in moving_set or min(trainers(old[i])) == rank) and t in out:  # else (2) brings the source's
+        if (i not in moving_set or min(trainers(old[i])) == rank) and t in out:  # else (3) brings the source's
             for key, (d, v) in had[i].items():
                 if d[0] == "tensor":
                     view(out[t][key], dim, start, length).copy_(v)
-    for src in range(n):  # (2) the rest from the lowest old holder, one flat broadcast per (key, dtype)
+    for src in range(n):  # (3) the rest from the lowest old holder, one flat broadcast per (key, dtype)
         items = [i for i in moving if min(trainers(old[i])) == src]
         kinds = sorted({(k, d[1]) for i in items for k, d in descs[i].items() if d[0] == "tensor"}, key=str)
         for key, dtype in kinds:
