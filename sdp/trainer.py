@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
-from sdp import checkpoint, guards
+from sdp import checkpoint, evaluation, guards
 from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches, val_batches
 from sdp.faults import Faults
 from sdp.loggers import Logger, ProgressBar
@@ -180,13 +180,24 @@ class Trainer:
         return result
 
     # ---- evaluation -----------------------------------------------------------------------------
+    def recent_inputs(self, count: int) -> Iterator[torch.Tensor]:
+        """This rank's inputs of the last ``count`` training steps (``eval.bn=reestimate``), regenerated
+        from the step-indexed sampler: the same batches for every strategy, and nothing to checkpoint."""
+        stop = self.state.step
+        for x, _ in train_batches(self.data, sampler=self.sampler, start=max(0, stop - count), stop=stop,
+                                  replica=self.replica, replicas=self.replicas, num_workers=int(self.cfg.train.num_workers)):
+            yield x.to(self.ctx.device)
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Full model on the whole validation set, sharded over ranks, summed over the world."""
-        tc = self.cfg.train
+        """Full model on the whole validation set, sharded over ranks, summed over the world, under the
+        one evaluation protocol of every strategy (:mod:`sdp.evaluation`)."""
+        tc, ec = self.cfg.train, self.cfg.eval
         totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss sum, correct, count
         classify = self.data.task == "classification"
-        with self.strategy.eval_module() as model:
+        with self.strategy.eval_module() as full, evaluation.applied(
+            full, bn=str(ec.bn), batches=self.recent_inputs(int(ec.bn_batches)), ctx=self.ctx
+        ) as model:
             for x, y in val_batches(
                 self.data, rank=self.ctx.rank, world_size=self.ctx.world_size,
                 batch_size=int(tc.eval_batch_size), num_workers=int(tc.num_workers),

@@ -1,5 +1,6 @@
 """Coverage 1: SDP (forward and backward masking, block and neuron level) reproduces DDP's loss at
-every step, through the real launcher (sdp.train's validate + elastic launch)."""
+every step and DDP's evaluation loss and accuracy under the default evaluation protocol, on a
+BatchNorm ResNet, through the real launcher (sdp.train's validate + elastic launch)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "cluster.wo
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_coverage_one_matches_ddp_every_step(tmp_path) -> None:  # noqa: ANN001
-    _, ddp = run_job(COMMON + ["parallelism=ddp"], tmp_path / "ddp")
+    ddp_summary, ddp = run_job(COMMON + ["parallelism=ddp"], tmp_path / "ddp")
     ref = [r["loss"] for r in ddp if "loss" in r]
+    ref_eval = ddp_summary["final"]
+    assert ddp_summary["eval_protocol"]["bn"] == "reestimate", ddp_summary["eval_protocol"]
     assert len(ref) == 5
     for preset in ("sdp", "sdp_block_bwd", "sdp_neuron_fwd", "sdp_neuron_bwd"):
         summary, rows = run_job(COMMON + [f"parallelism={preset}", "parallelism.coverage=1.0"], tmp_path / preset)
@@ -24,3 +27,7 @@ def test_coverage_one_matches_ddp_every_step(tmp_path) -> None:  # noqa: ANN001
         for step, (a, b) in enumerate(zip(losses, ref), start=1):
             assert abs(a - b) <= 1e-5, f"{preset} step {step}: loss {a} vs DDP {b}"
         assert summary["strategy_info"]["plan"]["k"] == 2
+        assert summary["eval_protocol"] == ddp_summary["eval_protocol"], preset
+        got = summary["final"]
+        assert abs(got["eval_loss"] - ref_eval["eval_loss"]) <= 1e-5, f"{preset}: eval loss {got} vs DDP {ref_eval}"
+        assert got["eval_accuracy"] == ref_eval["eval_accuracy"], f"{preset}: eval accuracy {got} vs DDP {ref_eval}"

@@ -95,7 +95,9 @@ class Strategy(ABC):
     @contextmanager
     def eval_module(self) -> Iterator[nn.Module]:
         """The full model to evaluate, identical on every rank (default: the wrapped model with its
-        buffers averaged over the world, so BatchNorm statistics agree)."""
+        buffers averaged over the world, so BatchNorm statistics agree). A strategy yields its model
+        with the statistics training accumulated, averaged over the ranks that ran each layer; the
+        trainer then applies the one evaluation protocol of every strategy (:mod:`sdp.evaluation`)."""
         model = self.unwrapped()
         prev = self.ctx.comm.phase
         self.ctx.comm.phase = "eval"

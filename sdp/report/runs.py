@@ -50,6 +50,10 @@ class Run:
 
     def __post_init__(self) -> None:
         self.flat = flatten(self.config)
+        if "eval.bn" not in self.flat:  # written before the evaluation protocol was one key for all strategies:
+            # SDP chose its own (parallelism.bn), every other strategy averaged its running statistics
+            self.flat["eval.bn"] = self.flat.pop("parallelism.bn", "average")
+            self.flat["eval.bn_batches"] = self.flat.pop("parallelism.bn_batches", None)
 
     @property
     def ok(self) -> bool:

@@ -4,7 +4,8 @@ Group keys are derived, not configured: every config key (dotted) that takes two
 values across the sweep's runs, minus the seed and run-location keys (``exclude``). A key present in
 only some runs with one value (a preset's own knob) follows from another key and is not a group key.
 Group keys outside ``parallelism.*`` and ``train.steps`` split the sweep into separate tables (one
-per model, dataset, world size, budget, ...); within a table, rows are method variants.
+per model, dataset, world size, budget, evaluation protocol ``eval.bn``, ...); within a table, rows
+are method variants, so no table ever compares rows that were evaluated differently.
 
 Statistics: mean and sample standard deviation (n - 1) over the seeds with a ``summary.json``; ``n``
 is shown against the seeds the sweep has, and every missing or failed seed is named in the row's
@@ -24,7 +25,7 @@ DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run
 METHOD_KEYS = ("parallelism.*", "train.steps")
 COVERAGE_KEYS = ("parallelism.coverage", "parallelism.survival_prob")  # what the C column shows
 TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
-              "train.budget": "budget", "scale.name": "scale"}
+              "train.budget": "budget", "scale.name": "scale", "eval.bn": "eval BN"}
 METHOD_ORDER = ("DDP", "B-SDP", "B_β-SDP", "N-SDP", "N_β-SDP")
 SDP_LABELS = {("block", "forward"): "B-SDP", ("block", "backward"): "B_β-SDP",
               ("neuron", "forward"): "N-SDP", ("neuron", "backward"): "N_β-SDP"}
