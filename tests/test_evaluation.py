@@ -3,6 +3,7 @@ leaves the training run untouched, and that models without BatchNorm are left al
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -63,3 +64,26 @@ def test_average_and_models_without_batchnorm_are_left_alone() -> None:
         pass
     for k, v in net.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize(("model", "level", "masking", "bn", "expect"), [
+    ("resnet18_cifar", "neuron", "forward", "reestimate", "none"),  # bn2 re-normalises the widened branch
+    ("resnet18_cifar", "neuron", "forward", "average", "eval"),     # statistics of the narrow workers: k/n helps
+    ("resnet18_cifar", "block", "forward", "reestimate", "eval"),   # a dropped block contributes nothing
+    ("resnet18_cifar", "neuron", "backward", "reestimate", "none"),
+    ("llama_tiny", "neuron", "forward", "reestimate", "eval"),      # pre-norm branches end in a projection
+])
+def test_rescale_auto_resolves_per_model_family(model: str, level: str, masking: str, bn: str, expect: str) -> None:
+    from omegaconf import OmegaConf
+
+    from sdp.parallel.sdp import resolve_rescale
+    from sdp.worker import build
+    from tests.hydra_cfg import compose_config
+
+    data = "dataset=synthetic_text" if model.startswith("llama") else "dataset=digits"
+    cfg = compose_config(f"model={model}", data, "parallelism=sdp", f"parallelism.level={level}",
+                         f"parallelism.masking={masking}", f"eval.bn={bn}")
+    assert cfg.parallelism.rescale == "auto", "auto is the default of the sdp preset"
+    with torch.device("meta"):
+        net = build(OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)))
+    assert resolve_rescale(cfg=cfg.parallelism, eval_bn=bn, model=net) == expect

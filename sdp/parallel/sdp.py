@@ -33,6 +33,23 @@ from sdp.subnet.sync import GroupSet, OwnerSetSync
 
 
 BALANCE_KEYS = ("params", "flops", "activations")
+RESCALES = ("auto", "none", "eval", "train")
+
+
+def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
+    """``parallelism.rescale`` with ``auto`` resolved (see conf/parallelism/sdp.yaml): ``none`` under
+    backward masking; ``none`` at neuron level when every unit's branch ends in a normalisation layer
+    and the protocol re-estimates it on the assembled model (the norm then restores the widened
+    branch's trained magnitude, so k/n would shrink it: measured, benchmarks/eval_protocols.py);
+    ``eval`` otherwise (block level: a dropped branch contributes nothing, stochastic-depth rule)."""
+    if cfg.rescale != "auto":
+        return str(cfg.rescale)
+    if cfg.masking == "backward":
+        return "none"
+    units = [block for _, block in model.sdp_units()]
+    if cfg.level == "neuron" and eval_bn == "reestimate" and units and all(b.normalised_branch for b in units):
+        return "none"
+    return "eval"
 
 
 def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0) -> Plan:
@@ -61,9 +78,9 @@ class SDPStrategy(Strategy):
         one_of("parallelism.refresh", cfg.refresh, ("holders", "global"))
         require(cfg.masking == "backward" or cfg.refresh == "holders", "parallelism.refresh", cfg.refresh,
                 "global refresh exists only for masking=backward (forward masking keeps no non-held values)")
-        one_of("parallelism.rescale", cfg.rescale, ("none", "eval", "train"))
-        require(cfg.masking == "forward" or cfg.rescale == "none", "parallelism.rescale", cfg.rescale,
-                "backward masking runs the full model in every forward, so only none is meaningful")
+        one_of("parallelism.rescale", cfg.rescale, RESCALES)
+        require(cfg.masking == "forward" or cfg.rescale in ("none", "auto"), "parallelism.rescale", cfg.rescale,
+                "backward masking runs the full model in every forward, so only none (or auto) is meaningful")
         require(isinstance(cfg.drop_downsample, bool), "parallelism.drop_downsample", cfg.drop_downsample, "true or false")
         positive_float("parallelism.bucket_cap_mb", cfg.bucket_cap_mb)
         positive_int("parallelism.plan_seed", cfg.plan_seed, minimum=0)
@@ -93,6 +110,7 @@ class SDPStrategy(Strategy):
         self.groups: GroupSet | None = None
         self.redraws = 0
         self.eval_copy_bytes = 0
+        self.rescale = resolve_rescale(cfg=cfg, eval_bn=str(self.full_cfg.eval.bn), model=model)
         self._mask(model, plan=plan_for(model=model, cfg=cfg, world_size=ctx.world_size))
         self.optimizer = optimizer_factory(self._trainable())
 
@@ -102,7 +120,7 @@ class SDPStrategy(Strategy):
         self.plan = plan
         self.pieces = M.pieces(model, plan)
         self.layout = M.apply(model, plan, rank=ctx.rank, masking=self.mode, all_pieces=self.pieces)
-        if self.cfg.rescale == "train":
+        if self.rescale == "train":
             for b in {u.block for u in plan.units}:
                 block = model.blocks[b]
                 run = [u for u in range(len(plan.units)) if plan.units[u].block == b and ctx.rank in plan.holders[u]]
@@ -185,7 +203,7 @@ class SDPStrategy(Strategy):
         self.ctx.comm.phase = "eval"
         try:
             full = self._assemble()
-            scale = self.plan.k / self.plan.world_size if self.cfg.rescale == "eval" else 1.0
+            scale = self.plan.k / self.plan.world_size if self.rescale == "eval" else 1.0
             set_branch_scales(full, self.plan, scale=scale)
         finally:
             self.ctx.comm.phase = prev
@@ -200,7 +218,7 @@ class SDPStrategy(Strategy):
     def summary_extra(self) -> dict[str, Any]:
         return {
             "plan": self.plan.summary(),
-            "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh), "rescale": str(self.cfg.rescale),
+            "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh), "rescale": self.rescale,
             "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
             "eval_full_copy_bytes": self.eval_copy_bytes, "redraws": self.redraws,
         }
