@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdp.report.runs import Run, run_figures
+from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR, Paired, paired_difference, run_time_to_target
 
 DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir")
 METHOD_KEYS = ("parallelism.*", "train.steps")
@@ -104,6 +105,10 @@ class Row:
     ratios: dict[str, float | None] = field(default_factory=dict)
     paper: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    by_seed: dict[Any, dict[str, Any]] = field(default_factory=dict)  # run_figures of each seed with results
+    paired: dict[str, Paired] = field(default_factory=dict)  # per-seed difference to the reference row
+    to_target: dict[str, Stat] = field(default_factory=dict)  # steps / seconds to the reference's loss x 1.02
+    reached: tuple[int, int] = (0, 0)  # (runs that reached the target, runs with results)
 
     @property
     def n_ok(self) -> int:
@@ -133,7 +138,8 @@ def _row(*, runs: list[Run], keys: dict[str, Any], expected: list[Any]) -> Row:
     flat = runs[0].flat
     row = Row(method=method_label(flat), coverage=row_coverage(flat), keys=keys, runs=runs,
               expected_seeds=expected)
-    figures = [run_figures(r.summary) for r in runs if r.ok]
+    row.by_seed = {r.seed: run_figures(r.summary) for r in runs if r.ok}
+    figures = list(row.by_seed.values())
     row.stats = {m: aggregate([f[m] for f in figures]) for m in AGGREGATED}
     seen = {r.seed for r in runs}
     for r in runs:
@@ -182,5 +188,23 @@ def build_tables(runs: list[Run], *, exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
                 ours = row.stats[metric].mean
                 base = refs[0].stats[metric].mean if refs else None
                 row.ratios[name] = ours / base if ours is not None and base else None
+        if refs:
+            compare_to_reference(rows, reference=refs[0])
         out.append(table)
     return out
+
+
+def compare_to_reference(rows: list[Row], *, reference: Row) -> None:
+    """Paired differences (by seed) of every row to ``reference``, and each row's time to reach the
+    reference's mean final eval loss x ``TARGET_FACTOR`` (see :mod:`sdp.report.stats`)."""
+    target_loss = reference.stats["eval_loss"].mean
+    for row in rows:
+        if row is not reference:
+            row.paired = {m: paired_difference({s: f[m] for s, f in row.by_seed.items()},
+                                               {s: f[m] for s, f in reference.by_seed.items()}) for m in PAIRED_METRICS}
+        if target_loss is None:
+            continue
+        hits = [run_time_to_target(r.path, target=target_loss * TARGET_FACTOR) for r in row.runs if r.ok]
+        reached = [h for h in hits if h[0] is not None]
+        row.reached = (len(reached), len(hits))
+        row.to_target = {"steps": aggregate([h[0] for h in reached]), "seconds": aggregate([h[1] for h in reached])}
