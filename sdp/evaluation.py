@@ -15,6 +15,12 @@ BatchNorm running statistics are part of the evaluated model, and they can be pr
 Re-estimation runs the model in eval mode except its BatchNorm layers (no dropout, no stochastic
 depth, no RNG drawn), and the statistics it replaces are restored afterwards, so evaluation never
 changes the training run. Models without BatchNorm are left alone under either protocol.
+
+``eval.subnetworks``: a strategy whose workers train different models (forward-masked SDP) also
+yields each worker's own subnetwork; the trainer evaluates it under the same protocol (statistics of
+that worker alone) on the whole validation set, and reports the mean over workers and the *assembly
+gap* (assembled model's eval loss minus that mean): how much of the evaluated model's quality is
+owed to assembling subnetworks that were never run together.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from sdp.config import one_of, positive_int
+from sdp.config import boolean, one_of, positive_int
+from sdp.data.base import DataBundle, val_batches
 from sdp.parallel.base import DistContext, average_buffers
 
 BN_PROTOCOLS = ("reestimate", "average")
@@ -36,21 +43,26 @@ def validate_eval(cfg: DictConfig) -> None:
     """The ``eval:`` node (called by :func:`sdp.config.validate`)."""
     one_of("eval.bn", cfg.eval.bn, BN_PROTOCOLS)
     positive_int("eval.bn_batches", cfg.eval.bn_batches)
+    boolean("eval.subnetworks", cfg.eval.subnetworks)
 
 
 def protocol(cfg: DictConfig) -> dict[str, Any]:
     """What summary.json records of the protocol (the report splits tables on it)."""
-    return {"bn": str(cfg.eval.bn), "bn_batches": int(cfg.eval.bn_batches)}
+    return {"bn": str(cfg.eval.bn), "bn_batches": int(cfg.eval.bn_batches), "subnetworks": bool(cfg.eval.subnetworks)}
 
 
 def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    """BatchNorm layers with running statistics (a forward-masked worker's dropped blocks keep their
+    modules with the tensors deleted: they never run and have nothing to re-estimate)."""
+    return [m for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
 
 
 @torch.no_grad()
-def reestimate_bn(model: nn.Module, *, batches: Iterable[torch.Tensor], ctx: DistContext) -> int:
+def reestimate_bn(model: nn.Module, *, batches: Iterable[torch.Tensor], ctx: DistContext, average: bool = True) -> int:
     """Recompute the BatchNorm running statistics of ``model`` on ``batches`` (this rank's), then
-    average them over the world so every rank evaluates the same model. Returns the batch count."""
+    average them over the world so every rank evaluates the same model (``average=False`` for a
+    model that is this rank's own, such as an SDP worker's subnetwork). Returns the batch count."""
     norms = batch_norms(model)
     saved = [(m.momentum, m.training) for m in norms]
     was_training = model.training
@@ -70,12 +82,14 @@ def reestimate_bn(model: nn.Module, *, batches: Iterable[torch.Tensor], ctx: Dis
             m.train(training)
         model.train(was_training)
     assert seen > 0, "eval.bn=reestimate found no training batch before this evaluation (step 0?)"
-    average_buffers(model, ctx=ctx)
+    if average:
+        average_buffers(model, ctx=ctx)
     return seen
 
 
 @contextmanager
-def applied(model: nn.Module, *, bn: str, batches: Iterable[torch.Tensor], ctx: DistContext) -> Iterator[nn.Module]:
+def applied(model: nn.Module, *, bn: str, batches: Iterable[torch.Tensor], ctx: DistContext,
+            average: bool = True) -> Iterator[nn.Module]:
     """``model`` under the protocol for the duration of the block; its BatchNorm buffers as they were after."""
     norms = batch_norms(model) if bn == "reestimate" else []
     if not norms:
@@ -84,7 +98,7 @@ def applied(model: nn.Module, *, bn: str, batches: Iterable[torch.Tensor], ctx: 
     kept = [{k: v.clone() for k, v in m.named_buffers(recurse=False)} for m in norms]
     prev, ctx.comm.phase = ctx.comm.phase, "eval"
     try:
-        reestimate_bn(model, batches=batches, ctx=ctx)
+        reestimate_bn(model, batches=batches, ctx=ctx, average=average)
     finally:
         ctx.comm.phase = prev
     try:
@@ -94,3 +108,20 @@ def applied(model: nn.Module, *, bn: str, batches: Iterable[torch.Tensor], ctx: 
             for m, buffers in zip(norms, kept):
                 for k, v in m.named_buffers(recurse=False):
                     v.copy_(buffers[k])
+
+
+@torch.no_grad()
+def val_totals(model: nn.Module, *, data: DataBundle, rank: int, world_size: int, batch_size: int,
+               num_workers: int, device: torch.device, loss_fn: Any) -> torch.Tensor:
+    """(loss sum, correct, count) of ``model`` on shard ``rank`` of ``world_size`` of the validation set."""
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    classify = data.task == "classification"
+    for x, y in val_batches(data, rank=rank, world_size=world_size, batch_size=batch_size, num_workers=num_workers):
+        x, y = x.to(device), y.to(device)
+        out = model(x)
+        n = y.numel()
+        totals[0] += float(loss_fn(out, y)) * n
+        if classify:
+            totals[1] += float((out.argmax(-1) == y).sum())
+        totals[2] += n
+    return totals

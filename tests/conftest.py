@@ -82,6 +82,7 @@ CORE_DIST = {
     "tests/test_ddp.py::test_rank_that_raises_ends_the_job_fast_with_its_traceback",
     "tests/test_ddp.py::test_inside_torchrun_it_does_not_spawn_again",
     "tests/test_sdp_equivalence.py::test_coverage_one_matches_ddp_every_step",
+    "tests/test_sdp_equivalence.py::test_assembly_gap_is_zero_when_every_worker_holds_the_whole_model",
     "tests/test_sdp_ranks.py::test_backward_masking_grad_is_mean_over_holders_of_reference[block]",
     "tests/test_sdp_ranks.py::test_forward_masking_skips_prunes_and_narrows[neuron]",
     "tests/test_sdp_ranks.py::test_replicas_identical_after_10_steps[sdp_block_bwd]",

@@ -31,3 +31,20 @@ def test_coverage_one_matches_ddp_every_step(tmp_path) -> None:  # noqa: ANN001
         got = summary["final"]
         assert abs(got["eval_loss"] - ref_eval["eval_loss"]) <= 1e-5, f"{preset}: eval loss {got} vs DDP {ref_eval}"
         assert got["eval_accuracy"] == ref_eval["eval_accuracy"], f"{preset}: eval accuracy {got} vs DDP {ref_eval}"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_assembly_gap_is_zero_when_every_worker_holds_the_whole_model(tmp_path) -> None:  # noqa: ANN001
+    """eval.subnetworks: at C = 1 (no BatchNorm, so no statistics to differ) each worker's own
+    subnetwork is the assembled model, so the gap is 0; backward masking trains the full model on
+    every worker and reports no subnetwork figures."""
+    mlp = ["model=mlp", "dataset=digits", "cluster.world_size=2", "train.steps=3", "train.batch_size=8",
+           "train.eval_every=0", "train.warmup_steps=1"]
+    full, _ = run_job(mlp + ["parallelism=sdp", "parallelism.coverage=1.0"], tmp_path / "c1")
+    f = full["final"]
+    assert f["eval_loss_workers"] == pytest.approx(f["eval_loss"], abs=1e-6) and abs(f["assembly_gap"]) <= 1e-6, f
+    half, _ = run_job(mlp + ["parallelism=sdp", "parallelism.coverage=0.5"], tmp_path / "c05")
+    assert half["final"]["assembly_gap"] is not None and half["eval_protocol"]["subnetworks"] is True
+    bwd, _ = run_job(mlp + ["parallelism=sdp_block_bwd"], tmp_path / "bwd")
+    assert bwd["final"]["eval_loss_workers"] is None and bwd["final"]["assembly_gap"] is None, bwd["final"]

@@ -111,6 +111,12 @@ class Strategy(ABC):
         finally:
             model.train()
 
+    @contextmanager
+    def subnetwork_module(self) -> Iterator[nn.Module | None]:
+        """This worker's own trained model when workers train different models (``eval.subnetworks``:
+        the assembly gap), else None. Default None: every worker trains the full model."""
+        yield None
+
     def unwrapped(self) -> nn.Module:
         assert self.module is not None, f"strategy {self.name!r} used before setup()"
         return getattr(self.module, "module", self.module)

@@ -214,6 +214,21 @@ class SDPStrategy(Strategy):
         finally:
             del full
 
+    @contextmanager
+    def subnetwork_module(self) -> Iterator[nn.Module | None]:
+        """Under forward masking, the subnetwork this worker trained, evaluated as trained (its own
+        units, its ``rescale=train`` scales, no k/n): the model whose quality the assembly gap compares
+        the assembled one with. Backward masking trains the full model on every worker: None."""
+        if self.mode != "forward":
+            yield None
+            return
+        assert self.module is not None
+        self.module.eval()
+        try:
+            yield self.module
+        finally:
+            self.module.train()
+
     # ---- reporting ----------------------------------------------------------------------------------
     def summary_extra(self) -> dict[str, Any]:
         return {

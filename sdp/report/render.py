@@ -30,6 +30,8 @@ COLUMNS = (
     Column("steps", "steps", "stat", 0),
     Column("eval_accuracy", "eval acc (%)", "stat", 2),
     Column("eval_loss", "eval loss", "stat", 4),
+    Column("eval_loss_workers", "workers' own eval loss", "stat", 4),
+    Column("assembly_gap", "assembly gap", "stat", 4),
     Column("state_mem_x_ddp", "model-state mem ×DDP", "ratio", 3),
     Column("peak_mem_x_ddp", "peak mem ×DDP", "ratio", 3),
     Column("comm_x_ddp", "comm bytes/step ×DDP", "ratio", 3),
