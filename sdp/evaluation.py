@@ -31,6 +31,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.nn import functional as F
 
 from sdp.config import boolean, one_of, positive_int
 from sdp.data.base import DataBundle, val_batches
@@ -110,18 +111,31 @@ def applied(model: nn.Module, *, bn: str, batches: Iterable[torch.Tensor], ctx: 
                     v.copy_(buffers[k])
 
 
+LOSS_CHUNK_TOKENS = 8192  # rows of the flattened logits per cross-entropy call in evaluation
+
+
+def loss_and_correct(out: torch.Tensor, target: torch.Tensor, *, chunk: int = LOSS_CHUNK_TOKENS) -> tuple[float, float]:
+    """Summed cross-entropy and correct arg-max predictions of ``out`` (N, C) or (B, T, V) against
+    ``target``, ``chunk`` rows at a time: cross-entropy's log-softmax copy is then one chunk of the
+    vocabulary-sized logits, not all of them (an LM's evaluation batch would otherwise hold two)."""
+    logits, labels = out.reshape(-1, out.shape[-1]), target.reshape(-1)
+    loss = correct = 0.0
+    for o, t in zip(logits.split(chunk), labels.split(chunk)):
+        loss += float(F.cross_entropy(o, t, reduction="sum"))
+        correct += float((o.argmax(-1) == t).sum())
+    return loss, correct
+
+
 @torch.no_grad()
 def val_totals(model: nn.Module, *, data: DataBundle, rank: int, world_size: int, batch_size: int,
-               num_workers: int, device: torch.device, loss_fn: Any) -> torch.Tensor:
-    """(loss sum, correct, count) of ``model`` on shard ``rank`` of ``world_size`` of the validation set."""
+               num_workers: int, device: torch.device) -> torch.Tensor:
+    """(loss sum, correct, count) of ``model`` on shard ``rank`` of ``world_size`` of the validation set,
+    ``batch_size`` samples per forward (``train.eval_batch_size`` bounds evaluation memory)."""
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    classify = data.task == "classification"
     for x, y in val_batches(data, rank=rank, world_size=world_size, batch_size=batch_size, num_workers=num_workers):
         x, y = x.to(device), y.to(device)
-        out = model(x)
-        n = y.numel()
-        totals[0] += float(loss_fn(out, y)) * n
-        if classify:
-            totals[1] += float((out.argmax(-1) == y).sum())
-        totals[2] += n
+        loss, correct = loss_and_correct(model(x), y)
+        totals[0] += loss
+        totals[1] += correct  # the trainer reports accuracy for classification only
+        totals[2] += y.numel()
     return totals

@@ -221,6 +221,6 @@ class Trainer:
         return row
 
     def _val_totals(self, model: Any, *, rank: int, world_size: int) -> torch.Tensor:
-        return evaluation.val_totals(model, data=self.data, rank=rank, world_size=world_size, loss_fn=loss_fn,
+        return evaluation.val_totals(model, data=self.data, rank=rank, world_size=world_size,
                                      batch_size=int(self.cfg.train.eval_batch_size),
                                      num_workers=int(self.cfg.train.num_workers), device=self.ctx.device)

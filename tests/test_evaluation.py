@@ -87,3 +87,16 @@ def test_rescale_auto_resolves_per_model_family(model: str, level: str, masking:
     with torch.device("meta"):
         net = build(OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)))
     assert resolve_rescale(cfg=cfg.parallelism, eval_bn=bn, model=net) == expect
+
+
+def test_chunked_evaluation_loss_equals_the_whole_batch_loss() -> None:
+    from torch.nn import functional as F
+
+    from sdp.evaluation import loss_and_correct
+
+    torch.manual_seed(0)
+    logits, target = torch.randn(3, 50, 97, dtype=torch.float64), torch.randint(0, 97, (3, 50))
+    loss, correct = loss_and_correct(logits, target, chunk=16)  # 150 rows in 10 chunks, the last one short
+    whole = F.cross_entropy(logits.reshape(-1, 97), target.reshape(-1), reduction="sum")
+    assert loss == pytest.approx(float(whole), rel=1e-12)
+    assert correct == float((logits.argmax(-1) == target).sum())
