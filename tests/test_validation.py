@@ -66,6 +66,10 @@ CATALOGUE = [
     Bad("wandb-mode-unknown", ["logger.wandb.mode=sometimes"], ["logger.wandb.mode='sometimes'", "online, offline, disabled"]),
     Bad("wandb-timeout-zero", ["logger.wandb.init_timeout_s=0"], ["logger.wandb.init_timeout_s=0", "number > 0"]),
     # Strategy-specific (each strategy's validate classmethod).
+    # The evaluation protocol (one for every strategy) and the keys it replaced.
+    Bad("eval-bn-unknown", ["eval.bn=running"], ["eval.bn='running'", "reestimate, average"]),
+    Bad("eval-bn-batches-zero", ["eval.bn_batches=0"], ["eval.bn_batches=0", "integer >= 1"]),
+    Bad("stale-parallelism-bn", ["parallelism=sdp", "+parallelism.bn=average"], ["parallelism.bn='average'", "moved to eval.bn"]),
     Bad("sdp-coverage-zero", ["parallelism=sdp", "parallelism.coverage=0"], ["parallelism.coverage", "0"]),
     Bad("sdp-coverage-above-one", ["parallelism=sdp", "parallelism.coverage=1.5"], ["parallelism.coverage", "1.5"]),
     Bad("sdp-balance-negative", ["parallelism=sdp", "parallelism.balance.flops=-1"], ["parallelism.balance.flops", "-1", ">= 0"]),
@@ -135,3 +139,14 @@ def test_strategy_validate_receives_full_cfg_when_it_asks(monkeypatch: pytest.Mo
         compose_and_validate(["parallelism=ddp"])
     compose_and_validate(["parallelism=ddp", "train.batch_size=33"])
     assert seen["batch"] == 33
+
+
+def test_stale_override_on_the_command_line_names_the_new_key() -> None:
+    """``sdp-train parallelism.bn=average`` (no ``+``) would otherwise die in Hydra's struct check,
+    which does not say where the setting went; ``sdp.train.main`` asks this first."""
+    from sdp.config import renamed_overrides
+
+    assert renamed_overrides(["model=mlp", "train.steps=3"]) is None
+    for given in ("parallelism.bn=average", "+parallelism.bn=reestimate", "~parallelism.bn_batches"):
+        message = renamed_overrides(["model=mlp", given])
+        assert message is not None and "moved to eval.bn" in message and repr(given) in message, message
