@@ -62,9 +62,10 @@ def make_report(*, sweep_dir: Path, out_dir: Path | None = None, exclude: tuple[
 
 def print_comparison(report: Report) -> list[Path]:
     """Write the comparison table and the plots next to ``report``'s files; print the table and every path."""
-    from sdp.report.compare import write_comparison
+    from sdp.report.compare import plot_title, write_comparison
 
-    comp = write_comparison(tables=report.tables, out_dir=report.out_dir, title=report.sweep_dir.name)
+    comp = write_comparison(tables=report.tables, out_dir=report.out_dir,
+                            title=plot_title(report.tables, fallback=report.sweep_dir.name))
     print(comp.markdown, flush=True)
     print(f"comparison: {comp.files[0]}\nfull report: {report.out_dir / 'report.md'} (tables as md + csv: "
           f"{', '.join(f.name for f in report.files if f.name != 'report.md')})\n"

@@ -109,8 +109,18 @@ def _plot_rows(tables: list[Table]) -> list[dict[str, Any]]:
     return [plot_row(label, run.path) for label, (_, run) in zip(labels, runs)]
 
 
+def plot_title(tables: list[Table], *, fallback: str) -> str:
+    """``resnet18_cifar on digits, 4 workers`` when the runs share them, else ``fallback``."""
+    runs = [r for t in tables for row in t.rows for r in row.runs]
+    facts = {k: {r.flat.get(k) for r in runs} for k in ("model.name", "dataset.name", "cluster.world_size")}
+    if not runs or any(len(v) != 1 for v in facts.values()):
+        return fallback
+    (model,), (data,), (world,) = facts.values()
+    return f"{model} on {data}, {world} workers"
+
+
 def write_comparison(*, tables: list[Table], out_dir: Path, title: str) -> Comparison:
-    """Write ``comparison.md`` and the plots into ``out_dir``; return the text and the files."""
+    """Write ``comparison.md`` and the plots (titled ``title``) into ``out_dir``; return the text and the files."""
     from sdp.report.plots import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
