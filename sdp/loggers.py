@@ -1,5 +1,6 @@
 """Loggers: JSONL files (always, the results contract), Weights & Biases (a mirror, rank 0 only) and
-a null logger for other ranks; plus a rank-0 progress bar that stays quiet when not on a TTY.
+a null logger for other ranks; plus a rank-0 progress bar that stays quiet when not on a TTY, and a
+Hydra callback that puts a multirun's progress (runs done of all) into that bar.
 
 Why JSONL first: W&B is a mirror and must never be the only copy. Every row is flushed as it is
 written, so a killed run keeps every logged step.
@@ -14,6 +15,12 @@ import sys
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
+
+from hydra.experimental.callback import Callback
+
+# Set by SweepProgress in the driver for each job of a multirun, read by rank 0's ProgressBar (the
+# ranks are spawned below the driver and inherit its environment): "1/3 runs done · parallelism=sdp".
+SWEEP_PROGRESS_ENV = "SDP_SWEEP_PROGRESS"
 
 
 class Logger(Protocol):
@@ -124,14 +131,15 @@ class MultiLogger:
 
 
 class ProgressBar:
-    """tqdm bar with loss and throughput on rank 0; disabled when stderr is not a TTY."""
+    """tqdm bar with loss and throughput on rank 0; disabled when stderr is not a TTY. Inside a
+    multirun its label says how many runs of the sweep are done and which one this is."""
 
     def __init__(self, *, total: int, enabled: bool) -> None:
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, dynamic_ncols=True, desc="train")
+            self.bar = tqdm(total=total, dynamic_ncols=True, desc=os.environ.get(SWEEP_PROGRESS_ENV) or "train")
 
     def update(self, step: int, *, loss: float, samples_per_s: float) -> None:
         if self.bar is not None:
@@ -141,3 +149,47 @@ class ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def sweep_size(*, params: dict[str, Any], overrides: list[str]) -> tuple[int, list[str]]:
+    """(number of jobs, swept keys) of a basic-sweeper multirun: the product of the discrete sweeps in
+    ``hydra.sweeper.params`` and on the command line (a command-line override replaces the param of its key)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + list(overrides))
+    sizes = {o.get_key_element(): len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1 for o in parsed}
+    return math.prod(sizes.values()), [k for k, n in sizes.items() if n > 1]
+
+
+class SweepProgress(Callback):
+    """Hydra callback (``hydra.callbacks.progress``): before each job of a multirun launched from this
+    process, say in :data:`SWEEP_PROGRESS_ENV` how many runs are done of how many and what this run
+    sweeps, so the step bar of that run reads ``1/3 runs done · parallelism=sdp: 45%|####  | 90/200``.
+    A sweep it cannot count (not the basic sweeper) shows the run's number instead."""
+
+    def __init__(self) -> None:
+        self.in_sweep = False
+        self.total: int | None = None
+        self.swept: list[str] = []
+        self.done = 0
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self.in_sweep, self.done = True, 0
+        sweeper = config.hydra.sweeper
+        if str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+            try:
+                self.total, self.swept = sweep_size(params=dict(sweeper.get("params") or {}),
+                                                    overrides=list(config.hydra.overrides.task))
+            except Exception:  # noqa: BLE001 - a progress label must never stop a sweep
+                self.total = None
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        if not self.in_sweep:  # a single run: the bar says "train"
+            return
+        task = [o for o in config.hydra.overrides.task if o.split("=", 1)[0].lstrip("+~") in self.swept]
+        count = f"{self.done}/{self.total} runs done" if self.total else f"run {int(config.hydra.job.num) + 1}"
+        os.environ[SWEEP_PROGRESS_ENV] = " · ".join([count, *([" ".join(task)] if task else [])])
+
+    def on_job_end(self, config: Any, **kwargs: Any) -> None:
+        self.done += 1
+        os.environ.pop(SWEEP_PROGRESS_ENV, None)

@@ -4,6 +4,10 @@ Hydra composes and resolves the config once, here in the driver; the config is v
 as ``config.yaml`` into the run directory, and then the ranks are started below this process (or,
 under an external launcher, this process is a rank). Multirun with Hydra's basic launcher therefore
 runs each job's ranks in turn.
+
+``sdp-train`` with no arguments at all runs :data:`DEFAULT_JOB`, the comparison of
+``conf/experiment/compare.yaml`` (DDP and SDP side by side, one table of ratios to DDP); any argument
+(``sdp-train parallelism=sdp``) composes ``conf/config.yaml`` as given: one plain run.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -35,6 +40,7 @@ if not OmegaConf.has_resolver("sdp_mul"):
     OmegaConf.register_new_resolver("sdp_mul", lambda *xs: math.prod(int(x) for x in xs))
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+DEFAULT_JOB = ["experiment=compare"]  # what `sdp-train` alone runs (README line 1)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -117,11 +123,14 @@ def _hydra_main(cfg: DictConfig) -> Any:
 
 
 def main() -> None:
-    import sys
-
     stale = renamed_overrides(sys.argv[1:])  # before Hydra, whose struct error would not name the new key
     if stale is not None:
         sys.exit(f"sdp-train: {stale}")
+    if len(sys.argv) == 1:
+        sys.argv += DEFAULT_JOB
+        print(f"sdp-train with no arguments runs `sdp-train {' '.join(DEFAULT_JOB)}`: DDP and SDP side by side, one "
+              "table of ratios to DDP at the end (conf/experiment/compare.yaml). One plain run: sdp-train parallelism=sdp",
+              flush=True)
     _hydra_main()
 
 

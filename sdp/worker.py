@@ -151,6 +151,15 @@ def device_facts(device: torch.device) -> dict[str, Any]:
     return {"host": socket.gethostname(), "device": str(device), "device_name": name}
 
 
+def data_used(trainer: Trainer) -> dict[str, Any]:
+    """Samples of the train and val splits the run used, and target tokens where samples are sequences."""
+    data = trainer.data
+    train, val = len(data.train), len(data.val)
+    per = int(data.input_shape[0]) if data.task == "lm" else None  # one target per input token
+    return {"train_samples": train, "val_samples": val,
+            "train_tokens": train * per if per else None, "val_tokens": val * per if per else None}
+
+
 def collect_summary(
     *, cfg: DictConfig, ctx: DistContext, strategy: Strategy, trainer: Trainer, peak: PeakTracker, timer: PhaseTimer, state: Any
 ) -> dict[str, Any]:
@@ -181,6 +190,7 @@ def collect_summary(
         "global_batch": trainer.global_batch,
         "seed": int(cfg.seed),
         "dataset_notes": list(trainer.data.notes),  # e.g. files loaded without their checksum check
+        "data": data_used(trainer),  # how much data the run had: samples (and tokens) of each split
         "final": {
             "train_loss": state.last_loss,
             "eval_loss": state.last_eval.get("eval_loss"),

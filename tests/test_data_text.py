@@ -63,8 +63,6 @@ def test_bad_shards_name_the_file_and_the_expectation(shards: Path) -> None:
     bad.unlink()
     with pytest.raises(ShardError, match=r"000002\.bin: 30 tokens, fewer than dataset\.seq_len \+ 1 = 41"):
         fineweb.build(root=str(shards), seq_len=40, val_tokens=40)
-    with pytest.raises(ShardError, match=r"dataset\.val_tokens=400 asks for 50"):
-        fineweb.build(root=str(shards), seq_len=8, val_tokens=400)
     with pytest.raises(FileNotFoundError, match=r"no shard matches 'other_train_\*\.bin'"):
         fineweb.build(root=str(shards), seq_len=8, val_tokens=40, train_pattern="other_train_*.bin")
     with pytest.raises(FileNotFoundError, match=r"dataset\.root=.*absent"):
@@ -88,9 +86,42 @@ def test_prepare_text_writes_shards_the_loader_reads(tmp_path: Path) -> None:
     assert bytes(stream.astype(np.uint8)) == expected
     with pytest.raises(ValueError, match=r"dataset\.vocab_size=100 is smaller than the bytes tokenizer's 256"):
         fineweb.build(root=str(out), seq_len=8, val_tokens=16, vocab_size=100)
-    bundle = fineweb.build(root=str(out), seq_len=8, val_tokens=16, vocab_size=50257)
-    assert "leaves 50001 embedding rows unused" in bundle.notes[0]
+    with pytest.warns(UserWarning, match=r"dataset\.vocab_size=50257 is 196x what the data needs \(256: the bytes tokenizer"):
+        bundle = fineweb.build(root=str(out), seq_len=8, val_tokens=16, vocab_size=50257, warn=True)
+    assert "set dataset.vocab_size=256" in bundle.notes[0]
     assert bytes(bundle.val[0][0].numpy().astype(np.uint8)) == expected[:8]
+    near = fineweb.build(root=str(out), seq_len=8, val_tokens=16, vocab_size=300)
+    assert near.notes == (f"shards in {out} use the bytes tokenizer (256 ids); dataset.vocab_size=300 leaves 44 "
+                          "embedding rows unused",)
+
+
+def test_val_split_defaults_to_what_the_val_shards_hold_capped_by_val_tokens(shards: Path) -> None:
+    capped = fineweb.build(root=str(shards), seq_len=8, val_tokens=40, vocab_size=1100)
+    assert len(capped.val) == 5 and capped.notes == ()  # 40 // 8 windows of the 11 the val shard holds
+    whole = fineweb.build(root=str(shards), seq_len=8, val_tokens=400, vocab_size=1100)
+    assert len(whole.val) == 11  # 100 tokens // 9 = 11 windows, fewer than 400 // 8 = 50
+    assert whole.notes == ("validation: all 11 windows of the val shards (88 target tokens), fewer than "
+                           "dataset.val_tokens=400 would allow (50 windows)",)
+
+
+def test_vocab_size_is_checked_against_the_largest_token_id(shards: Path) -> None:
+    # No tokenizer.json: what the data needs is the largest id of the 5 val windows used (1044) + 1.
+    with pytest.raises(ValueError, match=r"dataset\.vocab_size=1044 is too small: .* hold token id 1044; set "
+                                         r"dataset\.vocab_size to at least 1045"):
+        fineweb.build(root=str(shards), seq_len=8, val_tokens=40, vocab_size=1044)
+    with pytest.warns(UserWarning, match=r"dataset\.vocab_size=50257 is 48x what the data needs \(1045: the largest "
+                                         r"token id of the val windows is 1044"):
+        fineweb.preflight(root=str(shards), seq_len=8, val_tokens=40, vocab_size=50257)
+    assert fineweb.build(root=str(shards), seq_len=8, val_tokens=40, vocab_size=2089).notes == ()
+    # A training id beyond the range fails where it is read (memory-mapped) or loaded (in memory), named.
+    write_llmc_shard(shards / "fineweb_train_000003.bin", np.arange(18) + 1990)
+    lazy = fineweb.build(root=str(shards), seq_len=8, val_tokens=40, vocab_size=1100, in_memory=False)
+    assert len(lazy.train) == 10 and lazy.train[7][0][0] == 518  # windows of the first shards read as before
+    with pytest.raises(ShardError, match=r"000003\.bin holds token id 1998, but dataset\.vocab_size=1100 only has ids "
+                                         r"< 1100; set dataset\.vocab_size to at least 1999"):
+        lazy.train[8]
+    with pytest.raises(ShardError, match=r"000003\.bin holds token id 2007, but dataset\.vocab_size=1100"):
+        fineweb.build(root=str(shards), seq_len=8, val_tokens=40, vocab_size=1100, in_memory=True)
 
 
 def test_prepare_text_auto_falls_back_to_bytes_offline_or_uses_gpt2(tmp_path: Path) -> None:

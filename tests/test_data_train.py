@@ -39,6 +39,7 @@ def test_llama_tiny_trains_on_shards_with_ddp(tmp_path: Path) -> None:
               "dataset.seq_len=32", "dataset.val_tokens=512", "optim=adamw")
     assert s["world_size"] == 2 and s["steps"] == 4 and math.isfinite(s["final"]["eval_loss"])
     assert s["final"]["eval_accuracy"] is None
+    assert s["data"]["val_samples"] == 16 and s["data"]["val_tokens"] == 512  # 512 // 32 of the 60 windows held
 
 
 @pytest.mark.dist

@@ -60,13 +60,29 @@ def make_report(*, sweep_dir: Path, out_dir: Path | None = None, exclude: tuple[
     return Report(sweep_dir=sweep_dir, out_dir=out_dir, runs=runs, tables=tables, markdown=markdown, files=files)
 
 
+def print_comparison(report: Report) -> list[Path]:
+    """Write the comparison table and the plots next to ``report``'s files; print the table and every path."""
+    from sdp.report.compare import plot_title, write_comparison
+
+    comp = write_comparison(tables=report.tables, out_dir=report.out_dir,
+                            title=plot_title(report.tables, fallback=report.sweep_dir.name))
+    print(comp.markdown, flush=True)
+    print(f"comparison: {comp.files[0]}\nfull report: {report.out_dir / 'report.md'} (tables as md + csv: "
+          f"{', '.join(f.name for f in report.files if f.name != 'report.md')})\n"
+          f"plots: {', '.join(str(f) for f in comp.files[1:]) or 'none'}\nrebuild: sdp-report {report.sweep_dir} --compare",
+          flush=True)
+    return comp.files
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``sdp-report SWEEP_DIR [--out DIR] [--exclude PATTERN ...]``: print the tables, write md + csv."""
+    """``sdp-report SWEEP_DIR [--out DIR] [--exclude PATTERN ...] [--compare]``: print the tables, write md + csv."""
     parser = argparse.ArgumentParser(prog="sdp-report", description=main.__doc__)
     parser.add_argument("sweep_dir", type=Path, help="a multirun directory (or one run directory)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: SWEEP_DIR/report)")
     parser.add_argument("--exclude", nargs="*", default=None,
                         help=f"config keys (fnmatch patterns) never used to group runs; default {' '.join(DEFAULT_EXCLUDE)}")
+    parser.add_argument("--compare", action="store_true",
+                        help="print one table of ratios to DDP instead (and write it with the plots): what sdp-train's default job prints")
     args = parser.parse_args(argv)
     exclude = tuple(args.exclude) if args.exclude is not None else DEFAULT_EXCLUDE
     try:
@@ -74,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"sdp-report: {exc}", file=sys.stderr)
         return 2
+    if args.compare:
+        print_comparison(report)
+        return 0
     print(report.markdown)
     print(f"written: {', '.join(str(f) for f in report.files)}")
     return 0

@@ -1,7 +1,9 @@
 """Hydra callback: at the end of every multirun, build the sweep's tables and print them.
 
 Registered in ``conf/config.yaml`` under ``hydra.callbacks.report``. Single runs are untouched (only
-the multirun hooks are implemented). When a job fails, Hydra's sweeper raises before
+the multirun hooks are implemented). With ``compare: true`` (``experiment=compare``, the default job
+of ``sdp-train``) it prints one table of ratios to DDP instead (:mod:`sdp.report.compare`), writes it
+and the plots next to the full report, and prints where each file is. When a job fails, Hydra's sweeper raises before
 ``on_multirun_end``; the tables are then built at interpreter exit instead, so the failed run is
 reported in them rather than the whole table being lost. With W&B on (``logger.wandb.mode`` online or
 offline) each table is also logged as a ``wandb.Table`` in the sweep's W&B group: best effort, a W&B
@@ -21,9 +23,10 @@ from omegaconf import DictConfig
 
 
 class ReportCallback(Callback):
-    def __init__(self, *, out: str | None = None, print_tables: bool = True) -> None:
+    def __init__(self, *, out: str | None = None, print_tables: bool = True, compare: bool = False) -> None:
         self.out = out
         self.print_tables = print_tables
+        self.compare = compare
         self._sweep_dir: Path | None = None
         self._done = False
 
@@ -51,7 +54,14 @@ class ReportCallback(Callback):
         except Exception as exc:  # noqa: BLE001 - a report problem must not turn finished runs into a failure
             warnings.warn(f"sdp-report could not build the tables of {sweep_dir}: {type(exc).__name__}: {exc}")
             return None
-        if self.print_tables:
+        if self.compare:
+            from sdp.report.build import print_comparison
+
+            try:
+                print_comparison(report)
+            except Exception as exc:  # noqa: BLE001 - as above
+                warnings.warn(f"sdp-report could not build the comparison of {sweep_dir}: {type(exc).__name__}: {exc}")
+        elif self.print_tables:
             print(report.markdown, flush=True)
             print(f"tables written to {report.out_dir} (rebuild: sdp-report {sweep_dir})", flush=True)
         return report

@@ -33,6 +33,7 @@ COLUMNS = (
     Column("eval_loss_workers", "workers' own eval loss", "stat", 4),
     Column("assembly_gap", "assembly gap", "stat", 4),
     Column("state_mem_x_ddp", "model-state mem ×DDP", "ratio", 3),
+    Column("train_peak_mem_x_ddp", "train peak mem ×DDP", "ratio", 3),
     Column("peak_mem_x_ddp", "peak mem ×DDP", "ratio", 3),
     Column("comm_x_ddp", "comm bytes/step ×DDP", "ratio", 3),
     Column("step_time_x_ddp", "step time ×DDP", "ratio", 3),
@@ -91,12 +92,14 @@ def _coverage(row: Row) -> str:
     return "" if row.coverage is None else f"{row.coverage:g}"
 
 
-def layout(table: Table) -> tuple[list[str], list[list[str]]]:
-    """Header and string cells of the markdown table (empty columns dropped)."""
-    cols: list[tuple[str, Callable[[Row], str]]] = [("method", lambda r: r.method), ("C", _coverage)]
+def layout(table: Table, *, columns: tuple[Column, ...] = COLUMNS,
+           after_coverage: tuple[tuple[str, Callable[[Row], str]], ...] = ()) -> tuple[list[str], list[list[str]]]:
+    """Header and string cells of the markdown table (empty columns dropped): method, C, the
+    ``after_coverage`` columns, the row keys, n, then ``columns`` (each with its paper column, if any)."""
+    cols: list[tuple[str, Callable[[Row], str]]] = [("method", lambda r: r.method), ("C", _coverage), *after_coverage]
     cols += [(k.split(".")[-1] if k.count(".") else k, (lambda r, k=k: str(r.keys.get(k, "")))) for k in table.extra_keys]
     cols.append(("n", _n))
-    for col in COLUMNS:
+    for col in columns:
         cols.append((col.header, lambda r, col=col: _cell(r, col)))
         if any(col.key in r.paper for r in table.rows):
             cols.append((f"paper {col.header}", lambda r, col=col: _num(r.paper.get(col.key), col.digits)))
@@ -110,10 +113,15 @@ def layout(table: Table) -> tuple[list[str], list[list[str]]]:
     return [cols[i][0] for i in keep], [[c[i] for i in keep] for c in cells]
 
 
+def markdown_grid(header: list[str], cells: list[list[str]]) -> list[str]:
+    """A markdown table's lines (a ``|`` inside a cell becomes ``/``)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
+
+
 def to_markdown(table: Table) -> str:
     header, cells = layout(table)
-    lines = [f"### {table.title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
+    lines = [f"### {table.title}", "", *markdown_grid(header, cells)]
     notes = table.notes + table.paper_notes
     if notes:
         lines += [""] + [f"- {n}" for n in notes]

@@ -136,6 +136,8 @@ def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
         "assembly_gap": final.get("assembly_gap"),
         "model_state_bytes": float(max(state)) if state else None,
         "model_state_mean_bytes": _mean(state),  # the fullest rank's floor under any assignment
+        # Peak memory of the training steps per rank (memory.per_rank[].train_peak_bytes), where the run records it.
+        "train_peak_bytes": _max_over_ranks(mem, "train_peak_bytes"),
         "peak_bytes": cuda_peak if cuda_peak is not None else _max_over_ranks(mem, "peak_rss_delta_bytes"),
         "peak_kind": "cuda_max_allocated" if cuda_peak is not None else "peak_rss_delta",
         "comm_bytes_per_step": _max_over_ranks(comm, "bytes_per_step"),

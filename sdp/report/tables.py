@@ -32,9 +32,10 @@ SDP_LABELS = {("block", "forward"): "B-SDP", ("block", "backward"): "B_β-SDP",
               ("neuron", "forward"): "N-SDP", ("neuron", "backward"): "N_β-SDP"}
 OTHER_LABELS = {"ddp": "DDP", "fsdp": "FSDP", "pipeline": "Pipeline", "ddp_ac": "DDP+AC",
                 "ddp_stochastic_depth": "DDP+StochDepth", "ddp_layerdrop": "DDP+LayerDrop"}
-AGGREGATED = ("eval_accuracy", "eval_loss", "eval_loss_workers", "assembly_gap", "train_loss", "model_state_bytes", "peak_bytes",
+AGGREGATED = ("eval_accuracy", "eval_loss", "eval_loss_workers", "assembly_gap", "train_loss", "model_state_bytes",
+              "train_peak_bytes", "peak_bytes",
               "comm_bytes_per_step", "step_s", "samples_per_s", "straggler_spread", "steps", "total_flops")
-RATIOS = {"model_state_bytes": "state_mem_x_ddp", "peak_bytes": "peak_mem_x_ddp",
+RATIOS = {"model_state_bytes": "state_mem_x_ddp", "train_peak_bytes": "train_peak_mem_x_ddp", "peak_bytes": "peak_mem_x_ddp",
           "comm_bytes_per_step": "comm_x_ddp", "step_s": "step_time_x_ddp", "total_flops": "flops_x_ddp"}
 
 
