@@ -72,6 +72,7 @@ def validate_train(cfg: DictConfig) -> None:
         positive_int(f"train.{key}", tc[key], minimum=0)
     one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
     boolean("train.deterministic", tc.deterministic)
+    boolean("train.extend_steps", tc.get("extend_steps", False))
     if tc.resume is not None and str(tc.resume) != "auto":
         checkpoint.resolve(resume=tc.resume, run_dir=None)  # raises ConfigError naming the path
     dbg = tc.debug

@@ -87,6 +87,8 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     cfg.train.steps, budget = resolve_steps(cfg)
     driver = not external_launcher() or os.environ.get("RANK") == "0"
     ckpt = checkpoint.resolve(resume=cfg.train.resume, run_dir=run_dir)
+    if ckpt is not None:
+        checkpoint.check_schedule(ckpt=ckpt, cfg=cfg)  # a changed LR schedule is refused, naming the key
     cfg.train.resume = str(ckpt) if ckpt is not None else None  # ranks load exactly this directory
     if ckpt is not None and driver:
         step = checkpoint.prepare_run_dir(ckpt=ckpt, run_dir=run_dir)

@@ -159,7 +159,7 @@ class Trainer:
                     if self.run_dir is not None and ckpt_every > 0 and (n % ckpt_every == 0 or n == steps):
                         checkpoint.save(run_dir=self.run_dir, step=n, strategy=self.strategy, scheduler=self.scheduler,
                                         train_state=asdict(self.state), data_key=self.data_key(),
-                                        keep=int(tc.checkpoint_keep))
+                                        keep=int(tc.checkpoint_keep), schedule=checkpoint.schedule_key(self.cfg))
         finally:
             bar.close()
         return self.state
