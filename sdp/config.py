@@ -4,7 +4,8 @@ Why up front: a typo must cost seconds, not a cluster allocation. Every error na
 value and what is allowed (torchtitan's ``ParallelDims`` validation is the model). Unknown group
 options (``model=nope``) are refused by Hydra itself, listing the options; everything else is here:
 names and importable ``_target_``\ s, dataset paths, sizes and rates, the cluster, the reliability keys
-(``train.resume`` must resolve, ``train.debug`` must name a rank and step of the job), and last each
+(``train.resume`` must resolve, ``train.debug`` must name a rank and step of the job), then one build
+of the data index, the model (meta device) and the optimizer (:mod:`sdp.preflight`), and last each
 strategy's own ``validate``. ``tests/test_validation.py`` holds the catalogue of bad inputs.
 """
 
@@ -140,4 +141,7 @@ def validate(cfg: DictConfig) -> None:
     positive_int("optim.warmup_steps", cfg.optim.warmup_steps, minimum=0)
     one_of("logger.wandb.mode", cfg.logger.wandb.mode, ("online", "offline", "disabled"))
     positive_float("logger.wandb.init_timeout_s", cfg.logger.wandb.init_timeout_s)
+    from sdp.preflight import build_once
+
+    build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on, named here
     validate_strategy(cfg)
