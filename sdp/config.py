@@ -74,6 +74,7 @@ def validate_train(cfg: DictConfig) -> None:
     one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
     boolean("train.deterministic", tc.deterministic)
     boolean("train.extend_steps", tc.get("extend_steps", False))
+    boolean("train.skip_done", tc.get("skip_done", False))
     if tc.resume is not None and str(tc.resume) != "auto":
         checkpoint.resolve(resume=tc.resume, run_dir=None)  # raises ConfigError naming the path
     dbg = tc.debug

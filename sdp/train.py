@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sdp import checkpoint, results
+from sdp import checkpoint, results, sweep
 from sdp.budget import resolve_steps
 from sdp.config import validate
 from sdp.launch import RankFailure, external_launcher, launch
@@ -86,6 +86,16 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     validate(cfg)
     cfg.train.steps, budget = resolve_steps(cfg)
     driver = not external_launcher() or os.environ.get("RANK") == "0"
+    if cfg.train.get("skip_done"):
+        plan, done = sweep.job_plan(cfg=cfg, run_dir=run_dir)  # refuses a directory holding another config
+        if plan == "skip":
+            if driver:
+                print(f"skip_done: {run_dir} is complete (summary.json, same config): skipped", flush=True)
+            return done if driver else None
+        if cfg.train.resume is None:
+            cfg.train.resume = "auto"  # a job with a checkpoint continues from it
+        if plan == "start" and driver and (removed := sweep.clear_leftovers(run_dir)):
+            print(f"skip_done: {run_dir} has no checkpoint: starting afresh (cleared {', '.join(removed)})", flush=True)
     ckpt = checkpoint.resolve(resume=cfg.train.resume, run_dir=run_dir)
     if ckpt is not None:
         checkpoint.check_schedule(ckpt=ckpt, cfg=cfg)  # a changed LR schedule is refused, naming the key

@@ -34,7 +34,7 @@ def six(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("optim.optimizer.lr=0.1", "optim.optimizer.lr=0.1", "optim.optimizer.lr=0.05"),
     ("optim.schedule=linear", "optim.schedule='linear'", "optim.schedule='cosine'"),
     ("optim.warmup_steps=2", "optim.warmup_steps=2", "optim.warmup_steps=0"),
-])
+], ids=["steps", "peak-lr", "schedule", "warmup"])
 def test_changed_schedule_is_refused_naming_the_key(six: Path, tmp_path: Path, override: str, key: str, then: str) -> None:
     job = run_train(tmp_path / "r", *BASE, "train.steps=6", override, f"train.resume={six}", check=False)
     assert job.proc.returncode != 0, "a resume with a changed schedule must fail"

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdp.report.runs import Run, run_figures
+from sdp.results import RUN_CONTROL_KEYS
 
-DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir")
+DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir",
+                   *(p for key in RUN_CONTROL_KEYS for p in (key, f"{key}.*")))
 METHOD_KEYS = ("parallelism.*", "train.steps")
 COVERAGE_KEYS = ("parallelism.coverage", "parallelism.survival_prob")  # what the C column shows
 TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
