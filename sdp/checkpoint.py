@@ -149,8 +149,10 @@ def save(
     torch.save({"local": state.get("local", {}), "rng": rng.capture()}, tmp / f"rank{ctx.rank:05d}.pt")
     _barrier(ctx.world_size)
     if ctx.rank == 0:
+        from sdp.loggers import stored_run_id
+
         meta = {"step": step, "world_size": ctx.world_size, "strategy": strategy.name, "data_key": data_key,
-                "schedule": schedule}
+                "schedule": schedule, "wandb_run_id": stored_run_id(run_dir)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

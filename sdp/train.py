@@ -24,6 +24,7 @@ from sdp import checkpoint, results, sweep
 from sdp.budget import resolve_steps
 from sdp.config import validate
 from sdp.launch import RankFailure, external_launcher, launch
+from sdp.loggers import wandb_run_id
 from sdp.slurm import slurm_environment
 
 # A per-process unique token for run directories: two jobs started in the same second never share
@@ -105,6 +106,8 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         print(f"resuming from {ckpt} (step {step}); metrics.jsonl holds steps <= {step}", flush=True)
     if driver:
         results.write_config(cfg=cfg, run_dir=run_dir)
+        if str(cfg.logger.wandb.mode) != "disabled":
+            wandb_run_id(run_dir=run_dir, ckpt=ckpt)  # one W&B run per job, across resumes and requeues
     started = time.time()
     try:
         summary = launch(cfg=cfg, run_dir=run_dir, budget=budget)
