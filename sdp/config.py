@@ -123,8 +123,11 @@ def validate(cfg: DictConfig) -> None:
         import os
 
         env_world = int(os.environ["WORLD_SIZE"])
+        from sdp.launch import seen_env
+
         require(env_world == cl.world_size, "cluster.world_size", cl.world_size,
-                f"the external launcher started WORLD_SIZE={env_world} ranks; set cluster.world_size={env_world}")
+                f"the external launcher started a world of WORLD_SIZE={env_world} ranks (variables seen: {seen_env()}); "
+                f"set cluster.world_size={env_world}, or fix the launch (every node must join one rendezvous)")
     if cl.device == "cuda":
         import torch
 
