@@ -13,11 +13,37 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names key, value and what is allowed."""
+
+
+# Keys that moved: a config or command line that still sets one fails naming the new key (Hydra's own
+# "not in struct" message for a plain override would not say where the setting went).
+RENAMED = {
+    "parallelism.bn": "eval.bn (one evaluation protocol for every strategy)",
+    "parallelism.bn_batches": "eval.bn_batches (one evaluation protocol for every strategy)",
+}
+
+
+def renamed_overrides(overrides: Iterable[str]) -> str | None:
+    """The error for the first command-line override (``key=value``, ``+key=``, ``~key``) of a moved key."""
+    for item in overrides:
+        key = item.lstrip("+~").split("=", 1)[0]
+        if key in RENAMED:
+            return f"{key} is no longer a key: it moved to {RENAMED[key]}; override that instead ({item!r} given)"
+    return None
+
+
+def check_renamed(cfg: DictConfig) -> None:
+    """A composed config (an experiment or preset YAML) that still sets a moved key."""
+    for old, new in RENAMED.items():
+        node, _, leaf = old.rpartition(".")
+        parent = OmegaConf.select(cfg, node) if node else cfg
+        if isinstance(parent, DictConfig) and leaf in parent:
+            raise ConfigError(f"{old}={parent[leaf]!r} is invalid: the key moved to {new}")
 
 
 def fail(key: str, value: Any, allowed: str) -> None:
@@ -139,6 +165,10 @@ def validate(cfg: DictConfig) -> None:
     if cl.device == "cpu":
         require(cl.backend != "nccl", "cluster.backend", cl.backend, "NCCL needs cluster.device=cuda; use gloo or auto on CPU")
     validate_train(cfg)
+    check_renamed(cfg)
+    from sdp.evaluation import validate_eval
+
+    validate_eval(cfg)
     positive_int("seed", cfg.seed, minimum=0)
     positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)
     one_of("optim.schedule", cfg.optim.schedule, ("constant", "cosine", "linear"))

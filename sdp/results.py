@@ -68,12 +68,24 @@ def git_commit() -> str | None:
         return None
 
 
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit (a run "at commit X" then ran other code)."""
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                             capture_output=True, text=True, timeout=5)
+        return bool(out.stdout.strip()) if out.returncode == 0 else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def versions() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "sdp": sdp.__version__,
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
         "cuda": torch.version.cuda,
     }
 

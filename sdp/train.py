@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdp import checkpoint, results, sweep
 from sdp.budget import resolve_steps
-from sdp.config import validate
+from sdp.config import renamed_overrides, validate
 from sdp.launch import RankFailure, external_launcher, launch
 from sdp.loggers import wandb_run_id
 from sdp.slurm import slurm_environment
@@ -132,6 +132,11 @@ def _hydra_main(cfg: DictConfig) -> Any:
 
 
 def main() -> None:
+    import sys
+
+    stale = renamed_overrides(sys.argv[1:])  # before Hydra, whose struct error would not name the new key
+    if stale is not None:
+        sys.exit(f"sdp-train: {stale}")
     _hydra_main()
 
 

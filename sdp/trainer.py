@@ -11,15 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
-from sdp import checkpoint, guards
-from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches, val_batches
+from sdp import checkpoint, evaluation, guards
+from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches
 from sdp.faults import Faults
 from sdp.loggers import Logger, ProgressBar
 from sdp.metrics.activations import measure_saved_tensors
@@ -185,31 +185,47 @@ class Trainer:
         return result
 
     # ---- evaluation -----------------------------------------------------------------------------
+    def recent_inputs(self, count: int) -> Iterator[torch.Tensor]:
+        """This rank's inputs of the last ``count`` training steps (``eval.bn=reestimate``), regenerated
+        from the step-indexed sampler: the same batches for every strategy, and nothing to checkpoint."""
+        stop = self.state.step
+        for x, _ in train_batches(self.data, sampler=self.sampler, start=max(0, stop - count), stop=stop,
+                                  replica=self.replica, replicas=self.replicas, num_workers=int(self.cfg.train.num_workers)):
+            yield x.to(self.ctx.device)
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Full model on the whole validation set, sharded over ranks, summed over the world."""
-        tc = self.cfg.train
-        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss sum, correct, count
-        classify = self.data.task == "classification"
-        with self.strategy.eval_module() as model:
-            for x, y in val_batches(
-                self.data, rank=self.ctx.rank, world_size=self.ctx.world_size,
-                batch_size=int(tc.eval_batch_size), num_workers=int(tc.num_workers),
-            ):
-                x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-                out = model(x)
-                n = y.numel()
-                totals[0] += float(loss_fn(out, y)) * n
-                if classify:
-                    totals[1] += float((out.argmax(-1) == y).sum())
-                totals[2] += n
-        if self.ctx.world_size > 1:
+        """Full model on the whole validation set, sharded over ranks, summed over the world, under the
+        one evaluation protocol of every strategy (:mod:`sdp.evaluation`); with ``eval.subnetworks``
+        also every worker's own subnetwork, where the strategy has one, on the whole set."""
+        ec, ctx = self.cfg.eval, self.ctx
+        bn, n_bn = str(ec.bn), int(ec.bn_batches)
+        with self.strategy.eval_module() as full, evaluation.applied(
+            full, bn=bn, batches=self.recent_inputs(n_bn), ctx=ctx
+        ) as model:
+            totals = self._val_totals(model, rank=ctx.rank, world_size=ctx.world_size)
+        if ctx.world_size > 1:
             dist.all_reduce(totals)
-        row = {
-            "step": self.state.step,
-            "eval_loss": float(totals[0] / totals[2]),
-            "eval_accuracy": float(totals[1] / totals[2]) if classify else None,
-        }
+        classify = self.data.task == "classification"
+        row: dict[str, Any] = {"step": self.state.step, "eval_loss": float(totals[0] / totals[2]),
+                               "eval_accuracy": float(totals[1] / totals[2]) if classify else None}
+        if bool(ec.subnetworks):
+            with self.strategy.subnetwork_module() as own:
+                if own is not None:  # the same answer on every rank: the strategy decides
+                    with evaluation.applied(own, bn=bn, batches=self.recent_inputs(n_bn), ctx=ctx, average=False) as m:
+                        mine = self._val_totals(m, rank=0, world_size=1)
+                    means = torch.stack([mine[0] / mine[2], mine[1] / mine[2]])
+                    if ctx.world_size > 1:
+                        dist.all_reduce(means)
+                    means /= ctx.world_size
+                    row["eval_loss_workers"] = float(means[0])
+                    row["eval_accuracy_workers"] = float(means[1]) if classify else None
+                    row["assembly_gap"] = row["eval_loss"] - row["eval_loss_workers"]
         self.state.last_eval = row
         self.logger.log(row)
         return row
+
+    def _val_totals(self, model: Any, *, rank: int, world_size: int) -> torch.Tensor:
+        return evaluation.val_totals(model, data=self.data, rank=rank, world_size=world_size,
+                                     batch_size=int(self.cfg.train.eval_batch_size),
+                                     num_workers=int(self.cfg.train.num_workers), device=self.ctx.device)

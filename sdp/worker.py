@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from sdp import results, rng
+from sdp import evaluation, results, rng
 from sdp.data.base import DataBundle
 from sdp.launch import format_layout, launcher_identity, nodes_of, world_layout
 from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
@@ -189,7 +189,12 @@ def collect_summary(
             "train_loss": state.last_loss,
             "eval_loss": state.last_eval.get("eval_loss"),
             "eval_accuracy": state.last_eval.get("eval_accuracy"),
+            # eval.subnetworks (forward-masked SDP): each worker's own subnetwork, mean over workers
+            "eval_loss_workers": state.last_eval.get("eval_loss_workers"),
+            "eval_accuracy_workers": state.last_eval.get("eval_accuracy_workers"),
+            "assembly_gap": state.last_eval.get("assembly_gap"),
         },
+        "eval_protocol": evaluation.protocol(cfg),  # how final.eval_* were obtained (sdp.evaluation)
         "memory": {"per_rank": [g["memory"] for g in gathered]},
         "comm": {"per_rank": [g["comm"] for g in gathered]},
         "time": {

@@ -80,6 +80,10 @@ CATALOGUE = [
     Bad("optimizer-unknown-argument", ["+optim.optimizer.foo=1"], ["optim.optimizer (torch.optim.SGD)", "unexpected keyword argument 'foo'"]),
     Bad("global-batch-above-dataset", ["train.batch_size=2000"], ["train (the global-batch sampler over the data index) cannot be built", "global batch 4000", "1438 training samples"]),
     # Strategy-specific (each strategy's validate classmethod).
+    # The evaluation protocol (one for every strategy) and the keys it replaced.
+    Bad("eval-bn-unknown", ["eval.bn=running"], ["eval.bn='running'", "reestimate, average"]),
+    Bad("eval-bn-batches-zero", ["eval.bn_batches=0"], ["eval.bn_batches=0", "integer >= 1"]),
+    Bad("stale-parallelism-bn", ["parallelism=sdp", "+parallelism.bn=average"], ["parallelism.bn='average'", "moved to eval.bn"]),
     Bad("sdp-coverage-zero", ["parallelism=sdp", "parallelism.coverage=0"], ["parallelism.coverage", "0"]),
     Bad("sdp-coverage-above-one", ["parallelism=sdp", "parallelism.coverage=1.5"], ["parallelism.coverage", "1.5"]),
     Bad("sdp-balance-negative", ["parallelism=sdp", "parallelism.balance.flops=-1"], ["parallelism.balance.flops", "-1", ">= 0"]),
@@ -162,3 +166,14 @@ def test_bad_model_value_fails_in_the_driver_in_one_line(tmp_path: Path) -> None
     assert line is not None and "model (sdp.models.mlp.MLP) cannot be built" in line and "5 logits" in line, job.output[-3000:]
     assert "ChildFailedError" not in job.output and "IndexError" not in job.output, job.output[-3000:]
     assert not (tmp_path / "run" / "rank_logs").exists(), "no rank may start"
+
+
+def test_stale_override_on_the_command_line_names_the_new_key() -> None:
+    """``sdp-train parallelism.bn=average`` (no ``+``) would otherwise die in Hydra's struct check,
+    which does not say where the setting went; ``sdp.train.main`` asks this first."""
+    from sdp.config import renamed_overrides
+
+    assert renamed_overrides(["model=mlp", "train.steps=3"]) is None
+    for given in ("parallelism.bn=average", "+parallelism.bn=reestimate", "~parallelism.bn_batches"):
+        message = renamed_overrides(["model=mlp", given])
+        assert message is not None and "moved to eval.bn" in message and repr(given) in message, message

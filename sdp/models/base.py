@@ -61,6 +61,11 @@ class ResidualBlock(nn.Module):
     block). ``hidden_dims()`` and ``shared_submodules()`` declare the block to SDP.
     """
 
+    # True when the residual branch ends in a normalisation layer (ResNet's last BatchNorm), so the
+    # branch's output magnitude does not grow with the number of hidden units summed into it once the
+    # norm's statistics describe the evaluated model; SDP's ``rescale=auto`` reads it (neuron level).
+    normalised_branch: bool = False
+
     def __init__(self) -> None:
         super().__init__()
         self.active: bool = True

@@ -34,6 +34,7 @@ class ShortcutBlock(ResidualBlock):
     """relu(shortcut(x) + scale * residual(x)); the shortcut is identity or a shared 1x1 projection."""
 
     shortcut: nn.Module | None
+    normalised_branch = True  # the branch ends in bn2 (BasicBlock) / bn3 (Bottleneck)
 
     def _make_shortcut(self, *, in_ch: int, out_ch: int, stride: int) -> None:
         self.shortcut = None

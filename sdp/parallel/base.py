@@ -95,7 +95,9 @@ class Strategy(ABC):
     @contextmanager
     def eval_module(self) -> Iterator[nn.Module]:
         """The full model to evaluate, identical on every rank (default: the wrapped model with its
-        buffers averaged over the world, so BatchNorm statistics agree)."""
+        buffers averaged over the world, so BatchNorm statistics agree). A strategy yields its model
+        with the statistics training accumulated, averaged over the ranks that ran each layer; the
+        trainer then applies the one evaluation protocol of every strategy (:mod:`sdp.evaluation`)."""
         model = self.unwrapped()
         prev = self.ctx.comm.phase
         self.ctx.comm.phase = "eval"
@@ -108,6 +110,12 @@ class Strategy(ABC):
             yield model
         finally:
             model.train()
+
+    @contextmanager
+    def subnetwork_module(self) -> Iterator[nn.Module | None]:
+        """This worker's own trained model when workers train different models (``eval.subnetworks``:
+        the assembly gap), else None. Default None: every worker trains the full model."""
+        yield None
 
     def unwrapped(self) -> nn.Module:
         assert self.module is not None, f"strategy {self.name!r} used before setup()"

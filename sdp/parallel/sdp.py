@@ -2,7 +2,8 @@
 
 Wiring: :mod:`sdp.subnet.plan` says who holds which unit, :mod:`sdp.subnet.masking` turns the
 full model into this worker's subnetwork, :mod:`sdp.subnet.sync` averages gradients over holder
-sets, :mod:`sdp.subnet.assemble` rebuilds the full model for evaluation and re-draws.
+sets, :mod:`sdp.subnet.assemble` rebuilds the full model for evaluation and re-draws,
+:mod:`sdp.subnet.carry` carries each unit's optimizer state to its new holders at a re-draw.
 
 The worker builds the full model identically on every rank on the CPU (seeded) and passes it to
 ``setup``; masking prunes it there, *before* anything moves to the device, so under forward masking
@@ -27,12 +28,30 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
 from sdp.subnet import masking as M
-from sdp.subnet.assemble import assemble, reestimate_bn, set_branch_scales, tensor_map
+from sdp.subnet.assemble import assemble, set_branch_scales, tensor_map
+from sdp.subnet.carry import carry_state
 from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError, build_plan
 from sdp.subnet.sync import GroupSet, OwnerSetSync
 
 
 BALANCE_KEYS = ("params", "flops", "activations")
+RESCALES = ("auto", "none", "eval", "train")
+
+
+def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
+    """``parallelism.rescale`` with ``auto`` resolved (see conf/parallelism/sdp.yaml): ``none`` under
+    backward masking; ``none`` at neuron level when every unit's branch ends in a normalisation layer
+    and the protocol re-estimates it on the assembled model (the norm then restores the widened
+    branch's trained magnitude, so k/n would shrink it: measured, benchmarks/eval_protocols.py);
+    ``eval`` otherwise (block level: a dropped branch contributes nothing, stochastic-depth rule)."""
+    if cfg.rescale != "auto":
+        return str(cfg.rescale)
+    if cfg.masking == "backward":
+        return "none"
+    units = [block for _, block in model.sdp_units()]
+    if cfg.level == "neuron" and eval_bn == "reestimate" and units and all(b.normalised_branch for b in units):
+        return "none"
+    return "eval"
 
 
 def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0) -> Plan:
@@ -61,11 +80,9 @@ class SDPStrategy(Strategy):
         one_of("parallelism.refresh", cfg.refresh, ("holders", "global"))
         require(cfg.masking == "backward" or cfg.refresh == "holders", "parallelism.refresh", cfg.refresh,
                 "global refresh exists only for masking=backward (forward masking keeps no non-held values)")
-        one_of("parallelism.rescale", cfg.rescale, ("none", "eval", "train"))
-        require(cfg.masking == "forward" or cfg.rescale == "none", "parallelism.rescale", cfg.rescale,
-                "backward masking runs the full model in every forward, so only none is meaningful")
-        one_of("parallelism.bn", cfg.bn, ("average", "reestimate"))
-        positive_int("parallelism.bn_batches", cfg.bn_batches)
+        one_of("parallelism.rescale", cfg.rescale, RESCALES)
+        require(cfg.masking == "forward" or cfg.rescale in ("none", "auto"), "parallelism.rescale", cfg.rescale,
+                "backward masking runs the full model in every forward, so only none (or auto) is meaningful")
         require(isinstance(cfg.drop_downsample, bool), "parallelism.drop_downsample", cfg.drop_downsample, "true or false")
         positive_float("parallelism.bucket_cap_mb", cfg.bucket_cap_mb)
         positive_int("parallelism.plan_seed", cfg.plan_seed, minimum=0)
@@ -95,7 +112,7 @@ class SDPStrategy(Strategy):
         self.groups: GroupSet | None = None
         self.redraws = 0
         self.eval_copy_bytes = 0
-        self.bn_cache: list[torch.Tensor] = []
+        self.rescale = resolve_rescale(cfg=cfg, eval_bn=str(self.full_cfg.eval.bn), model=model)
         self._mask(model, plan=plan_for(model=model, cfg=cfg, world_size=ctx.world_size))
         self.optimizer = optimizer_factory(self._trainable())
 
@@ -105,7 +122,7 @@ class SDPStrategy(Strategy):
         self.plan = plan
         self.pieces = M.pieces(model, plan)
         self.layout = M.apply(model, plan, rank=ctx.rank, masking=self.mode, all_pieces=self.pieces)
-        if self.cfg.rescale == "train":
+        if self.rescale == "train":
             for b in {u.block for u in plan.units}:
                 block = model.blocks[b]
                 run = [u for u in range(len(plan.units)) if plan.units[u].block == b and ctx.rank in plan.holders[u]]
@@ -153,25 +170,26 @@ class SDPStrategy(Strategy):
         if self.mode == "backward":
             with timer.phase("comm"):
                 self.sync.refresh()
-        if self.cfg.bn == "reestimate":
-            self.bn_cache = (self.bn_cache + [inputs.detach()])[-int(self.cfg.bn_batches):]
         return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
 
     def _redraw(self, *, draw: int) -> None:
-        """Re-draw the plan (ResIST style): assemble the full model, prune it to the new plan, and
-        keep optimizer state for tensors this rank held before and holds identically now."""
+        """Re-draw the plan (ResIST style): assemble the full model, prune it to the new plan, and carry
+        every piece's optimizer state from its old holders to its new ones (:mod:`sdp.subnet.carry`), so
+        all holders of a unit keep bit-identical parameters and state. Traffic: comm phase "resample"."""
         assert self.optimizer is not None
-        old = {name: (loc.held, loc.held_groups) for name, loc in self.layout.items() if loc.held is not None}
-        full = self._assemble()
-        self._mask(full, plan=plan_for(model=full, cfg=self.cfg, world_size=self.ctx.world_size, draw=draw))
-        params = self._trainable()
-        state = self.optimizer.state
-        for name, loc in self.layout.items():
-            prev = old.get(name)
-            if prev is not None and prev[0] in state and loc.held is not None and prev[1] == loc.held_groups:
-                state[loc.held] = state.pop(prev[0])
-        for stale in [p for p in state if all(p is not q for q in params)]:
-            del state[stale]
+        prev, self.ctx.comm.phase = self.ctx.comm.phase, "resample"
+        try:
+            old_pieces, old_layout = self.pieces, self.layout
+            full = self._assemble()
+            self._mask(full, plan=plan_for(model=full, cfg=self.cfg, world_size=self.ctx.world_size, draw=draw))
+            params = self._trainable()
+            carried = carry_state(state=self.optimizer.state, old=old_pieces, old_layout=old_layout, new=self.pieces,
+                                  new_layout=self.layout, params=params, every_rank=self.mode == "global",
+                                  shapes={k: t.shape for k, t in tensor_map(self.skeleton).items()}, ctx=self.ctx)
+        finally:
+            self.ctx.comm.phase = prev
+        self.optimizer.state.clear()
+        self.optimizer.state.update(carried)
         self.optimizer.param_groups[0]["params"] = params
         self.redraws += 1
 
@@ -179,18 +197,19 @@ class SDPStrategy(Strategy):
     def _assemble(self) -> SDPModel:
         assert self.groups is not None
         return assemble(skeleton=self.skeleton, pieces=self.pieces, layout=self.layout, plan=self.plan,
-                        masking=self.mode, groups=self.groups, ctx=self.ctx, bn=str(self.cfg.bn))
+                        masking=self.mode, groups=self.groups, ctx=self.ctx)
 
     @contextmanager
     def eval_module(self) -> Iterator[nn.Module]:
+        """The assembled full model (BatchNorm statistics averaged over the workers that ran each
+        layer), each unit's branch scaled per ``parallelism.rescale``; the trainer applies the
+        evaluation protocol (``eval.bn``) to it as to every strategy's model."""
         prev = self.ctx.comm.phase
         self.ctx.comm.phase = "eval"
         try:
             full = self._assemble()
-            scale = self.plan.k / self.plan.world_size if self.cfg.rescale == "eval" else 1.0
+            scale = self.plan.k / self.plan.world_size if self.rescale == "eval" else 1.0
             set_branch_scales(full, self.plan, scale=scale)
-            if self.cfg.bn == "reestimate":
-                reestimate_bn(full, batches=self.bn_cache, ctx=self.ctx)
         finally:
             self.ctx.comm.phase = prev
         self.eval_copy_bytes = max(self.eval_copy_bytes, sum(t.numel() * t.element_size() for t in tensor_map(full).values()))
@@ -200,12 +219,27 @@ class SDPStrategy(Strategy):
         finally:
             del full
 
+    @contextmanager
+    def subnetwork_module(self) -> Iterator[nn.Module | None]:
+        """Under forward masking, the subnetwork this worker trained, evaluated as trained (its own
+        units, its ``rescale=train`` scales, no k/n): the model whose quality the assembly gap compares
+        the assembled one with. Backward masking trains the full model on every worker: None."""
+        if self.mode != "forward":
+            yield None
+            return
+        assert self.module is not None
+        self.module.eval()
+        try:
+            yield self.module
+        finally:
+            self.module.train()
+
     # ---- reporting ----------------------------------------------------------------------------------
     def summary_extra(self) -> dict[str, Any]:
         return {
             "plan": self.plan.summary(),
-            "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh), "rescale": str(self.cfg.rescale),
-            "bn": str(self.cfg.bn), "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
+            "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh), "rescale": self.rescale,
+            "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
             "eval_full_copy_bytes": self.eval_copy_bytes, "redraws": self.redraws,
         }
 
@@ -220,8 +254,7 @@ class SDPStrategy(Strategy):
         model's state since this rank runs them), buffers. The plan goes along as plain lists."""
         assert self.module is not None and self.optimizer is not None
         return {"local": {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                          "extra": {"plan": plan_lists(self.plan), "redraws": self.redraws,
-                                    "bn_cache": [x.cpu() for x in self.bn_cache]}}}
+                          "extra": {"plan": plan_lists(self.plan), "redraws": self.redraws}}}
 
     def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Rebuild the saved plan's subnetwork, then load values into it. A fixed plan must be the one
@@ -233,18 +266,13 @@ class SDPStrategy(Strategy):
         if saved != plan_lists(self.plan):
             require(bool(self.cfg.resample_every) and saved["draw"] > 0, "parallelism", _plan_keys(self.cfg),
                     f"must build the checkpoint's plan to resume (saved {saved}, now {plan_lists(self.plan)})")
-            prev, self.ctx.comm.phase = self.ctx.comm.phase, "checkpoint"
-            try:
-                self._redraw(draw=int(saved["draw"]))
-            finally:
-                self.ctx.comm.phase = prev
+            self._redraw(draw=int(saved["draw"]))  # its traffic: comm phase "resample"; the state is loaded below
             require(saved == plan_lists(self.plan), "parallelism", _plan_keys(self.cfg),
                     f"re-draw {saved['draw']} gives {plan_lists(self.plan)}, the checkpoint holds {saved}")
         assert self.module is not None
         self.module.load_state_dict(local["model"])
         self.optimizer.load_state_dict(local["optimizer"])
         self.redraws = int(local["extra"]["redraws"])
-        self.bn_cache = [x.to(self.ctx.device) for x in local["extra"]["bn_cache"]]
 
 
 def plan_lists(plan: Plan) -> dict[str, Any]:

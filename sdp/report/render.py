@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR
 from sdp.report.tables import AGGREGATED, RATIOS, Row, Table
 
 
@@ -29,6 +30,8 @@ COLUMNS = (
     Column("steps", "steps", "stat", 0),
     Column("eval_accuracy", "eval acc (%)", "stat", 2),
     Column("eval_loss", "eval loss", "stat", 4),
+    Column("eval_loss_workers", "workers' own eval loss", "stat", 4),
+    Column("assembly_gap", "assembly gap", "stat", 4),
     Column("state_mem_x_ddp", "model-state mem ×DDP", "ratio", 3),
     Column("peak_mem_x_ddp", "peak mem ×DDP", "ratio", 3),
     Column("comm_x_ddp", "comm bytes/step ×DDP", "ratio", 3),
@@ -65,6 +68,25 @@ def _n(row: Row) -> str:
     return f"{row.n_ok}" if row.n_ok == total else f"{row.n_ok} of {total}"
 
 
+def _paired(row: Row, metric: str, digits: int) -> str:
+    p = row.paired.get(metric)
+    if p is None or p.mean is None:
+        return ""
+    if p.half_width is None:
+        return f"{p.mean:+.{digits}f} (n={p.n}, no interval)"
+    return f"{p.mean:+.{digits}f} ± {p.half_width:.{digits}f}" + ("" if p.resolved else " (not resolved)")
+
+
+def _target(row: Row, key: str, digits: int) -> str:
+    reached, total = row.reached
+    if total == 0:
+        return ""
+    if reached == 0:
+        return "not reached"
+    mean = row.to_target[key].mean
+    return f"{mean:.{digits}f}" + ("" if reached == total else f" ({reached} of {total})")
+
+
 def _coverage(row: Row) -> str:
     return "" if row.coverage is None else f"{row.coverage:g}"
 
@@ -78,6 +100,10 @@ def layout(table: Table) -> tuple[list[str], list[list[str]]]:
         cols.append((col.header, lambda r, col=col: _cell(r, col)))
         if any(col.key in r.paper for r in table.rows):
             cols.append((f"paper {col.header}", lambda r, col=col: _num(r.paper.get(col.key), col.digits)))
+    cols.append(("Δ eval loss vs DDP", lambda r: _paired(r, "eval_loss", 4)))
+    cols.append(("Δ eval acc vs DDP (pts)", lambda r: _paired(r, "eval_accuracy", 2)))
+    cols.append((f"steps to DDP loss ×{TARGET_FACTOR:g}", lambda r: _target(r, "steps", 0)))
+    cols.append((f"seconds to DDP loss ×{TARGET_FACTOR:g}", lambda r: _target(r, "seconds", 1)))
     cols.append(("notes", lambda r: "; ".join(r.notes)))
     cells = [[fn(r) for _, fn in cols] for r in table.rows]
     keep = [i for i, (name, _) in enumerate(cols) if name in ("method", "n") or any(c[i] for c in cells)]
@@ -92,7 +118,11 @@ def to_markdown(table: Table) -> str:
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     lines += ["", "mean ± sample std over seeds; ratios are ratios of means to the DDP row; memory and comm "
-              "on the rank where each is largest; peak = CUDA max allocated when on GPU, else peak RSS delta."]
+              "on the rank where each is largest; peak = CUDA max allocated when on GPU, else peak RSS delta. "
+              "Δ vs DDP: mean of the per-seed differences (same seed = same initial weights and data order) "
+              "± the half-width of its 95 % Student t interval (n - 1 degrees of freedom); \"not resolved\" "
+              f"when the interval contains 0. Steps / seconds to DDP loss ×{TARGET_FACTOR:g}: first evaluation "
+              "at or below DDP's mean final eval loss times that factor (resolution: train.eval_every)."]
     return "\n".join(lines)
 
 
@@ -101,14 +131,22 @@ def records(table: Table) -> tuple[list[str], list[list[Any]]]:
     paper_keys = sorted({k for r in table.rows for k in r.paper})
     header = ["method", "coverage", *table.extra_keys, "n", "n_expected"]
     header += [f"{m}_{s}" for m in AGGREGATED for s in ("mean", "std")]
-    header += list(RATIOS.values()) + [f"paper_{k}" for k in paper_keys] + ["notes"]
+    header += list(RATIOS.values()) + [f"paper_{k}" for k in paper_keys]
+    header += [f"delta_{m}_{s}" for m in PAIRED_METRICS for s in ("mean", "ci95_half_width", "n", "resolved")]
+    header += ["target_reached", "target_steps_mean", "target_seconds_mean", "notes"]
     rows = []
     for r in table.rows:
         line: list[Any] = [r.method, r.coverage, *[r.keys.get(k) for k in table.extra_keys], r.n_ok, len(r.expected_seeds)]
         for m in AGGREGATED:
             s = r.stats.get(m)
             line += [s.mean if s else None, s.std if s else None]
-        line += [r.ratios.get(k) for k in RATIOS.values()] + [r.paper.get(k) for k in paper_keys] + ["; ".join(r.notes)]
+        line += [r.ratios.get(k) for k in RATIOS.values()] + [r.paper.get(k) for k in paper_keys]
+        for m in PAIRED_METRICS:
+            p = r.paired.get(m)
+            line += [p.mean, p.half_width, p.n, p.resolved] if p is not None else [None] * 4
+        hit = r.to_target
+        line += [f"{r.reached[0]}/{r.reached[1]}", hit["steps"].mean if hit else None, hit["seconds"].mean if hit else None]
+        line.append("; ".join(r.notes))
         rows.append(line)
     return header, rows
 

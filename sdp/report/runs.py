@@ -50,6 +50,10 @@ class Run:
 
     def __post_init__(self) -> None:
         self.flat = flatten(self.config)
+        if "eval.bn" not in self.flat:  # written before the evaluation protocol was one key for all strategies:
+            # SDP chose its own (parallelism.bn), every other strategy averaged its running statistics
+            self.flat["eval.bn"] = self.flat.pop("parallelism.bn", "average")
+            self.flat["eval.bn_batches"] = self.flat.pop("parallelism.bn_batches", None)
 
     @property
     def ok(self) -> bool:
@@ -128,6 +132,8 @@ def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
         "eval_loss": final.get("eval_loss"),
         "eval_accuracy": None if acc is None else 100.0 * acc,
         "train_loss": final.get("train_loss"),
+        "eval_loss_workers": final.get("eval_loss_workers"),  # eval.subnetworks: each worker's own subnetwork
+        "assembly_gap": final.get("assembly_gap"),
         "model_state_bytes": float(max(state)) if state else None,
         "model_state_mean_bytes": _mean(state),  # the fullest rank's floor under any assignment
         "peak_bytes": cuda_peak if cuda_peak is not None else _max_over_ranks(mem, "peak_rss_delta_bytes"),

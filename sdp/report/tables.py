@@ -4,7 +4,8 @@ Group keys are derived, not configured: every config key (dotted) that takes two
 values across the sweep's runs, minus the seed and run-location keys (``exclude``). A key present in
 only some runs with one value (a preset's own knob) follows from another key and is not a group key.
 Group keys outside ``parallelism.*`` and ``train.steps`` split the sweep into separate tables (one
-per model, dataset, world size, budget, ...); within a table, rows are method variants.
+per model, dataset, world size, budget, evaluation protocol ``eval.bn``, ...); within a table, rows
+are method variants, so no table ever compares rows that were evaluated differently.
 
 Statistics: mean and sample standard deviation (n - 1) over the seeds with a ``summary.json``; ``n``
 is shown against the seeds the sweep has, and every missing or failed seed is named in the row's
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdp.report.runs import Run, run_figures
+from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR, Paired, paired_difference, run_time_to_target
 from sdp.results import RUN_CONTROL_KEYS
 
 DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir",
@@ -26,13 +28,13 @@ DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run
 METHOD_KEYS = ("parallelism.*", "train.steps")
 COVERAGE_KEYS = ("parallelism.coverage", "parallelism.survival_prob")  # what the C column shows
 TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
-              "train.budget": "budget", "scale.name": "scale"}
+              "train.budget": "budget", "scale.name": "scale", "eval.bn": "eval BN"}
 METHOD_ORDER = ("DDP", "B-SDP", "B_β-SDP", "N-SDP", "N_β-SDP")
 SDP_LABELS = {("block", "forward"): "B-SDP", ("block", "backward"): "B_β-SDP",
               ("neuron", "forward"): "N-SDP", ("neuron", "backward"): "N_β-SDP"}
 OTHER_LABELS = {"ddp": "DDP", "fsdp": "FSDP", "pipeline": "Pipeline", "ddp_ac": "DDP+AC",
                 "ddp_stochastic_depth": "DDP+StochDepth", "ddp_layerdrop": "DDP+LayerDrop"}
-AGGREGATED = ("eval_accuracy", "eval_loss", "train_loss", "model_state_bytes", "peak_bytes",
+AGGREGATED = ("eval_accuracy", "eval_loss", "eval_loss_workers", "assembly_gap", "train_loss", "model_state_bytes", "peak_bytes",
               "comm_bytes_per_step", "step_s", "samples_per_s", "straggler_spread", "steps", "total_flops")
 RATIOS = {"model_state_bytes": "state_mem_x_ddp", "peak_bytes": "peak_mem_x_ddp",
           "comm_bytes_per_step": "comm_x_ddp", "step_s": "step_time_x_ddp", "total_flops": "flops_x_ddp"}
@@ -105,6 +107,10 @@ class Row:
     ratios: dict[str, float | None] = field(default_factory=dict)
     paper: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    by_seed: dict[Any, dict[str, Any]] = field(default_factory=dict)  # run_figures of each seed with results
+    paired: dict[str, Paired] = field(default_factory=dict)  # per-seed difference to the reference row
+    to_target: dict[str, Stat] = field(default_factory=dict)  # steps / seconds to the reference's loss x 1.02
+    reached: tuple[int, int] = (0, 0)  # (runs that reached the target, runs with results)
 
     @property
     def n_ok(self) -> int:
@@ -134,7 +140,8 @@ def _row(*, runs: list[Run], keys: dict[str, Any], expected: list[Any]) -> Row:
     flat = runs[0].flat
     row = Row(method=method_label(flat), coverage=row_coverage(flat), keys=keys, runs=runs,
               expected_seeds=expected)
-    figures = [run_figures(r.summary) for r in runs if r.ok]
+    row.by_seed = {r.seed: run_figures(r.summary) for r in runs if r.ok}
+    figures = list(row.by_seed.values())
     row.stats = {m: aggregate([f[m] for f in figures]) for m in AGGREGATED}
     seen = {r.seed for r in runs}
     for r in runs:
@@ -183,5 +190,23 @@ def build_tables(runs: list[Run], *, exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
                 ours = row.stats[metric].mean
                 base = refs[0].stats[metric].mean if refs else None
                 row.ratios[name] = ours / base if ours is not None and base else None
+        if refs:
+            compare_to_reference(rows, reference=refs[0])
         out.append(table)
     return out
+
+
+def compare_to_reference(rows: list[Row], *, reference: Row) -> None:
+    """Paired differences (by seed) of every row to ``reference``, and each row's time to reach the
+    reference's mean final eval loss x ``TARGET_FACTOR`` (see :mod:`sdp.report.stats`)."""
+    target_loss = reference.stats["eval_loss"].mean
+    for row in rows:
+        if row is not reference:
+            row.paired = {m: paired_difference({s: f[m] for s, f in row.by_seed.items()},
+                                               {s: f[m] for s, f in reference.by_seed.items()}) for m in PAIRED_METRICS}
+        if target_loss is None:
+            continue
+        hits = [run_time_to_target(r.path, target=target_loss * TARGET_FACTOR) for r in row.runs if r.ok]
+        reached = [h for h in hits if h[0] is not None]
+        row.reached = (len(reached), len(hits))
+        row.to_target = {"steps": aggregate([h[0] for h in reached]), "seconds": aggregate([h[1] for h in reached])}

@@ -9,7 +9,8 @@ reported apart by the strategy.
 Order: (1) every rank copies the pieces it has; (2) BatchNorm running statistics are averaged over
 the ranks that computed them (holders under forward masking, the world otherwise); (3) under
 forward masking each piece a rank lacks is broadcast from its lowest-rank holder, one flat
-broadcast per source rank; (4) rescaling and (optionally) BN re-estimation.
+broadcast per source rank. Rescaling is the strategy's (``set_branch_scales``); BatchNorm
+re-estimation is the evaluation protocol's (:mod:`sdp.evaluation`), applied to every strategy.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def tensor_map(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def assemble(*, skeleton: SDPModel, pieces: list[Piece], layout: dict[str, Local], plan: Plan, masking: str,
-             groups: GroupSet, ctx: DistContext, bn: str) -> SDPModel:
+             groups: GroupSet, ctx: DistContext) -> SDPModel:
     """The full model with every unit active, identical on every rank."""
     n, rank = ctx.world_size, ctx.rank
     full = copy.deepcopy(skeleton).to_empty(device=ctx.device)
@@ -46,7 +47,7 @@ def assemble(*, skeleton: SDPModel, pieces: list[Piece], layout: dict[str, Local
         spec = locate(p, layout)
         if spec is not None:
             target(p).copy_(view(*spec))
-    if bn == "average" and n > 1:
+    if n > 1:
         def ran(p: Piece) -> tuple[int, ...]:
             return p.holders if (masking == "forward" and not p.shared) else tuple(range(n))
 
@@ -73,21 +74,3 @@ def set_branch_scales(model: SDPModel, plan: Plan, *, scale: float) -> None:
     """Multiply every unit block's residual branch by ``scale`` (1 restores the plain model)."""
     for b in {u.block for u in plan.units}:
         model.blocks[b].branch_scale = scale
-
-
-@torch.no_grad()
-def reestimate_bn(model: nn.Module, *, batches: list[torch.Tensor], ctx: DistContext) -> None:
-    """Recompute BatchNorm running statistics of ``model`` on this rank's cached training batches
-    (cumulative average), then average them over the world so every rank evaluates the same model."""
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    assert batches, "parallelism.bn=reestimate needs cached training batches; none were seen yet"
-    saved = [m.momentum for m in norms]
-    for m in norms:
-        m.reset_running_stats()
-        m.momentum = None
-    model.train()
-    for x in batches:
-        model(x)
-    for m, mom in zip(norms, saved):
-        m.momentum = mom
-    average_buffers(model, ctx=ctx)
