@@ -7,7 +7,8 @@ Layout of ``<run_dir>/checkpoints/step_00000012/``:
 - ``rank00003.pt`` (every rank): the strategy's ``"local"`` state (rank-local buffers; SDP's held
   subnetwork; a pipeline stage) and the rank's RNG streams (torch CPU/CUDA, python, numpy);
 - ``sharded/`` (strategies with DTensor state, FSDP2): ``torch.distributed.checkpoint`` files;
-- ``meta.json``: step, world size, strategy, so a resume can be checked before anything is loaded.
+- ``meta.json``: step, world size, strategy, the data-order key and the LR schedule's keys
+  (:data:`SCHEDULE_KEYS`), so a resume can be checked before anything is loaded.
 
 Why no data-loader state: a global batch is a pure function of (seed, step) (``sdp.data.base``), so
 the step *is* the data position; ``data_key`` records what that function depends on and a resume
@@ -28,11 +29,17 @@ import torch
 import torch.distributed as dist
 
 from sdp import rng
+from omegaconf import DictConfig, OmegaConf
+
 from sdp.config import ConfigError
 from sdp.parallel.base import Strategy
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
+# What the LR of every step depends on (sdp.trainer.lr_lambda over the resolved train.steps, which the
+# budget sets): a resume with any of these changed would train on under a schedule it never started.
+SCHEDULE_KEYS = ("train.steps", "train.budget", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio",
+                 "optim.optimizer.lr")
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -77,9 +84,51 @@ def resolve(*, resume: Any, run_dir: Path | None) -> Path | None:
     )
 
 
+def schedule_key(cfg: DictConfig) -> dict[str, Any]:
+    """The values of :data:`SCHEDULE_KEYS` in ``cfg`` (recorded in ``meta.json``)."""
+    return {key: OmegaConf.select(cfg, key) for key in SCHEDULE_KEYS}
+
+
+def check_schedule(*, ckpt: Path, cfg: DictConfig) -> None:
+    """Driver side of a resume: refuse a config whose LR schedule differs from the checkpoint's, naming the key.
+
+    ``train.extend_steps=true`` is the one allowed change: a larger ``train.steps``, the LR following
+    the schedule of the new ``train.steps`` from the checkpoint's step on (see :func:`restore_lr`)."""
+    meta = read_meta(ckpt)
+    then = meta.get("schedule")
+    if then is None:
+        return  # written before the schedule was recorded: nothing to compare with
+    now, step, extend = schedule_key(cfg), int(meta["step"]), bool(cfg.train.get("extend_steps", False))
+    for key in SCHEDULE_KEYS:
+        if key == "train.steps" and extend:
+            if not (isinstance(now[key], int) and now[key] > step):
+                raise ConfigError(f"train.steps={now[key]!r} is invalid with train.extend_steps=true: {ckpt} is at step "
+                                  f"{step}; allowed: more steps than that")
+            continue
+        if now[key] != then.get(key):
+            more = (" or set train.extend_steps=true to train on to the new train.steps under its schedule"
+                    if key == "train.steps" else "")
+            raise ConfigError(
+                f"{key}={now[key]!r} is invalid for resuming {ckpt}: the checkpoint was written with {key}={then.get(key)!r} "
+                f"and the LR schedule depends on it; allowed: {key}={then.get(key)!r}{more}")
+
+
+def restore_lr(scheduler: Any) -> None:
+    """Set every group's LR (and ``get_last_lr``) to the schedule's value at the loaded step.
+
+    After ``load_state_dict`` the optimizer and the scheduler hold the LR the checkpointed run
+    computed with *its* lambda; under ``train.extend_steps`` the lambda is the new one, whose value
+    at that step is what the next update must use (with an unchanged schedule it is the same number:
+    ``LambdaLR`` computes exactly ``base_lr * lambda(last_epoch)``)."""
+    lrs = [base * lam(scheduler.last_epoch) for lam, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)
+
+
 def save(
     *, run_dir: Path, step: int, strategy: Strategy, scheduler: Any, train_state: dict[str, Any],
-    data_key: dict[str, Any], keep: int,
+    data_key: dict[str, Any], keep: int, schedule: dict[str, Any] | None = None,
 ) -> Path:
     """Write this rank's part of the checkpoint of ``step``; collective (every rank calls it)."""
     ctx = strategy.ctx
@@ -100,7 +149,10 @@ def save(
     torch.save({"local": state.get("local", {}), "rng": rng.capture()}, tmp / f"rank{ctx.rank:05d}.pt")
     _barrier(ctx.world_size)
     if ctx.rank == 0:
-        meta = {"step": step, "world_size": ctx.world_size, "strategy": strategy.name, "data_key": data_key}
+        from sdp.loggers import stored_run_id
+
+        meta = {"step": step, "world_size": ctx.world_size, "strategy": strategy.name, "data_key": data_key,
+                "schedule": schedule, "wandb_run_id": stored_run_id(run_dir)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -132,6 +184,7 @@ def load(*, path: Path, strategy: Strategy, scheduler: Any, data_key: dict[str, 
         state["sharded"] = template
     strategy.load_checkpoint_state(state)
     scheduler.load_state_dict(shared["scheduler"])
+    restore_lr(scheduler)
     rng.restore(mine["rng"])
     return shared["train"]
 

@@ -4,7 +4,8 @@ Why up front: a typo must cost seconds, not a cluster allocation. Every error na
 value and what is allowed (torchtitan's ``ParallelDims`` validation is the model). Unknown group
 options (``model=nope``) are refused by Hydra itself, listing the options; everything else is here:
 names and importable ``_target_``\ s, dataset paths, sizes and rates, the cluster, the reliability keys
-(``train.resume`` must resolve, ``train.debug`` must name a rank and step of the job), and last each
+(``train.resume`` must resolve, ``train.debug`` must name a rank and step of the job), then one build
+of the data index, the model (meta device) and the optimizer (:mod:`sdp.preflight`), and last each
 strategy's own ``validate``. ``tests/test_validation.py`` holds the catalogue of bad inputs.
 """
 
@@ -98,6 +99,8 @@ def validate_train(cfg: DictConfig) -> None:
         positive_int(f"train.{key}", tc[key], minimum=0)
     one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
     boolean("train.deterministic", tc.deterministic)
+    boolean("train.extend_steps", tc.get("extend_steps", False))
+    boolean("train.skip_done", tc.get("skip_done", False))
     if tc.resume is not None and str(tc.resume) != "auto":
         checkpoint.resolve(resume=tc.resume, run_dir=None)  # raises ConfigError naming the path
     dbg = tc.debug
@@ -146,8 +149,11 @@ def validate(cfg: DictConfig) -> None:
         import os
 
         env_world = int(os.environ["WORLD_SIZE"])
+        from sdp.launch import seen_env
+
         require(env_world == cl.world_size, "cluster.world_size", cl.world_size,
-                f"the external launcher started WORLD_SIZE={env_world} ranks; set cluster.world_size={env_world}")
+                f"the external launcher started a world of WORLD_SIZE={env_world} ranks (variables seen: {seen_env()}); "
+                f"set cluster.world_size={env_world}, or fix the launch (every node must join one rendezvous)")
     if cl.device == "cuda":
         import torch
 
@@ -169,4 +175,7 @@ def validate(cfg: DictConfig) -> None:
     positive_int("optim.warmup_steps", cfg.optim.warmup_steps, minimum=0)
     one_of("logger.wandb.mode", cfg.logger.wandb.mode, ("online", "offline", "disabled"))
     positive_float("logger.wandb.init_timeout_s", cfg.logger.wandb.init_timeout_s)
+    from sdp.preflight import build_once
+
+    build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on, named here
     validate_strategy(cfg)

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +22,30 @@ from hydra.experimental.callback import Callback
 # Set by SweepProgress in the driver for each job of a multirun, read by rank 0's ProgressBar (the
 # ranks are spawned below the driver and inherit its environment): "1/3 runs done · parallelism=sdp".
 SWEEP_PROGRESS_ENV = "SDP_SWEEP_PROGRESS"
+
+RUN_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run id every attempt of the job logs to
+
+
+def wandb_run_id(*, run_dir: Path, ckpt: Path | None) -> str:
+    """The job's W&B run id: the one its run directory already holds (a requeued or rerun job), else
+    the one of the checkpoint it resumes from (``meta.json``, a resume into another directory), else a
+    new one; written to ``run_dir/wandb_run_id`` so every later attempt finds it."""
+    found = stored_run_id(run_dir)
+    if found:
+        return found
+    run_id = None
+    if ckpt is not None and (ckpt / "meta.json").exists():
+        run_id = json.loads((ckpt / "meta.json").read_text()).get("wandb_run_id")
+    run_id = run_id or uuid.uuid4().hex[:16]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_ID_FILE).write_text(run_id + "\n")
+    return run_id
+
+
+def stored_run_id(run_dir: Path) -> str | None:
+    """The id in ``run_dir/wandb_run_id``, or None when the job has none (W&B disabled)."""
+    path = run_dir / RUN_ID_FILE
+    return (path.read_text().strip() or None) if path.exists() else None
 
 
 class Logger(Protocol):
@@ -66,7 +91,16 @@ class WandbLogger:
     """Mirrors rows to W&B. If W&B cannot start (no network, bad key, online mode on an offline node)
     the run goes on: online falls back to offline (sync later with ``wandb sync``), offline to
     disabled, each said on stderr; ``mode_used`` records what it ended up as. ``init_timeout_s``
-    bounds how long a start may take, so an unreachable server costs seconds, not the run."""
+    bounds how long a start may take, so an unreachable server costs seconds, not the run.
+
+    One W&B run per job: the id comes from ``run_dir/wandb_run_id`` (:func:`wandb_run_id`, set by the
+    driver) with ``resume="allow"``, so a resumed or requeued job continues the same run; rows carry
+    their training step, so its history goes on from the checkpoint's step, not from 0. Offline, each
+    attempt writes its own ``wandb/offline-run-<time>-<id>`` directory; ``wandb sync`` of all of them
+    uploads them in order into the one run (slurm/README.md). An offline run also writes its config to
+    ``files/config.yaml`` at start (W&B itself only writes it when it syncs), flushes its transaction
+    log every second, and finishes the run on SIGTERM (:func:`finish_on_sigterm`), so a stopped attempt
+    keeps all it logged and a SIGKILLed one all but its last second."""
 
     def __init__(self, *, cfg: Any, run_dir: Path, config: dict[str, Any], group: str, job_type: str, name: str) -> None:
         self.run = None
@@ -74,6 +108,8 @@ class WandbLogger:
         if mode not in ("online", "offline", "disabled"):
             raise ValueError(f"logger.wandb.mode={mode!r} not in ('online', 'offline', 'disabled')")
         self.mode_used = "disabled"
+        self.run_id = stored_run_id(run_dir)
+        self._sigterm = False  # whether this logger installed the SIGTERM handler (removed at finish)
         for attempt in (("online", "offline") if mode == "online" else (mode,)) if mode != "disabled" else ():
             try:
                 import wandb
@@ -81,10 +117,15 @@ class WandbLogger:
                 self.run = wandb.init(
                     project=cfg.project, entity=cfg.get("entity"), group=cfg.get("group") or group,
                     job_type=job_type, name=name, tags=list(cfg.get("tags") or []), config=config,
-                    dir=str(run_dir), mode=attempt, reinit="create_new",
-                    settings=wandb.Settings(init_timeout=float(cfg.get("init_timeout_s") or 30)),
+                    dir=str(run_dir), mode=attempt, reinit="create_new", id=self.run_id,
+                    resume="allow" if self.run_id else None,
+                    settings=wandb.Settings(init_timeout=float(cfg.get("init_timeout_s") or 30),
+                                            x_transaction_log_flush_interval=1.0),
                 )
                 self.mode_used = attempt
+                if attempt == "offline":
+                    write_wandb_config(Path(self.run.dir) / "config.yaml", config)
+                self._sigterm = finish_on_sigterm()
                 return
             except Exception as exc:  # noqa: BLE001 - any W&B failure must not cost the run
                 then = "trying offline" if attempt == "online" else "continuing with W&B disabled"
@@ -107,6 +148,38 @@ class WandbLogger:
         if self.run is not None:
             self.run.finish()
             self.run = None
+        if self._sigterm:
+            import signal
+
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._sigterm = False
+
+
+def finish_on_sigterm() -> bool:
+    """Turn SIGTERM into ``SystemExit`` on this rank, so its ``finally`` finishes the W&B run (which
+    flushes the transaction log) before the process ends. SIGTERM is how a job is stopped: torch
+    elastic stops the surviving ranks when one fails, Slurm at preemption, ``scancel`` and the time
+    limit. Only where nothing else handles it (submitit installs its own) and on the main thread."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    return True
+
+
+def write_wandb_config(path: Path, config: dict[str, Any]) -> None:
+    """``config.yaml`` in W&B's own layout (``key: {value: ...}``), as an online run's files hold it."""
+    from omegaconf import OmegaConf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml({k: {"value": v} for k, v in config.items()}))
 
 
 class MultiLogger:

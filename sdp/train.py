@@ -25,10 +25,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sdp import checkpoint, results
+from sdp import checkpoint, results, sweep
 from sdp.budget import resolve_steps
 from sdp.config import renamed_overrides, validate
 from sdp.launch import RankFailure, external_launcher, launch
+from sdp.loggers import wandb_run_id
 from sdp.slurm import slurm_environment
 
 # A per-process unique token for run directories: two jobs started in the same second never share
@@ -92,13 +93,27 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     validate(cfg)
     cfg.train.steps, budget = resolve_steps(cfg)
     driver = not external_launcher() or os.environ.get("RANK") == "0"
+    if cfg.train.get("skip_done"):
+        plan, done = sweep.job_plan(cfg=cfg, run_dir=run_dir)  # refuses a directory holding another config
+        if plan == "skip":
+            if driver:
+                print(f"skip_done: {run_dir} is complete (summary.json, same config): skipped", flush=True)
+            return done if driver else None
+        if cfg.train.resume is None:
+            cfg.train.resume = "auto"  # a job with a checkpoint continues from it
+        if plan == "start" and driver and (removed := sweep.clear_leftovers(run_dir)):
+            print(f"skip_done: {run_dir} has no checkpoint: starting afresh (cleared {', '.join(removed)})", flush=True)
     ckpt = checkpoint.resolve(resume=cfg.train.resume, run_dir=run_dir)
+    if ckpt is not None:
+        checkpoint.check_schedule(ckpt=ckpt, cfg=cfg)  # a changed LR schedule is refused, naming the key
     cfg.train.resume = str(ckpt) if ckpt is not None else None  # ranks load exactly this directory
     if ckpt is not None and driver:
         step = checkpoint.prepare_run_dir(ckpt=ckpt, run_dir=run_dir)
         print(f"resuming from {ckpt} (step {step}); metrics.jsonl holds steps <= {step}", flush=True)
     if driver:
         results.write_config(cfg=cfg, run_dir=run_dir)
+        if str(cfg.logger.wandb.mode) != "disabled":
+            wandb_run_id(run_dir=run_dir, ckpt=ckpt)  # one W&B run per job, across resumes and requeues
     started = time.time()
     try:
         summary = launch(cfg=cfg, run_dir=run_dir, budget=budget)

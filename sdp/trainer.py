@@ -33,6 +33,11 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
+def global_batch_size(cfg: DictConfig) -> int:
+    """Samples per step, for every strategy: ``train.batch_size`` x ``cluster.world_size``."""
+    return int(cfg.train.batch_size) * int(cfg.cluster.world_size)
+
+
 def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
     """Multiplier on the base LR at each step: linear warm-up then constant, cosine or linear decay."""
     allowed = ("constant", "cosine", "linear")
@@ -82,7 +87,7 @@ class Trainer:
         self.ctx = strategy.ctx
         tc = cfg.train
         self.replica, self.replicas = strategy.data_parallel()
-        self.global_batch = int(tc.batch_size) * self.ctx.world_size
+        self.global_batch = global_batch_size(cfg)
         self.sampler = GlobalBatchSampler(num_samples=len(data.train), global_batch=self.global_batch, seed=int(cfg.seed))
         assert strategy.optimizer is not None, f"strategy {strategy.name!r} built no optimizer"
         # Before the scheduler: it wraps optimizer.step too, and warns when the step is replaced after it.
@@ -159,7 +164,7 @@ class Trainer:
                     if self.run_dir is not None and ckpt_every > 0 and (n % ckpt_every == 0 or n == steps):
                         checkpoint.save(run_dir=self.run_dir, step=n, strategy=self.strategy, scheduler=self.scheduler,
                                         train_state=asdict(self.state), data_key=self.data_key(),
-                                        keep=int(tc.checkpoint_keep))
+                                        keep=int(tc.checkpoint_keep), schedule=checkpoint.schedule_key(self.cfg))
         finally:
             bar.close()
         return self.state

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from sdp import evaluation, results, rng
 from sdp.data.base import DataBundle
-from sdp.launch import launcher_identity
+from sdp.launch import format_layout, launcher_identity, nodes_of, world_layout
 from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
 from sdp.metrics.flops import throughput
 from sdp.metrics.memory import PeakTracker
@@ -104,6 +104,9 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         dist.broadcast_object_list(shared, src=0)
         out = Path(shared[0])
         ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+        layout = world_layout(rank=rank, local_rank=local_rank, device=device, world_size=world, nodes=cfg.cluster.get("nodes"))
+        if rank == 0:
+            print(format_layout(layout), flush=True)
         data: DataBundle = build(cfg.dataset)
         model = build_model(cfg, data)
         rng.seed_rank_streams(int(cfg.seed) * 7919 + rank + 1)  # per-rank streams (dropout, stochastic depth)
@@ -119,6 +122,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         if rank == 0:
             summary["run_dir"] = str(out)
             summary["budget"] = budget
+            summary["nodes"] = nodes_of(layout)
             summary["time"].update(throughput(summary=summary, flops_per_step=(budget or {}).get("flops_per_step")))
             results.write_json(out / "summary.json", summary)
             if isinstance(logger, MultiLogger):

@@ -39,6 +39,11 @@ RESUME = [
     ("fsdp", "fsdp", ["parallelism=fsdp"]),
     ("pipeline", "pipeline", ["parallelism=pipeline"]),
     ("ddp-stochastic-depth", "ddp_stochastic_depth", ["parallelism=ddp_stochastic_depth"]),
+    # 4 ranks: the bucket layout a resumed run rebuilds must be the one of the uninterrupted run's draws
+    ("ddp-stochastic-depth-4ranks", "ddp_stochastic_depth", ["parallelism=ddp_stochastic_depth", "cluster.world_size=4",
+                                                             "train.batch_size=16", "parallelism.bucket_cap_mb=0.25"]),
+    ("ddp-layerdrop-4ranks", "ddp_layerdrop", ["parallelism=ddp_layerdrop", "cluster.world_size=4", "train.batch_size=16",
+                                               "parallelism.bucket_cap_mb=0.25"]),
 ]
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]

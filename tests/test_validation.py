@@ -65,6 +65,20 @@ CATALOGUE = [
     Bad("fault-step-outside", ["train.debug.fault=nan_loss", "train.debug.fault_step=99"], ["train.debug.fault_step=99", "train.steps=10"]),
     Bad("wandb-mode-unknown", ["logger.wandb.mode=sometimes"], ["logger.wandb.mode='sometimes'", "online, offline, disabled"]),
     Bad("wandb-timeout-zero", ["logger.wandb.init_timeout_s=0"], ["logger.wandb.init_timeout_s=0", "number > 0"]),
+    # Built once in the driver (sdp.preflight): values of the right type that cannot work, refused naming the node.
+    Bad("model-negative-width", ["model.dim=-1"], ["model (sdp.models.mlp.MLP) cannot be built", "negative dimension -1"]),
+    Bad("model-unknown-argument", ["+model.width=3"], ["model (sdp.models.mlp.MLP)", "unexpected keyword argument 'width'"]),
+    Bad("model-fewer-classes-than-data", ["model.num_classes=5"], ["model (sdp.models.mlp.MLP)", "5 logits", "10 values"]),
+    Bad("model-input-shape-vs-data", ["model.input_shape=[1,2]"], ["model (sdp.models.mlp.MLP)", "RuntimeError"]),
+    Bad("model-heads-not-dividing", ["model=llama_tiny", "dataset=synthetic_text", "model.n_heads=3"],
+        ["model (sdp.models.llama.LLaMA)", "divisible by n_heads=3"]),
+    Bad("model-vocab-below-data", ["model=llama_tiny", "dataset=synthetic_text", "model.vocab_size=10"],
+        ["model (sdp.models.llama.LLaMA)", "10 logits", "256 values"]),
+    Bad("optimizer-momentum-negative", ["optim.optimizer.momentum=-1"], ["optim.optimizer (torch.optim.SGD)", "Invalid momentum value: -1"]),
+    Bad("optimizer-betas-out-of-range", ["optim=adamw", "optim.optimizer.betas=[1.5,0.9]"],
+        ["optim.optimizer (torch.optim.AdamW)", "Invalid beta parameter at index 0: 1.5"]),
+    Bad("optimizer-unknown-argument", ["+optim.optimizer.foo=1"], ["optim.optimizer (torch.optim.SGD)", "unexpected keyword argument 'foo'"]),
+    Bad("global-batch-above-dataset", ["train.batch_size=2000"], ["train (the global-batch sampler over the data index) cannot be built", "global batch 4000", "1438 training samples"]),
     # Strategy-specific (each strategy's validate classmethod).
     # The evaluation protocol (one for every strategy) and the keys it replaced.
     Bad("eval-bn-unknown", ["eval.bn=running"], ["eval.bn='running'", "reestimate, average"]),
@@ -139,6 +153,19 @@ def test_strategy_validate_receives_full_cfg_when_it_asks(monkeypatch: pytest.Mo
         compose_and_validate(["parallelism=ddp"])
     compose_and_validate(["parallelism=ddp", "train.batch_size=33"])
     assert seen["batch"] == 33
+
+
+def test_bad_model_value_fails_in_the_driver_in_one_line(tmp_path: Path) -> None:
+    """End to end: ``sdp-train`` with a model too narrow for the data's labels (the bare ``IndexError: Target
+    .. is out of bounds`` of every spawned rank before) stops in the driver, naming the node, no rank started."""
+    from tests.conftest import run_train
+
+    job = run_train(tmp_path / "run", "experiment=smoke", "model.num_classes=5", check=False, timeout=120)
+    assert job.proc.returncode != 0
+    line = next((ln for ln in job.output.splitlines() if ln.startswith("sdp.config.ConfigError: ")), None)
+    assert line is not None and "model (sdp.models.mlp.MLP) cannot be built" in line and "5 logits" in line, job.output[-3000:]
+    assert "ChildFailedError" not in job.output and "IndexError" not in job.output, job.output[-3000:]
+    assert not (tmp_path / "run" / "rank_logs").exists(), "no rank may start"
 
 
 def test_stale_override_on_the_command_line_names_the_new_key() -> None:

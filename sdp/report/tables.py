@@ -21,8 +21,10 @@ from typing import Any
 
 from sdp.report.runs import Run, run_figures
 from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR, Paired, paired_difference, run_time_to_target
+from sdp.results import RUN_CONTROL_KEYS
 
-DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir")
+DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir",
+                   *(p for key in RUN_CONTROL_KEYS for p in (key, f"{key}.*")))
 METHOD_KEYS = ("parallelism.*", "train.steps")
 COVERAGE_KEYS = ("parallelism.coverage", "parallelism.survival_prob")  # what the C column shows
 TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",

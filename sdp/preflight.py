@@ -1,0 +1,79 @@
+"""Build, once in the driver, what every rank builds first: the data index, the model (on the meta
+device), the optimizer over the model's parameters and the global-batch sampler.
+
+Why: :func:`sdp.config.validate` checks keys one by one, but a model or optimizer argument that is the
+right type and still cannot work (a negative width, ``momentum=-1``, a global batch larger than the
+dataset) used to pass it and fail inside every spawned rank, as a bare ``IndexError`` or ``ValueError``
+from deep in torch under a page of elastic-launcher traceback. Built here first, the same exception
+becomes one :class:`~sdp.config.ConfigError` line naming the config node (``dataset``, ``model``,
+``optim.optimizer``, ``train``) and the original message, and no rank is started.
+
+The model is built on the meta device (no memory, no init compute), so this costs about what
+composing the config does; the dataset is built for real (its length is the data index the sampler
+needs), which for the bundled and in-memory datasets takes about a second.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from omegaconf import DictConfig
+
+from sdp.config import ConfigError
+
+
+@contextmanager
+def building(node: str, target: Any = None) -> Iterator[None]:
+    """Re-raise any error of building config node ``node`` as one ConfigError line naming it."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every build failure is a config problem to report
+        from hydra.errors import InstantiationException
+
+        if isinstance(exc, InstantiationException) and exc.__cause__ is not None:
+            exc = exc.__cause__  # the target's own error, not Hydra's "Error in call to target" wrapper
+        if isinstance(exc, ConfigError):
+            raise exc from None
+        first = (str(exc).strip().splitlines() or [""])[0]
+        what = f"{node} ({target})" if target else node
+        raise ConfigError(f"{what} cannot be built from this config: {type(exc).__name__}: {first}") from None
+
+
+def check_forward(*, model: torch.nn.Module, data: Any) -> None:
+    """One meta-device forward of a real training sample's shape and dtype: a model whose input shape
+    does not fit the data fails here, and so does an output narrower than the targets' range (the
+    ``IndexError: Target 3 is out of bounds`` of a cross-entropy inside every rank)."""
+    sample = torch.as_tensor(data.train[0][0])
+    x = torch.stack([sample, sample]).to("meta")  # two samples: BatchNorm needs more than one value per channel
+    with torch.no_grad():
+        out = model(x)
+    width = int(out.shape[-1])
+    if width < int(data.num_classes):
+        raise ValueError(f"its output has {width} logits per target but the dataset's targets take "
+                         f"{data.num_classes} values (dataset.num_classes / vocab_size); allowed: >= {data.num_classes}")
+
+
+def build_once(cfg: DictConfig) -> dict[str, Any]:
+    """Build data index, meta-device model, optimizer and sampler as a rank would; returns what was
+    built (the number of training samples and parameters) for the driver's log."""
+    from sdp.data.base import GlobalBatchSampler
+    from sdp.trainer import global_batch_size
+    from sdp.worker import build
+
+    with building("dataset", cfg.dataset.get("_target_")):
+        data = build(cfg.dataset)
+        num_samples = len(data.train)
+    with building("model", cfg.model.get("_target_")):
+        with torch.device("meta"):
+            model = build(cfg.model)
+        params = list(model.parameters())
+        check_forward(model=model, data=data)
+    with building("optim.optimizer", cfg.optim.optimizer.get("_target_")):
+        build(cfg.optim.optimizer)(params)
+    with building("train", "the global-batch sampler over the data index"):
+        GlobalBatchSampler(num_samples=num_samples, global_batch=global_batch_size(cfg), seed=int(cfg.seed))
+    return {"train_samples": num_samples, "params": sum(p.numel() for p in params)}
