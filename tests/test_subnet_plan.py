@@ -221,3 +221,51 @@ def test_balance_weights_pick_the_frontier_end_they_ask_for() -> None:
         build_plan(model=model, world_size=4, coverage=0.5, balance=(0, 0, 0))
     with pytest.raises(PlanError, match="1,679,616 assignments"):
         worst_loads(costs=np.ones((9, 2)), n=4, k=2, limit=1000)
+
+
+def test_plan_reports_holders_holder_sets_connectivity_and_pair_coverage() -> None:
+    with torch.device("meta"):
+        model = MLP(num_classes=10, input_shape=(1, 8, 8), hidden=32, depth=3)
+    plan = build_plan(model=model, world_size=4, coverage=0.5, assignment="cyclic")  # {0,1} {1,2} {2,3}
+    hand = Plan(**{**plan.__dict__, "holders": ((0, 1), (2, 3), (0, 1))})
+    s, h = plan.summary(), hand.summary()
+    assert s["plan"] == {"blocks.0": [0, 1], "blocks.1": [1, 2], "blocks.2": [2, 3]} and s["holder_sets"] == 3
+    assert s["connected"] and s["components"] == [[0, 1, 2, 3]] and s["warnings"] == []
+    assert s["unit_pairs_trained_together"] == pytest.approx(2 / 3)  # blocks 0 and 2 share no worker
+    assert not h["connected"] and h["components"] == [[0, 1], [2, 3]] and h["holder_sets"] == 2
+    assert h["unit_pairs_trained_together"] == pytest.approx(1 / 3) and "{0,1} {2,3} share no unit" in h["warnings"][0]
+    assert plan.to_json()["summary"] == s and [u["holders"] for u in plan.to_json()["units"]] == [[0, 1], [1, 2], [2, 3]]
+    single = build_plan(model=model, world_size=2, coverage=0.5)  # k = 1
+    assert "k=round(1)=1 holder per unit: no unit's gradient is ever averaged" in single.degenerate()[0], single.degenerate()
+
+
+def _paper_model(name: str) -> torch.nn.Module:
+    from sdp.worker import build
+    from tests.hydra_cfg import compose_config
+
+    data = {"resnet18": "imagenet", "swin_t": "imagenet", "llama_1b": "fineweb"}[name]
+    with torch.device("meta"):
+        return build(compose_config(f"model={name}", f"dataset={data}").model)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "swin_t", "llama_1b"])
+def test_default_plan_keeps_workers_connected_for_paper_models(name: str) -> None:
+    """The default (balanced, block level) plan on 4 and 8 workers at C = 0.25, 0.5, 0.75, and its
+    re-draws: one connected overlap graph wherever k >= 2 (every case but 4 workers at C = 0.25,
+    k = 1, which says why instead). The block costs are measured once per model (they do not depend
+    on n, C or the draw)."""
+    from sdp.subnet.plan import measure_block_costs
+
+    model = _paper_model(name)
+    costs = measure_block_costs(model)
+    for n, c in itertools.product([4, 8], [0.25, 0.5, 0.75]):
+        for draw in (0, 1, 2):
+            plan = build_plan(model=model, world_size=n, coverage=c, draw=draw, block_costs=costs)
+            if plan.k == 1:
+                assert (n, c) == (4, 0.25) and len(plan.degenerate()) == 2, (n, c, plan.degenerate())
+                continue
+            assert plan.components() == [tuple(range(n))], (name, n, c, draw, plan.holders)
+            assert plan.degenerate() == [] and plan.pair_coverage() > 0.5, (name, n, c, draw, plan.summary())
+        first = build_plan(model=model, world_size=n, coverage=c, block_costs=costs)
+        again = build_plan(model=model, world_size=n, coverage=c, draw=1, block_costs=costs)
+        assert sorted(first.worker_costs(), key=str) == sorted(again.worker_costs(), key=str)  # a relabelling

@@ -80,9 +80,10 @@ def assign(*, costs: list[tuple[float, ...]], world_size: int, k: int, method: s
 
 
 def _balanced(*, costs: list[tuple[float, ...]], n: int, k: int, connected: bool) -> list[list[int]]:
-    """The minimax search from LPT and from cyclic: each start searched freely, and (where the graph
-    can be connected) both the start and the free optimum connected by :func:`_connect` and searched
-    again without disconnecting moves; the best of those (all of them when ``connected`` is False: a
+    """The minimax search from LPT and from cyclic: each start searched freely, then (where the graph
+    can be connected) the free optimum connected by :func:`_connect` and searched again without
+    disconnecting moves, and, if that costs more than the free optimum, the start connected and
+    searched the same way; the best connected result (the best of all when ``connected`` is False: a
     connected plan is a plan too) seeds the exact branch and bound."""
     keep = connected and connectable(n=n, k=k, units=len(costs))
     done: dict[tuple[tuple[int, ...], ...], tuple[tuple[float, ...], list[list[int]]]] = {}
@@ -97,7 +98,9 @@ def _balanced(*, costs: list[tuple[float, ...]], n: int, k: int, connected: bool
     for start in (_lpt(costs=costs, n=n, k=k), [[(u + j) % n for j in range(k)] for u in range(len(costs))]):
         free.append(search(start, linked=False))
         if connectable(n=n, k=k, units=len(costs)):
-            linked += [search(_connect(costs=costs, n=n, holders=h), linked=True) for h in (start, free[-1][1])]
+            linked.append(search(_connect(costs=costs, n=n, holders=free[-1][1]), linked=True))
+            if linked[-1][0][:2] > free[-1][0][:2]:  # connecting the free optimum cost something: try the start too
+                linked.append(search(_connect(costs=costs, n=n, holders=start), linked=True))
     return _exact(costs=costs, n=n, k=k, start=min(linked if keep else free + linked), connected=keep)[1]
 
 
