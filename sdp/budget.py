@@ -8,7 +8,8 @@ the result and recorded in ``config.yaml``, the details in ``summary.json["budge
   model's FLOPs per step runs ``round(train.steps / r)`` steps, as the paper's FLOP matching extends
   training by 1/C. ``train.flops_ratio=coverage`` takes ``r = C`` (the paper's rule); ``measured``
   takes ``r`` from the model's FLOP count (see :func:`compute_fraction`). ``C`` is the fraction of the
-  model's units a worker computes per step (:func:`unit_fraction`): ``parallelism.coverage`` for SDP,
+  model's units a worker computes per step (:func:`unit_fraction`): for SDP the realised ``k / n``
+  (k = round(``parallelism.coverage`` x n) holders per unit, so C = 0.3 on 4 workers is k = 1, C = 0.25),
   the mean survival probability (``parallelism.survival_prob``, ``decay``) for stochastic depth and
   LayerDrop, which skip a dropped block's forward and backward like forward masking -- so a drop
   baseline at ``survival_prob = p`` with ``decay = uniform`` is FLOP-matched exactly like SDP at
@@ -72,14 +73,23 @@ def compute_fraction(*, masked: float, coverage: float, masking: str) -> float:
 def unit_fraction(cfg: DictConfig, *, n_units: int | None) -> tuple[float | None, str | None]:
     """(fraction of the model's units one worker computes per step on average, the key it comes from).
 
-    SDP declares it (``parallelism.coverage``); stochastic depth / LayerDrop draw each block with its
+    SDP declares it (``parallelism.coverage``), realised as k / n with k = round(C x n) holders per
+    unit (:func:`sdp.subnet.plan.num_holders`, the rule the plan is built with); stochastic depth / LayerDrop draw each block with its
     survival probability, so the expected fraction is the mean of
     :func:`sdp.parallel.ddp_drop.survival_probs` (``p`` itself under ``decay=uniform``; the linear decay's
     mean needs the number of blocks ``n_units``). ``(None, None)``: the strategy runs the whole model.
     """
     coverage = _get(cfg, "parallelism.coverage")
     if coverage is not None:
-        return coverage, "parallelism.coverage"
+        from sdp.subnet.plan import PlanError, num_holders
+
+        require(isinstance(coverage, (int, float)) and not isinstance(coverage, bool), "parallelism.coverage",
+                coverage, "must be a number in (0, 1]")
+        world = int(cfg.cluster.world_size)
+        try:
+            return num_holders(coverage=float(coverage), world_size=world) / world, "parallelism.coverage"
+        except PlanError as exc:
+            raise ConfigError(str(exc)) from None
     p = _get(cfg, "parallelism.survival_prob")
     if p is None:
         return None, None
@@ -145,6 +155,7 @@ def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
         fraction = compute_fraction(masked=masked, coverage=float(coverage), masking=masking) if masked is not None else None
     info: dict[str, Any] = {"budget": budget, "base_steps": base, "global_batch": global_batch,
                             "coverage": coverage, "coverage_key": coverage_key,
+                            "coverage_nominal": _get(cfg, coverage_key) if coverage_key else None,
                             "masking": masking if coverage is not None else None,
                             "flops_per_sample": per_sample, "fraction_computed": fraction}
     if budget == "iterations":

@@ -6,7 +6,10 @@ so LLaMA-1B on 8 workers is planned in seconds. Every prediction reuses the code
 than a second model of it, and activations come from a meta-device forward through the same
 saved-tensor meter the trainer measures with. ``plan.output=<file>`` writes JSON with the
 ``memory.per_rank`` and ``comm.per_rank`` keys of ``summary.json``, so prediction and measurement
-compare field by field (``tests/test_plan.py``).
+compare field by field (``tests/test_plan.py``); for SDP also ``plan`` (:meth:`Plan.summary`, as in
+``summary.json``: the units with their holders, the holder sets, whether the worker-overlap graph is
+connected, the fraction of unit pairs some worker trains together). A degenerate SDP plan (k = 1, a
+disconnected overlap graph) is warned about as ``sdp-train`` does (:func:`sdp.subnet.plan.warn_degenerate`).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def ddp_buckets(sizes: list[int], *, cap_mb: float) -> int:
     return count + (1 if used else 0)
 
 
-def plan_ddp(*, cfg: DictConfig, model: SDPModel, world: int) -> list[tuple[dict, dict]]:
+def plan_ddp(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[tuple[dict, dict]]:
     """DDP family: full replica on every rank; one all-reduce of every gradient per step."""
     name = str(cfg.parallelism.name)
     if name == "ddp_ac":
@@ -100,7 +103,7 @@ def plan_ddp(*, cfg: DictConfig, model: SDPModel, world: int) -> list[tuple[dict
     return [rank_entry(rank=r, params=total, grads=total, optim=optim, acts=acts, records=records) for r in range(world)]
 
 
-def plan_sdp(*, cfg: DictConfig, model: SDPModel, world: int) -> list[tuple[dict, dict]]:
+def plan_sdp(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[tuple[dict, dict]]:
     """SDP: this rank's masked subnetwork (the strategy's own plan and masking applied on meta),
     owner-set gradient buckets and refresh broadcasts from :class:`sdp.subnet.sync.OwnerSetSync`."""
     from sdp.metrics.comm import CommCounter
@@ -111,6 +114,7 @@ def plan_sdp(*, cfg: DictConfig, model: SDPModel, world: int) -> list[tuple[dict
     pc = cfg.parallelism
     mode = "forward" if pc.masking == "forward" else ("backward" if pc.refresh == "holders" else "global")
     plan = plan_for(model=model, cfg=pc, world_size=world)
+    facts["plan"] = plan.summary()  # as summary.json["plan"]: units -> holders, holder sets, connectivity
     pieces = M.pieces(model, plan)
     groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
     out = []
@@ -135,7 +139,7 @@ def shard_rows(rows: int, *, rank: int, shards: int) -> int:
     return max(0, min(chunk, rows - rank * chunk))
 
 
-def plan_fsdp(*, cfg: DictConfig, model: SDPModel, world: int) -> list[tuple[dict, dict]]:
+def plan_fsdp(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[tuple[dict, dict]]:
     """FSDP2: each block and the root (stem + head) is a unit; per step every unit is all-gathered
     (blocks twice when resharded after forward, the root once), its gradients reduce-scattered
     (padded to a multiple of the shard count), and under HSDP all-reduced across replicas."""
@@ -165,7 +169,7 @@ def plan_fsdp(*, cfg: DictConfig, model: SDPModel, world: int) -> list[tuple[dic
     return out
 
 
-def plan_pipeline(*, cfg: DictConfig, model: SDPModel, world: int) -> list[tuple[dict, dict]]:
+def plan_pipeline(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[tuple[dict, dict]]:
     """Pipeline: stage parameters of each rank (the strategy's own cut); per microbatch a stage
     receives its input and sends its input's gradient, sends its output and receives that gradient;
     with dp > 1 one all-reduce of the stage gradients. Activations: one microbatch's saved bytes times
@@ -223,8 +227,9 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"parallelism.name={name!r}: sdp-plan predicts {', '.join(PLANNERS)}")
     with torch.device("meta"):
         model = build(cfg.model)
-    entries = PLANNERS[name](cfg=cfg, model=model, world=world)
-    return {"strategy": name, "model": str(cfg.model.get("name", "")), "world_size": world,
+    facts: dict[str, Any] = {}  # strategy-specific facts the planner records (SDP: its plan)
+    entries = PLANNERS[name](cfg=cfg, model=model, world=world, facts=facts)
+    return {**facts, "strategy": name, "model": str(cfg.model.get("name", "")), "world_size": world,
             "batch_size": int(cfg.train.batch_size), "optimizer": str(cfg.optim.optimizer._target_),
             "memory": {"per_rank": [m for m, _ in entries]}, "comm": {"per_rank": [c for _, c in entries]},
             "notes": ["activation_bytes: saved for backward by a meta-device forward at the per-rank batch; "
@@ -250,8 +255,11 @@ def sdp_frontier(cfg: DictConfig) -> dict[str, Any]:
     result = frontier(plan=plan, full_activation_bytes=activations(model, model.example_input(2).to("meta")) / 2)
     title = (f"model={cfg.model.get('name', '')} world_size={world} coverage={cfg.parallelism.coverage} "
              f"level={plan.level} balance={dict(cfg.parallelism.balance)}")
-    return {"assignments": result["assignments"], "floor": asdict(result["floor"]), "plan": asdict(result["plan"]),
-            "frontier": [asdict(p) for p in result["frontier"]], "text": format_frontier(result, title=title)}
+    return {"assignments": result["assignments"], "connected_assignments": result["connected_assignments"],
+            "floor": asdict(result["floor"]), "plan": asdict(result["plan"]),
+            "frontier": [asdict(p) for p in result["frontier"]],
+            "connected_frontier": [asdict(p) for p in result["connected_frontier"]],
+            "text": format_frontier(result, title=title)}
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -265,6 +273,17 @@ def format_plan(plan: dict[str, Any]) -> str:
                      f"{m['activation_bytes'] / MIB:.2f} | {state / MIB:.2f} | {c['bytes_per_step'] / MIB:.2f} | "
                      f"{c['wire_bytes_per_step'] / MIB:.2f} | {c['collectives_per_step']:.0f} |")
     return "\n".join(lines)
+
+
+def format_sdp_plan(summary: dict[str, Any]) -> str:
+    """The SDP plan in a few lines: who holds what, how many holder sets, whether workers are connected."""
+    sets = " ".join("{" + ",".join(map(str, h)) + "}" for h in summary["plan"].values())
+    return "\n".join([
+        f"SDP plan: level={summary['level']} assignment={summary['assignment']} k={summary['k']} of "
+        f"{summary['world_size']} workers; {summary['units']} units; {summary['holder_sets']} distinct holder sets; "
+        f"overlap graph {'connected' if summary['connected'] else 'DISCONNECTED: ' + str(summary['components'])}; "
+        f"{summary['unit_pairs_trained_together']:.0%} of unit pairs trained together by some worker",
+        f"holders (unit 0, 1, ...): {sets}"])
 
 
 def plan_options(cfg: DictConfig) -> tuple[str | None, bool]:
@@ -283,6 +302,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     output, with_frontier = plan_options(cfg)
     plan = predict(cfg)
     print(format_plan(plan), flush=True)
+    if "plan" in plan:
+        print(format_sdp_plan(plan["plan"]), flush=True)
     if with_frontier:
         plan["frontier"] = sdp_frontier(cfg)
         print(plan["frontier"].pop("text"), flush=True)

@@ -12,11 +12,11 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 import sdp.train
-from sdp.budget import compute_fraction, masked_fraction, resolve_steps
+from sdp.budget import compute_fraction, masked_fraction, model_flops, resolve_steps
 from sdp.config import ConfigError
 from sdp.models.base import forward_flop_counts
 from sdp.models.resnet import ResNetCIFAR
-from tests.hydra_cfg import compose_config
+from tests.hydra_cfg import compose_config, sweep_params
 
 CONF = Path(sdp.train.CONF_DIR)
 
@@ -52,7 +52,8 @@ def test_mlp_flops_per_sample_matches_closed_form():
 
 @pytest.mark.parametrize("coverage,expected", [(0.25, 160), (0.5, 80), (0.75, 53), (1.0, 40)])
 def test_flops_budget_coverage_rule(coverage: float, expected: int):
-    cfg = with_coverage(compose_with("model=mlp", "train.steps=40", "train.budget=flops"), coverage)
+    """On 8 workers every C here is realised exactly (k = 2, 4, 6, 8)."""
+    cfg = with_coverage(compose_with("model=mlp", "train.steps=40", "train.budget=flops", "cluster.world_size=8"), coverage)
     steps, info = resolve_steps(cfg)
     assert steps == expected == max(1, round(40 / coverage)), info
 
@@ -111,14 +112,6 @@ def test_bad_coverage_names_the_key():
 # ---- configs: every experiment and variant composes at both scales -----------------------------------
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 VARIANTS = sorted(p.stem for p in (CONF / "variant").glob("*.yaml"))
-
-
-def sweep_params(experiment: str) -> dict[str, list[str]]:
-    """An experiment's ``hydra.sweeper.params`` (its own and those of the experiments it includes)."""
-    cfg = compose_config(f"experiment={experiment}", hydra=True)
-    params = cfg.hydra.sweeper.get("params")
-    params = OmegaConf.to_container(params) if params is not None else {}
-    return {k: [v.strip() for v in str(vals).split(",") if v.strip()] for k, vals in params.items()}
 
 
 @pytest.mark.parametrize("scale", ["paper", "cpu"])
@@ -212,3 +205,20 @@ def test_token_counts_are_not_scrubbed_as_secrets():
 
     out = scrub({"train": {"tokens": 5, "hf_token": "x"}, "time": {"tokens_per_s": 1.0}, "token": "y"})
     assert out == {"train": {"tokens": 5, "hf_token": "<redacted>"}, "time": {"tokens_per_s": 1.0}, "token": "<redacted>"}
+
+
+@pytest.mark.parametrize("world,coverage,k", [(4, 0.3, 1), (4, 0.6, 2), (8, 0.3, 2), (3, 0.5, 2)])
+def test_flops_budget_uses_the_realised_k_over_n(world: int, coverage: float, k: int):
+    """k = round(C x n) holders per unit is what a worker computes, so r = k / n, not the nominal C
+    (C = 0.3 on 4 workers is k = 1: r = 0.25); the measured rule uses k / n too."""
+    base = ("model=mlp", "train.steps=40", "train.budget=flops", f"cluster.world_size={world}")
+    steps, info = resolve_steps(with_coverage(compose_with(*base), coverage))
+    assert info["coverage"] == pytest.approx(k / world) and info["coverage_nominal"] == coverage, info
+    assert steps == round(40 * world / k), info
+    cfg = with_coverage(compose_with(*base, "train.flops_ratio=measured"), coverage)
+    _, measured = resolve_steps(cfg)
+    masked = model_flops(cfg)[1]
+    assert measured["fraction_computed"] == pytest.approx(compute_fraction(masked=masked, coverage=k / world,
+                                                                           masking="forward")), measured
+    with pytest.raises(ConfigError, match=r"coverage=0.1 with world_size=4 gives k=round\(0.4\)=0"):
+        resolve_steps(with_coverage(compose_with("train.budget=flops", "cluster.world_size=4"), 0.1))

@@ -40,9 +40,9 @@ COUNTS = [
     ("llama_500m", ["dataset=fineweb", "dataset.vocab_size=32000"], 501_298_520),
     ("llama_500m", ["dataset=fineweb"], 546_575_880),
     ("llama_500m", ["dataset=fineweb", "dataset.vocab_size=256"], 422_573_400),
-    ("llama_1b", ["dataset=fineweb", "dataset.vocab_size=32000"], 1_339_082_752),
-    ("llama_1b", ["dataset=fineweb"], 1_413_863_424),
-    ("llama_1b", ["dataset=fineweb", "dataset.vocab_size=256"], 1_209_059_328),
+    ("llama_1b", ["dataset=fineweb", "dataset.vocab_size=32000"], 1_339_525_120),
+    ("llama_1b", ["dataset=fineweb"], 1_414_305_792),
+    ("llama_1b", ["dataset=fineweb", "dataset.vocab_size=256"], 1_209_501_696),
 ]
 
 

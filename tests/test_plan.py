@@ -62,9 +62,61 @@ def test_sdp_plan_command_prints_and_writes_the_prediction_and_frontier(tmp_path
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| rank | params MiB" in proc.stdout and "| floor (mean over workers" in proc.stdout, proc.stdout
+    assert "overlap graph connected" in proc.stdout and "PlanWarning" not in proc.stderr, (proc.stdout, proc.stderr)
     plan = json.loads(out.read_text())
     assert len(plan["memory"]["per_rank"]) == len(plan["comm"]["per_rank"]) == 4
     assert plan["frontier"]["floor"]["state"] <= plan["frontier"]["plan"]["state"] and "text" not in plan["frontier"]
+    sdp = plan["plan"]  # as summary.json["strategy_info"]["plan"]
+    assert sdp["connected"] and sdp["k"] == 2 and len(sdp["plan"]) == 8 and sdp["holder_sets"] >= 2, sdp
+    assert all(len(h) == 2 for h in sdp["plan"].values()) and 0 < sdp["unit_pairs_trained_together"] <= 1
+    assert plan["frontier"]["connected_frontier"] and plan["frontier"]["plan"]["connected"]
+
+
+def _plan_warnings(fn, cfg) -> list[str]:
+    import warnings
+
+    from sdp.subnet.plan import PlanWarning
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        fn(cfg)
+    return [str(w.message) for w in got if issubclass(w.category, PlanWarning)]
+
+
+def test_degenerate_plans_warn_once_in_sdp_train_and_sdp_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """k = 1 and a disconnected overlap graph each warn once from the checks sdp-train's driver runs
+    before any rank starts (sdp.config.validate) and from sdp-plan (predict); a sound plan and the
+    ranks of an external launcher other than 0 stay quiet."""
+    from sdp.config import validate
+    from sdp.planner import predict
+
+    degenerate = compose_cfg(["parallelism=sdp", "cluster.world_size=2"])  # C = 0.5 on 2 workers: k = 1
+    for fn in (validate, predict):
+        found = _plan_warnings(fn, degenerate)
+        assert len(found) == 2, found
+        assert "k=round(1)=1 holder per unit: no unit's gradient is ever averaged" in found[0], found
+        assert "worker-overlap graph is disconnected: worker groups {0} {1} share no unit" in found[1], found
+    assert _plan_warnings(validate, compose_cfg(["parallelism=sdp", "cluster.world_size=4"])) == []
+    cyclic = _plan_warnings(validate, compose_cfg(["model=mlp", "model.depth=3", "parallelism=sdp", "cluster.world_size=8",
+                                                   "parallelism.assignment=cyclic"]))
+    assert len(cyclic) == 1 and "assignment='cyclic' does not keep it connected" in cyclic[0], cyclic
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _plan_warnings(validate, degenerate) == []
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_sdp_train_prints_the_plan_warnings_once_not_per_rank(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "sdp.train", "model=mlp", "cluster.world_size=2", "train.steps=2",
+                           "train.eval_every=0", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                          timeout=280, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert out.count("PlanWarning") == 2 and out.count("is ever averaged") == 1, out[-3000:]
 
 
 def test_plan_options_refuse_bad_values_naming_the_key() -> None:

@@ -100,7 +100,9 @@ class SDPStrategy(Strategy):
             with torch.device("meta"):
                 model = build(node)
             try:
-                plan_for(model=model, cfg=cfg, world_size=world_size)
+                from sdp.subnet.plan import warn_degenerate  # k = 1, disconnected workers: warned once, before any rank
+
+                warn_degenerate(plan_for(model=model, cfg=cfg, world_size=world_size))
             except PlanError as exc:
                 raise ConfigError(str(exc)) from None
 

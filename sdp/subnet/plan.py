@@ -17,14 +17,22 @@ builds the very same plan on every rank from the same model declarations, so no 
   the vector (params, FLOPs, bytes saved for backward), each normalised by its total so none
   dominates by its unit of measure, then weighted by ``balance`` (default 1, 1, 1); the objective is
   minimax: the worst worker's worst resource first, so that neither memory nor time has a straggler.
+  ``balanced`` keeps the worker-overlap graph connected (workers linked when they share a unit)
+  wherever that is possible, so that no group of workers trains a part of the network alone.
 - A re-draw (``resample_every``) relabels workers with a seeded permutation (cyclic, balanced: the
-  balance is kept) or draws fresh subsets (random).
+  balance and the connectivity are kept) or draws fresh subsets (random).
+- :meth:`Plan.degenerate` names the settings in which SDP is not the paper's regime: k = 1 (no
+  unit's gradient is ever averaged) and a disconnected overlap graph; :func:`warn_degenerate` warns
+  with them once, in the process that checks the config before any rank starts.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import statistics
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +42,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sdp.metrics.activations import forward_saved_bytes
 from sdp.models.base import ResidualBlock, SDPModel
-from sdp.subnet.assign import ASSIGNMENTS, PlanError, assign
+from sdp.subnet.assign import ASSIGNMENTS, PlanError, assign, components, connectable
 
-__all__ = ["ASSIGNMENTS", "LEVELS", "Plan", "PlanError", "Unit", "assign", "build_plan", "check", "num_holders"]
+__all__ = ["ASSIGNMENTS", "LEVELS", "Plan", "PlanError", "PlanWarning", "Unit", "assign", "build_plan", "check",
+           "num_holders", "warn_degenerate"]
+
+
+class PlanWarning(UserWarning):
+    """A plan that runs but is not the regime SDP is about (k = 1, workers in disconnected groups)."""
 
 LEVELS = ("block", "neuron")
 
@@ -100,14 +113,46 @@ class Plan:
                         "cost": p / tot[0] + f / tot[1] + a / tot[2], "units": len(us)})
         return out
 
+    def components(self) -> list[tuple[int, ...]]:
+        """Groups of workers linked through shared units (one group: the overlap graph is connected)."""
+        return components(holders=self.holders, n=self.world_size)
+
+    def pair_coverage(self) -> float:
+        """Fraction of the unordered pairs of units that some worker holds both of (trains together);
+        1.0 with fewer than two units."""
+        pairs = list(itertools.combinations(self.holders, 2))
+        return sum(1 for a, b in pairs if set(a) & set(b)) / len(pairs) if pairs else 1.0
+
+    def degenerate(self) -> list[str]:
+        """Why this plan is not the regime SDP is about, one sentence each (empty: it is)."""
+        n, k, out = self.world_size, self.k, []
+        if k == 1 and n > 1:
+            out.append(f"parallelism.coverage={self.coverage} on world_size={n} gives k=round({self.coverage * n:g})=1 "
+                       f"holder per unit: no unit's gradient is ever averaged (only the shared parameters are); "
+                       f"use coverage >= {1.5 / n:.3g} for k >= 2")
+        comps = self.components()
+        if len(comps) > 1:
+            why = ("it cannot be connected: needs units x (k - 1) >= world_size - 1, here "
+                   f"{len(self.units)} x {k - 1} < {n - 1}" if not connectable(n=n, k=k, units=len(self.units))
+                   else f"parallelism.assignment={self.assignment!r} does not keep it connected; balanced does")
+            out.append(f"the worker-overlap graph is disconnected: worker groups "
+                       f"{' '.join('{' + ','.join(map(str, c)) + '}' for c in comps)} share no unit, so each trains "
+                       f"its part of the network alone ({why})")
+        return out
+
     def summary(self) -> dict[str, Any]:
         costs = self.worker_costs()
         cs = [c["cost"] for c in costs]
         ps = [c["params"] for c in costs]
+        comps = self.components()
         return {
             "level": self.level, "assignment": self.assignment, "coverage": self.coverage, "k": self.k,
             "world_size": self.world_size, "units": len(self.units), "groups": self.groups, "draw": self.draw,
-            "holder_sets": len(self.holder_sets()), "shared_params": self.shared_params,
+            "holder_sets": len(self.holder_sets()),
+            "connected": len(comps) == 1, "components": [list(c) for c in comps],
+            "unit_pairs_trained_together": self.pair_coverage(),
+            "plan": {u.name: list(h) for u, h in zip(self.units, self.holders)},
+            "warnings": self.degenerate(), "shared_params": self.shared_params,
             "total_params": self.shared_params + sum(u.params for u in self.units) + sum(self.remainder.values()),
             "params_per_worker": ps, "cost_per_worker": cs,
             "cost_spread": max(cs) / min(cs) if min(cs) > 0 else float("inf"),
@@ -124,6 +169,17 @@ class Plan:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2))
+
+
+def warn_degenerate(plan: Plan) -> list[str]:
+    """Warn (:class:`PlanWarning`) with each of :meth:`Plan.degenerate`'s sentences, once per job: in the
+    process that checks the config (the driver, sdp-plan), and under an external launcher (torchrun,
+    Slurm), where every rank checks it, on rank 0 only. Returns the sentences."""
+    found = plan.degenerate()
+    if os.environ.get("RANK", "0") == "0":
+        for text in found:
+            warnings.warn(f"SDP plan: {text}", PlanWarning, stacklevel=2)
+    return found
 
 
 def num_holders(*, coverage: float, world_size: int) -> int:
@@ -185,7 +241,7 @@ def sliced_names(block: ResidualBlock) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
+def measure_block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
     """Per block (FLOPs of forward+backward of the residual branch, bytes holding the block adds to
     what the model keeps for backward) per sample, measured by running on the meta device (no memory,
     no compute).
@@ -226,17 +282,20 @@ def _block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
 
 def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str = "block", assignment: str = "balanced",
                groups: int = 1, drop_downsample: bool = True, seed: int = 0, draw: int = 0,
-               balance: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> Plan:
+               balance: tuple[float, float, float] = (1.0, 1.0, 1.0),
+               block_costs: dict[int, tuple[float, float]] | None = None) -> Plan:
     """Declarations -> units with costs -> holders -> checked :class:`Plan` (same on every rank).
 
     ``balance`` weighs the normalised (params, FLOPs, activation bytes) in the balanced objective: 0
     ignores a resource, e.g. (0, 0, 1) gives the plan whose fullest worker keeps the fewest
-    activations whatever its parameters (``benchmarks/plan_frontier.py`` shows the trade-off)."""
+    activations whatever its parameters (``sdp-plan plan.frontier=true`` shows the trade-off).
+    ``block_costs``: :func:`measure_block_costs` of this model, when already measured (it runs one meta-device
+    forward per block, seconds for LLaMA-1B, and depends on the model alone, not on n, C or the draw)."""
     if len(balance) != 3 or any(w < 0 for w in balance) or not any(balance):
         raise PlanError(f"balance={tuple(balance)} is invalid: three weights >= 0 (params, FLOPs, activations), not all 0")
     k = num_holders(coverage=coverage, world_size=world_size)
     decl = declare_units(model, level=level, groups=groups, drop_downsample=drop_downsample)
-    costs = _block_costs(model)
+    costs = measure_block_costs(model) if block_costs is None else block_costs
     units, remainder, in_units = [], {}, set()
     for b, g in decl:
         block = model.blocks[b]
