@@ -37,6 +37,7 @@ def _memo_costs(model: torch.nn.Module) -> dict[int, tuple[float, float]]:
     return _COSTS[key]
 
 
+@pytest.mark.slow  # 444 s measured before the search fix of 0e471ba; not re-timed since (see the report)
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_swept_job_builds_its_plan_at_paper_scale(experiment: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plan_module, "measure_block_costs", _memo_costs)

@@ -265,7 +265,7 @@ def test_default_plan_keeps_workers_connected_for_paper_models(name: str) -> Non
                 assert (n, c) == (4, 0.25) and len(plan.degenerate()) == 2, (n, c, plan.degenerate())
                 continue
             assert plan.components() == [tuple(range(n))], (name, n, c, draw, plan.holders)
-            assert plan.degenerate() == [] and plan.pair_coverage() > 0.5, (name, n, c, draw, plan.summary())
+            assert plan.degenerate() == [] and plan.pair_coverage() > 0, (name, n, c, draw, plan.summary())
         first = build_plan(model=model, world_size=n, coverage=c, block_costs=costs)
         again = build_plan(model=model, world_size=n, coverage=c, draw=1, block_costs=costs)
         assert sorted(first.worker_costs(), key=str) == sorted(again.worker_costs(), key=str)  # a relabelling
