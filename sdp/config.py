@@ -63,7 +63,7 @@ def importable(key: str, value: Any, *, base: type | None = None) -> None:
 
 def validate_train(cfg: DictConfig) -> None:
     """The ``train:`` node, including the reliability keys and the ``train.debug`` fault injection."""
-    from sdp import checkpoint, faults, guards
+    from sdp import checkpoint, faults, guards, precision
 
     tc = cfg.train
     for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
@@ -71,6 +71,8 @@ def validate_train(cfg: DictConfig) -> None:
     for key in ("eval_every", "warmup_steps", "num_workers", "checkpoint_every", "checkpoint_keep"):
         positive_int(f"train.{key}", tc[key], minimum=0)
     one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
+    precision.check(tc.get("precision", "fp32"))
+    precision.check_stale_keys(cfg.parallelism)
     boolean("train.deterministic", tc.deterministic)
     if tc.resume is not None and str(tc.resume) != "auto":
         checkpoint.resolve(resume=tc.resume, run_dir=None)  # raises ConfigError naming the path

@@ -180,6 +180,7 @@ def collect_summary(
         "skipped_steps": state.skipped_steps,
         "global_batch": trainer.global_batch,
         "seed": int(cfg.seed),
+        "precision": strategy.precision,  # train.precision: fp32 | bf16 (autocast forward, fp32 master weights)
         "dataset_notes": list(trainer.data.notes),  # e.g. files loaded without their checksum check
         "final": {
             "train_loss": state.last_loss,
