@@ -13,12 +13,12 @@
 # Hydra/OmegaConf may be missing on the GPU machine: carried wheels in .whl/ go into /tmp/site first.
 set -uo pipefail
 OUT="${OUT:-/tmp/sdp_gpu_out}"; mkdir -p "$OUT"
-if ! python3 -c "import hydra" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+PY="${PYTHON:-python3}"
+if ! $PY -c "import hydra" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" WANDB_MODE=disabled PYTHONUNBUFFERED=1
-PY="${PYTHON:-python3}"
 RUNS="$OUT/runs"; mkdir -p "$RUNS"; : > "$OUT/log.txt"
 if [ -n "${DRY:-}" ]; then  # the same runs, CPU-sized: checks the script, the keys and the table
   DEV="cluster.device=cpu cluster.backend=gloo"; NCCL_DEV="$DEV"; WORLD=2; T=120
