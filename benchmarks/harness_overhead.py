@@ -71,7 +71,7 @@ def _minimal_rank(rank: int, world: int, port: int, config: dict, out: str) -> N
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, median)
     if rank == 0:
-        Path(out).write_text(json.dumps({"step_s_median": max(gathered), "per_rank": gathered, "last_loss": float(loss)}))
+        Path(out).write_text(json.dumps({"step_s_median": max(gathered), "per_rank": gathered, "last_loss": float(loss.detach())}))
     dist.destroy_process_group()
 
 

@@ -29,9 +29,12 @@ def process_groups() -> dict[str, Any]:
     """The groups this rank belongs to: count, sorted sizes, and whether NCCL splits them."""
     if not dist.is_initialized():
         return {"count": 0, "sizes": [], "split_from_default": False}
-    from torch.distributed.distributed_c10d import _get_default_group, _world
+    from torch.distributed.distributed_c10d import GroupMember, _get_default_group, _world
 
-    sizes = sorted((len(ranks) for ranks in _world.pg_group_ranks.values()), reverse=True)
+    me = dist.get_rank()
+    # torch also files the groups a rank is not in, under the one NON_GROUP_MEMBER key: skip it.
+    sizes = sorted((len(ranks) for pg, ranks in _world.pg_group_ranks.items()
+                    if pg is not GroupMember.NON_GROUP_MEMBER and me in ranks), reverse=True)
     default = _get_default_group()
     split = dist.get_backend(default) == "nccl" and getattr(default, "bound_device_id", None) is not None
     return {"count": len(sizes), "sizes": sizes, "split_from_default": bool(split)}
