@@ -25,6 +25,8 @@ class ConfigError(ValueError):
 RENAMED = {
     "parallelism.bn": "eval.bn (one evaluation protocol for every strategy)",
     "parallelism.bn_batches": "eval.bn_batches (one evaluation protocol for every strategy)",
+    "parallelism.mixed_precision": "train.precision (fp32 | bf16, one key for every strategy: "
+                                   "train.precision=bf16 where it was true, fp32 where it was false)",
 }
 
 
@@ -90,7 +92,7 @@ def importable(key: str, value: Any, *, base: type | None = None) -> None:
 
 def validate_train(cfg: DictConfig) -> None:
     """The ``train:`` node, including the reliability keys and the ``train.debug`` fault injection."""
-    from sdp import checkpoint, faults, guards
+    from sdp import checkpoint, faults, guards, precision
 
     tc = cfg.train
     for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
@@ -98,6 +100,7 @@ def validate_train(cfg: DictConfig) -> None:
     for key in ("eval_every", "warmup_steps", "num_workers", "checkpoint_every", "checkpoint_keep"):
         positive_int(f"train.{key}", tc[key], minimum=0)
     one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
+    precision.check(tc.get("precision", "fp32"))
     boolean("train.deterministic", tc.deterministic)
     boolean("train.extend_steps", tc.get("extend_steps", False))
     boolean("train.skip_done", tc.get("skip_done", False))

@@ -26,6 +26,7 @@ from sdp.data.base import DataBundle
 from sdp.launch import format_layout, launcher_identity, nodes_of, world_layout
 from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
 from sdp.metrics.flops import throughput
+from sdp.metrics.groups import device_memory, process_groups
 from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
@@ -95,7 +96,10 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
     threads = cfg.cluster.get("threads_per_rank") or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(int(threads))
     peak = PeakTracker(device=device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg.cluster.timeout_s)))
+    # NCCL: bound to its device, the default communicator is created at once and every later new_group
+    # (SDP's holder sets) is split from it, sharing its resources (sdp/metrics/groups.py).
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg.cluster.timeout_s)),
+                            device_id=device if backend == "nccl" else None)
     logger: Logger = NullLogger()
     out = Path(run_dir)
     try:
@@ -174,7 +178,8 @@ def collect_summary(
         "rank": ctx.rank,
         "memory": {"rank": ctx.rank, **strategy.state_bytes(), "activation_bytes": trainer.activation_bytes,
                    **peak.summary(), "eval_full_copy_bytes": extra.get("eval_full_copy_bytes"),
-                   "param_digest": param_digest(strategy.unwrapped())},
+                   "param_digest": param_digest(strategy.unwrapped()), **device_memory(ctx.device)},
+        "process_groups": {"rank": ctx.rank, **process_groups()},
         "comm": {"rank": ctx.rank, **ctx.comm.summary()},
         "time": {"rank": ctx.rank, **timer.summary(warmup=warmup), **device_facts(ctx.device)},
         "launcher": {"rank": ctx.rank, **launcher_identity()},
@@ -193,6 +198,7 @@ def collect_summary(
         "skipped_steps": state.skipped_steps,
         "global_batch": trainer.global_batch,
         "seed": int(cfg.seed),
+        "precision": strategy.precision,  # train.precision: fp32 | bf16 (autocast forward, fp32 master weights)
         "dataset_notes": list(trainer.data.notes),  # e.g. files loaded without their checksum check
         "data": data_used(trainer),  # how much data the run had: samples (and tokens) of each split
         "final": {
@@ -207,6 +213,7 @@ def collect_summary(
         "eval_protocol": evaluation.protocol(cfg),  # how final.eval_* were obtained (sdp.evaluation)
         "memory": {"per_rank": [g["memory"] for g in gathered]},
         "comm": {"per_rank": [g["comm"] for g in gathered]},
+        "process_groups": {"per_rank": [g["process_groups"] for g in gathered]},  # this rank's groups, default included
         "time": {
             "step_s_median": step_s,
             "samples_per_s": trainer.global_batch / step_s if step_s else None,

@@ -22,7 +22,7 @@ DEPTH, PER_RANK = 3, 6
 
 def _grad_worker(rank: int, world: int, replicate: int, out: str) -> None:
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=CPU, backend="gloo")
-    cfg = OmegaConf.create({"name": "fsdp", "replicate": replicate, "reshard_after_forward": True, "mixed_precision": False})
+    cfg = OmegaConf.create({"name": "fsdp", "replicate": replicate, "reshard_after_forward": True})
     strategy = FSDPStrategy(cfg=cfg, full_cfg=OmegaConf.create({}), ctx=ctx)
     strategy.setup(model=small_mlp(depth=DEPTH), optimizer_factory=lambda ps: CapturingSGD(ps))
     x, y = global_batch(PER_RANK * world)

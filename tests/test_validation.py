@@ -59,6 +59,9 @@ CATALOGUE = [
     Bad("resume-no-checkpoint", ["train.resume={tmp}"], ["train.resume=", "holds no complete checkpoint"]),
     Bad("checkpoint-every-negative", ["train.checkpoint_every=-1"], ["train.checkpoint_every=-1", "integer >= 0"]),
     Bad("nan-policy-unknown", ["train.nan_policy=ignore"], ["train.nan_policy='ignore'", "stop, skip"]),
+    Bad("precision-unknown", ["train.precision=fp16"], ["train.precision='fp16'", "fp32, bf16"]),
+    Bad("fsdp-stale-mixed-precision", ["parallelism=fsdp", "+parallelism.mixed_precision=true"],
+        ["parallelism.mixed_precision=True", "moved to train.precision", "train.precision=bf16"]),
     Bad("deterministic-not-bool", ["train.deterministic=maybe"], ["train.deterministic='maybe'", "true or false"]),
     Bad("fault-unknown", ["train.debug.fault=explode"], ["train.debug.fault='explode'", "kill, hang, nan_loss"]),
     Bad("fault-rank-outside", ["train.debug.fault=kill", "train.debug.fault_rank=5"], ["train.debug.fault_rank=5", "cluster.world_size=2"]),
@@ -177,3 +180,5 @@ def test_stale_override_on_the_command_line_names_the_new_key() -> None:
     for given in ("parallelism.bn=average", "+parallelism.bn=reestimate", "~parallelism.bn_batches"):
         message = renamed_overrides(["model=mlp", given])
         assert message is not None and "moved to eval.bn" in message and repr(given) in message, message
+    message = renamed_overrides(["parallelism=fsdp", "parallelism.mixed_precision=true"])
+    assert message is not None and "moved to train.precision" in message, message

@@ -35,8 +35,8 @@ def peak_flops(*, device_name: str, dtype: str) -> float | None:
 
 
 def compute_dtype(summary: dict[str, Any]) -> str:
-    """bf16 when FSDP's mixed precision is on, else fp32 (what the run's matmuls ran in)."""
-    return "bf16" if summary.get("strategy_info", {}).get("mixed_precision") else "fp32"
+    """What the run's matmuls ran in: summary.json's ``precision`` (``train.precision``; fp32 when absent)."""
+    return "bf16" if summary.get("precision") == "bf16" else "fp32"
 
 
 def throughput(*, summary: dict[str, Any], flops_per_step: float | None) -> dict[str, Any]:

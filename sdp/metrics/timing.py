@@ -1,8 +1,14 @@
-"""Step-time split into phases (data, forward, backward, comm, optimizer) with synchronisation.
+"""Step-time split into phases (data, forward, backward, comm, optimizer).
 
-On CPU ``perf_counter`` is exact enough once work is synchronous; on CUDA each phase boundary
-synchronises the device so that a phase's time is its own (a measurement cost accepted for
-benchmarks; ``enabled=False`` removes it).
+On CPU ``perf_counter`` is exact once work is synchronous. On CUDA a phase is timed by a pair of
+CUDA events recorded on the current stream (``Event(enable_timing=True)``), with no synchronisation
+at phase boundaries: timing must not slow the run it measures (a sync per phase would stall the
+host's queueing of the next kernels and serialise the copies/collectives it overlaps). The events are
+resolved once per step, in :meth:`PhaseTimer.end_step`, which waits for the step's last event only;
+the step's wall time is host time from ``start_step`` to that point. A phase's time is then the
+stream's time between its two events, which includes waits on other streams (NCCL's) that the
+phase enqueued (e.g. SDP's ``comm`` phase: the exposed part of the overlapped all-reduces).
+``enabled=False`` times with ``perf_counter`` only, with no events and no synchronisation.
 """
 
 from __future__ import annotations
@@ -22,32 +28,43 @@ class PhaseTimer:
     def __init__(self, *, device: torch.device, enabled: bool = True) -> None:
         self.device = device
         self.enabled = enabled
+        self.events = enabled and device.type == "cuda"
         self._current: dict[str, float] = defaultdict(float)
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.steps: list[dict[str, float]] = []
         self._t0: float | None = None
 
-    def _sync(self) -> None:
-        if self.enabled and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _event(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     def start_step(self) -> None:
-        self._sync()
         self._t0 = time.perf_counter()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        self._sync()
+        if self.events:
+            start = self._event()
+            try:
+                yield
+            finally:
+                self._pending.append((name, start, self._event()))
+            return
         t = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
             self._current[name] += time.perf_counter() - t
 
     def end_step(self) -> float:
-        """Close the step; returns its wall time in seconds."""
-        self._sync()
+        """Close the step; returns its wall time in seconds (CUDA: after the step's last event)."""
         assert self._t0 is not None, "end_step() called before start_step()"
+        if self.events:
+            self._event().synchronize()  # the one wait per step; every earlier event is then complete
+            for name, start, end in self._pending:
+                self._current[name] += start.elapsed_time(end) / 1000.0
+            self._pending = []
         total = time.perf_counter() - self._t0
         record = dict(self._current)
         record["step"] = total

@@ -23,6 +23,7 @@ from sdp.metrics import memory
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
+from sdp.precision import autocast
 from sdp.registry import Registry
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -65,6 +66,8 @@ class Strategy(ABC):
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._grad_bytes_peak = 0
+        train = full_cfg.get("train") if hasattr(full_cfg, "get") else None
+        self.precision = str(train.get("precision", "fp32")) if train is not None else "fp32"
 
     # ---- validation before any rank starts -----------------------------------------------------
     @classmethod
@@ -84,6 +87,19 @@ class Strategy(ABC):
         self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
     ) -> StepResult:
         """Forward, backward, gradient sync and optimizer update for this rank's batch slice."""
+
+    # ---- the forward, in the run's precision ------------------------------------------------------
+    def autocast(self) -> Any:
+        """``train.precision``'s context (:func:`sdp.precision.autocast`); every forward runs inside it."""
+        return autocast(precision=self.precision, device=self.ctx.device)
+
+    def forward_loss(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
+        """The one forward every strategy's ``train_step`` runs: the wrapped module and the loss under
+        :meth:`autocast`, timed as the ``forward`` phase. Backward and the optimizer run outside it
+        (fp32 master weights and gradients)."""
+        assert self.module is not None, f"strategy {self.name!r} used before setup()"
+        with timer.phase("forward"), self.autocast():
+            return loss_fn(self.module(inputs), targets)
 
     # ---- data ------------------------------------------------------------------------------------
     def data_parallel(self) -> tuple[int, int]:

@@ -90,8 +90,7 @@ class DDPStrategy(Strategy):
         self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
     ) -> StepResult:
         assert self.module is not None and self.optimizer is not None
-        with timer.phase("forward"):
-            loss = loss_fn(self.module(inputs), targets)
+        loss = self.forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
         with timer.phase("backward"):
             loss.backward()  # DDP's all-reduce overlaps with this
         self.note_grads()

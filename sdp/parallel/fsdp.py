@@ -10,6 +10,9 @@ Why these choices:
   in ``tests/test_fsdp.py`` compares the gathered gradients with a single-process reference.
 - ``parallelism.replicate`` > 1 is HSDP: a 2-D mesh (replicate, shard), parameters sharded within a
   shard group and all-reduced across replicas.
+- Precision comes from ``train.precision`` (:func:`sdp.precision.fsdp_policies`): bf16 all-gathers
+  and computes in bf16 and reduce-scatters in float32, BatchNorm layers sharded apart in float32;
+  the forward runs under the same autocast as every other strategy (``Strategy.forward_loss``).
 - Communication is counted by intercepting the ``torch.distributed`` collectives FSDP issues
   (:func:`sdp.metrics.collectives.count_collectives`); memory counts local shards (``to_local``).
 """
@@ -24,12 +27,13 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from sdp.config import positive_int, require
 from sdp.metrics.collectives import count_collectives
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
+from sdp.precision import fsdp_policies
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers, register
 
 
@@ -50,24 +54,22 @@ class FSDPStrategy(Strategy):
                 f"must divide cluster.world_size={world_size} (HSDP mesh = replicate x shard)")
         require(isinstance(cfg.get("reshard_after_forward", True), bool), "parallelism.reshard_after_forward",
                 cfg.get("reshard_after_forward"), "must be true or false")
-        require(isinstance(cfg.get("mixed_precision", False), bool), "parallelism.mixed_precision",
-                cfg.get("mixed_precision"), "must be true or false")
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         ctx = self.ctx
         replicate = int(self.cfg.get("replicate", 1))
-        mixed = bool(self.cfg.get("mixed_precision", False))
-        # Checked here because Strategy.validate does not see cluster.device; every rank raises alike.
-        require(not mixed or ctx.device.type == "cuda", "parallelism.mixed_precision", mixed,
-                f"bf16 parameters need cluster.device=cuda (this run is on {ctx.device.type}); set it to false")
         self.reshard_after_forward = bool(self.cfg.get("reshard_after_forward", True))
         if replicate > 1:
             shape, names = (replicate, ctx.world_size // replicate), ("replicate", "shard")
         else:
             shape, names = (ctx.world_size,), ("shard",)
         self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+        policy, norm_policy = fsdp_policies(precision=self.precision)  # train.precision (sdp/precision.py)
         model.to(ctx.device)
+        if norm_policy is not None:  # bf16: BatchNorm layers sharded on their own, in float32
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    fully_shard(m, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=norm_policy)
         for block in model.blocks:
             fully_shard(block, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         # None: FSDP2's default for the root, which keeps its (stem + head) parameters after forward
@@ -83,8 +85,8 @@ class FSDPStrategy(Strategy):
     ) -> StepResult:
         assert self.module is not None and self.optimizer is not None
         with count_collectives(self.ctx.comm):
-            with timer.phase("forward"):  # includes each block's parameter all-gather
-                loss = loss_fn(self.module(inputs), targets)
+            # the forward phase includes each block's parameter all-gather
+            loss = self.forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
             with timer.phase("backward"):  # includes re-gathers and the gradient reduce-scatters
                 loss.backward()
             self.note_grads()
@@ -154,6 +156,6 @@ class FSDPStrategy(Strategy):
             "mesh_shape": list(self.mesh.shape),
             "mesh_dims": list(self.mesh.mesh_dim_names or ()),
             "reshard_after_forward": self.reshard_after_forward,
-            "mixed_precision": bool(self.cfg.get("mixed_precision", False)),
+            "param_dtype": "bf16" if self.precision == "bf16" else "fp32", "reduce_dtype": "fp32",
             "sharded_modules": len(fsdp_modules(self.module)) if self.module is not None else 0,
         }

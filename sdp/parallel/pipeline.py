@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,20 +44,30 @@ from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan
 
 
 class StageModule(nn.Module):
-    """Stem (first stage only) -> blocks[lo:hi] under their original indices -> head (last stage only)."""
+    """Stem (first stage only) -> blocks[lo:hi] under their original indices -> head (last stage only).
 
-    def __init__(self, *, model: SDPModel, lo: int, hi: int, first: bool, last: bool) -> None:
+    ``precision`` is the strategy's :meth:`~sdp.parallel.base.Strategy.autocast`: the schedule runs
+    forward and backward inside one call, so the stage's forward enters the run's precision itself
+    (the backward then runs outside it, as for every other strategy). The last stage returns float32
+    logits so that the schedule's loss is computed in float32, as ``Strategy.forward_loss`` does."""
+
+    def __init__(self, *, model: SDPModel, lo: int, hi: int, first: bool, last: bool,
+                 precision: Callable[[], Any] = nullcontext) -> None:
         super().__init__()
         self.stem = model.stem if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
         self.head = model.head if last else None
+        self.precision = precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        if self.stem is not None:
-            x = self.stem(x)
-        for block in self.blocks.values():
-            x = block(x)
-        return self.head(x) if self.head is not None else x
+        with self.precision():
+            if self.stem is not None:
+                x = self.stem(x)
+            for block in self.blocks.values():
+                x = block(x)
+            if self.head is None:
+                return x
+            return self.head(x).float()
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:
@@ -69,8 +79,9 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def stage_of(model: SDPModel, plan: PipelinePlan, s: int) -> StageModule:
-    return StageModule(model=model, lo=plan.bounds[s], hi=plan.bounds[s + 1], first=s == 0, last=s == plan.num_stages - 1)
+def stage_of(model: SDPModel, plan: PipelinePlan, s: int, *, precision: Callable[[], Any] = nullcontext) -> StageModule:
+    return StageModule(model=model, lo=plan.bounds[s], hi=plan.bounds[s + 1], first=s == 0, last=s == plan.num_stages - 1,
+                       precision=precision)
 
 
 @register("pipeline")
@@ -100,7 +111,7 @@ class PipelineStrategy(Strategy):
         self.stage_keys = [list(stage_of(self.skeleton, plan, s).state_dict()) for s in range(plan.num_stages)]
         self.stage_params = [count_params(stage_of(self.skeleton, plan, s)) for s in range(plan.num_stages)]
         self.stage_ids = plan.stages_of(self.pp_rank)
-        stages = [stage_of(model, plan, s).to(ctx.device) for s in self.stage_ids]
+        stages = [stage_of(model, plan, s, precision=self.autocast).to(ctx.device) for s in self.stage_ids]
         self._release_unowned(model)
         self.module = nn.ModuleList(stages)
         self.pipe_stages = [PipelineStage(m, s, plan.num_stages, ctx.device, group=self.pp_group)

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from sdp.config import ConfigError, one_of, positive_float, positive_int, require
+from sdp.config import ConfigError, boolean, one_of, positive_float, positive_int, require
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
@@ -85,6 +85,7 @@ class SDPStrategy(Strategy):
                 "backward masking runs the full model in every forward, so only none (or auto) is meaningful")
         require(isinstance(cfg.drop_downsample, bool), "parallelism.drop_downsample", cfg.drop_downsample, "true or false")
         positive_float("parallelism.bucket_cap_mb", cfg.bucket_cap_mb)
+        boolean("parallelism.overlap", cfg.get("overlap", True))
         positive_int("parallelism.plan_seed", cfg.plan_seed, minimum=0)
         b = cfg.balance
         require(isinstance(b, DictConfig) and set(b) == set(BALANCE_KEYS), "parallelism.balance",
@@ -136,8 +137,11 @@ class SDPStrategy(Strategy):
             self.groups = GroupSet(world_size=ctx.world_size, holder_sets=sets, refresh=self.mode == "backward")
         else:  # a re-draw: new holder sets get their groups, created in the same order on every rank
             self.groups.add(holder_sets=sets, refresh=self.mode == "backward")
+        if getattr(self, "sync", None) is not None:
+            self.sync.close()  # a re-draw: the old subnetwork's gradient hooks go
         self.sync = OwnerSetSync(rank=ctx.rank, pieces=self.pieces, layout=self.layout, groups=self.groups,
-                                 comm=ctx.comm, mode=self.mode, bucket_cap_mb=float(self.cfg.bucket_cap_mb))
+                                 comm=ctx.comm, mode=self.mode, bucket_cap_mb=float(self.cfg.bucket_cap_mb),
+                                 overlap=bool(self.cfg.get("overlap", True)))
 
     def _trainable(self) -> list[nn.Parameter]:
         assert self.module is not None
@@ -148,8 +152,7 @@ class SDPStrategy(Strategy):
     # ---- one step ---------------------------------------------------------------------------------
     def forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
         assert self.module is not None
-        with timer.phase("forward"):
-            loss = loss_fn(self.module(inputs), targets)
+        loss = self.forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
         with timer.phase("backward"):
             loss.backward()
         self.note_grads()
@@ -242,7 +245,7 @@ class SDPStrategy(Strategy):
             "plan": self.plan.summary(),
             "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh), "rescale": self.rescale,
             "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
-            "eval_full_copy_bytes": self.eval_copy_bytes, "redraws": self.redraws,
+            "eval_full_copy_bytes": self.eval_copy_bytes, "redraws": self.redraws, "overlap": self.sync.overlap,
         }
 
     def save_artifacts(self, *, run_dir: Path) -> None:

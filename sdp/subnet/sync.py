@@ -7,6 +7,17 @@ every rank, in one global order (``Plan.holder_sets`` order), because ``new_grou
 over the world. Collectives are also issued in that global order on every rank: each rank's sequence
 is a subsequence of one total order, so overlapping groups cannot deadlock.
 
+Overlap (``parallelism.overlap``, default on): a post-accumulate-grad hook on every local tensor of a
+bucket counts the bucket down during backward; a ready bucket is flattened and its all-reduce
+launched at once (``async_op=True``), and :meth:`OwnerSetSync.reduce_grads` only waits, divides and
+copies back before the optimizer step, as DDP's reducer does. Launches follow one global order that
+every rank derives from the same piece list (buckets whose earliest piece comes last in the forward
+first: backward reaches them first), each rank launching its own buckets in that order as soon as the
+prefix is ready; so each rank's sequence is still a subsequence of one total order. A bucket's
+contents, its group and its arithmetic (sum, then divide by its holder count) are those of the
+non-overlapped path, so gradients are bit-identical (``tests/test_sdp_overlap.py``); only the time of
+the launch moves. ``overlap=false`` is the blocking path after backward.
+
 Every call into torch.distributed is recorded with ``comm.record``. For a broadcast the source
 records the payload and the receivers record 0 bytes (nothing sent) for the same collective.
 """
@@ -77,10 +88,13 @@ class GroupSet:
 
 class OwnerSetSync:
     """Averages held gradients over their holder sets (or, ``mode="global"``, over the world
-    divided by holder counts) and refreshes non-held parameters from their lowest holder."""
+    divided by holder counts) and refreshes non-held parameters from their lowest holder.
+
+    ``overlap``: launch each bucket's all-reduce from backward as soon as its gradients are ready
+    (see the module docstring); :meth:`reduce_grads` then waits. :meth:`close` removes the hooks."""
 
     def __init__(self, *, rank: int, pieces: list[Piece], layout: dict[str, Local], groups: GroupSet,
-                 comm: CommCounter, mode: str, bucket_cap_mb: float) -> None:
+                 comm: CommCounter, mode: str, bucket_cap_mb: float, overlap: bool = False) -> None:
         self.rank, self.layout, self.groups, self.comm, self.mode = rank, layout, groups, comm, mode
         self.params = [p for p in pieces if p.is_param]
         cap = int(bucket_cap_mb * 2**20)
@@ -90,14 +104,75 @@ class OwnerSetSync:
         if mode == "global":
             world = tuple(range(groups.n))
             self.grad_buckets = [(world, b) for b in buckets(self.params, cap_bytes=cap)]
-            return
-        for h in order:
-            mine = [p for p in self.params if p.holders == h]
-            if rank in h and len(h) > 1:
-                self.grad_buckets += [(h, b) for b in buckets(mine, cap_bytes=cap)]
-            if mode == "backward" and len(h) < groups.n and rank in groups.refresh_set(h):
-                self.refresh_buckets += [(h, b) for b in buckets(mine, cap_bytes=cap)]
+        else:
+            for h in order:
+                mine = [p for p in self.params if p.holders == h]
+                if rank in h and len(h) > 1:
+                    self.grad_buckets += [(h, b) for b in buckets(mine, cap_bytes=cap)]
+                if mode == "backward" and len(h) < groups.n and rank in groups.refresh_set(h):
+                    self.refresh_buckets += [(h, b) for b in buckets(mine, cap_bytes=cap)]
+        self.overlap = overlap
+        self._hooks: list[Any] = []
+        self._inflight: list[tuple[Any, torch.Tensor, list[torch.Tensor], tuple[int, ...]]] = []
+        if overlap:
+            self._arm()
 
+    # ---- overlap: hooks count buckets down, ready prefixes of the launch order are launched -------
+    def _arm(self) -> None:
+        index = {id(p): i for i, p in enumerate(self.params)}
+        first = [min(index[id(p)] for p in items) for _, items in self.grad_buckets]
+        # One order for every rank: latest-in-forward first; ties by holder set (identical everywhere).
+        self.launch_order = sorted(range(len(self.grad_buckets)),
+                                   key=lambda b: (-first[b], len(self.grad_buckets[b][0]), self.grad_buckets[b][0]))
+        tensors: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        self._need: list[int] = []
+        for b, (_, items) in enumerate(self.grad_buckets):
+            mine = {id(t): t for t in (self._tensor(p) for p in items)}
+            self._need.append(len(mine))
+            for key, t in mine.items():
+                tensors.setdefault(key, (t, []))[1].append(b)
+        for t, bs in tensors.values():
+            if t.requires_grad:  # a tensor without gradients never fires: finish() launches its bucket
+                self._hooks.append(t.register_post_accumulate_grad_hook(self._ready_hook(bs)))
+        self._reset()
+
+    def _reset(self) -> None:
+        self._left = list(self._need)
+        self._next = 0
+        self._inflight = []
+
+    def _tensor(self, p: Piece) -> torch.Tensor:
+        spec = locate(p, self.layout)
+        assert spec is not None, f"rank {self.rank} syncs {p.name} but does not hold it"
+        return spec[0]
+
+    def _ready_hook(self, bs: list[int]):  # type: ignore[no-untyped-def]
+        def hook(_t: torch.Tensor) -> None:
+            for b in bs:
+                assert self._left[b] > 0, (f"rank {self.rank}: bucket {b} got a gradient again before reduce_grads() "
+                                           "(two backward passes per step are not supported with parallelism.overlap=true)")
+                self._left[b] -= 1
+            self._launch_ready()
+
+        return hook
+
+    @torch.no_grad()
+    def _launch_ready(self, *, all_: bool = False) -> None:
+        while self._next < len(self.launch_order):
+            b = self.launch_order[self._next]
+            if self._left[b] and not all_:
+                return
+            h, items = self.grad_buckets[b]
+            self._inflight.append(self._start(h, items, async_op=True))
+            self._next += 1
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the plan was re-drawn: a new sync replaces this one)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # ---- one bucket ------------------------------------------------------------------------------
     def _grad_views(self, items: list[Piece]) -> list[torch.Tensor]:
         out = []
         for p in items:
@@ -109,21 +184,37 @@ class OwnerSetSync:
             out.append(view(t.grad, dim, start, length))
         return out
 
-    @torch.no_grad()
-    def reduce_grads(self) -> None:
-        """all_reduce(SUM) each bucket on its holder set's group, then divide by |H|."""
+    def _start(self, h: tuple[int, ...], items: list[Piece], *, async_op: bool) -> tuple[Any, torch.Tensor, list[torch.Tensor], tuple[int, ...]]:
+        """Flatten a bucket (global mode: non-held pieces zeroed first) and start its all_reduce(SUM)."""
         if self.mode == "global":
-            for p in self.params:
+            for p in items:
                 if self.rank not in p.holders:
                     self._grad_views([p])[0].zero_()
-        for h, items in self.grad_buckets:
-            views = self._grad_views(items)
-            flat = flatten(views)
-            self.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(h))
-            dist.all_reduce(flat, group=self.groups.get(h))
-            if self.mode != "global":
-                flat /= len(h)
-            unflatten(flat, views)
+        views = self._grad_views(items)
+        flat = flatten(views)
+        self.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(h))
+        work = dist.all_reduce(flat, group=self.groups.get(h), async_op=async_op)
+        return work, flat, views, h
+
+    def _finish(self, work: Any, flat: torch.Tensor, views: list[torch.Tensor], h: tuple[int, ...]) -> None:
+        if work is not None:
+            work.wait()
+        if self.mode != "global":
+            flat /= len(h)
+        unflatten(flat, views)
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """all_reduce(SUM) each bucket on its holder set's group, then divide by |H| (global mode: by
+        each piece's holder count). With overlap, the launches happened during backward: wait here."""
+        if self.overlap:
+            self._launch_ready(all_=True)  # buckets with a tensor that got no gradient this step
+            for pending in self._inflight:
+                self._finish(*pending)
+            self._reset()
+        else:
+            for h, items in self.grad_buckets:
+                self._finish(*self._start(h, items, async_op=False))
         if self.mode == "global":
             for p in self.params:
                 self._grad_views([p])[0].div_(len(p.holders))

@@ -1,0 +1,79 @@
+"""SDP's gradient sync with and without overlap, side by side in one invocation (issue 18, part 3).
+
+Two real ``sdp-train`` jobs on the same model, data, batch and plan, alternated ``--repeats`` times
+(off, on, off, on, ...) so that a load change on the machine hits both: ``parallelism.overlap=false``
+(today's path: every holder-set all-reduce after backward, blocking, timed as the ``comm`` phase)
+and ``parallelism.overlap=true`` (launched from backward hooks; the ``comm`` phase is then only the
+wait before the optimizer step, i.e. the *exposed* communication). Per run: the step-time median
+(max over ranks of the rank medians, as summary.json), and the comm / backward phase medians (mean
+over ranks of the rank medians). Targets: exposed comm <= 0.5 x the non-overlapped comm time, step
+time with overlap <= step time without.
+
+Default = the issue's case: SDP C=0.5 (block level, forward masking), 4 CPU ranks, ResNet-18 width
+64, synthetic 32x32, batch 32 per rank. Run it under the machine's CPU lock and report ``uptime``:
+
+    flock /tmp/sdp-cpu.lock env PYTHONPATH=$PWD python benchmarks/overlap.py --out outputs/bench/overlap
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import ROOT, run_one  # noqa: E402  (the same job runner as the strategy comparison)
+
+COMMON = ["model=resnet18_cifar", "model.width=64", "dataset=synthetic", "dataset.image_size=32",
+          "train.batch_size=32", "cluster.world_size=4", "train.steps=10", "train.warmup_steps=3",
+          "train.eval_every=0", "logger.wandb.mode=disabled", "logger.progress=false",
+          "parallelism.coverage=0.5"]
+
+
+def figures(summary: dict[str, Any]) -> dict[str, float]:
+    ranks = summary["time"]["per_rank"]
+    phase = lambda name: statistics.mean(r["phases_s_median"].get(name, 0.0) for r in ranks)  # noqa: E731
+    return {"step_s": summary["time"]["step_s_median"], "comm_s": phase("comm"), "backward_s": phase("backward"),
+            "forward_s": phase("forward")}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="sdp", help="conf/parallelism preset (default sdp: B-SDP)")
+    ap.add_argument("--common", nargs="*", default=COMMON)
+    ap.add_argument("--extra", nargs="*", default=[], help="overrides appended to --common")
+    ap.add_argument("--repeats", type=int, default=2, help="off/on pairs, alternated")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "overlap")
+    args = ap.parse_args(argv)
+    common = [*args.common, *args.extra]
+    runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    for i in range(args.repeats):
+        for label in ("off", "on"):
+            spec = f"{args.preset},parallelism.overlap={'true' if label == 'on' else 'false'}"
+            s = run_one(label=f"{label}{i}", spec=spec, common=common, out=args.out)
+            runs[label].append(figures(s))
+            print(label, i, runs[label][-1], flush=True)
+    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
+    result = {
+        "runs": runs, "median": med,
+        "exposed_comm_ratio": med["on"]["comm_s"] / med["off"]["comm_s"] if med["off"]["comm_s"] else None,
+        "step_ratio": med["on"]["step_s"] / med["off"]["step_s"],
+        "loadavg": os.getloadavg(), "common": common, "preset": args.preset,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overlap.json").write_text(json.dumps(result, indent=2))
+    print("| path | step s | comm s (exposed) | backward s | forward s |\n|---|---|---|---|---|")
+    for k in ("off", "on"):
+        m = med[k]
+        print(f"| overlap={k} | {m['step_s']:.3f} | {m['comm_s']:.3f} | {m['backward_s']:.3f} | {m['forward_s']:.3f} |")
+    print(f"exposed comm (on) / comm (off) = {result['exposed_comm_ratio']:.3f} (target <= 0.5); "
+          f"step on / off = {result['step_ratio']:.3f} (target <= 1); loadavg at end {result['loadavg']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
