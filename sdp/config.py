@@ -133,6 +133,9 @@ def validate(cfg: DictConfig) -> None:
     if cl.device == "cpu":
         require(cl.backend != "nccl", "cluster.backend", cl.backend, "NCCL needs cluster.device=cuda; use gloo or auto on CPU")
     validate_train(cfg)
+    boolean("memory.tracker", cfg.memory.tracker)
+    if cfg.memory.budget_mb is not None:
+        positive_float("memory.budget_mb", cfg.memory.budget_mb)
     positive_int("seed", cfg.seed, minimum=0)
     positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)
     one_of("optim.schedule", cfg.optim.schedule, ("constant", "cosine", "linear"))
