@@ -4,9 +4,11 @@ Why not process RSS: RSS counts library pages, the dataset, the allocator's cach
 that were touched once, so it cannot say what a strategy needs. The CUDA allocator counts the bytes
 of live tensor storages; this tracker counts the same thing on the CPU. It is a
 ``TorchDispatchMode`` that sees every ATen op's outputs (forward, backward on the calling thread,
-optimizer, collectives' staging) and keys each output by its storage's ``data_ptr``, so views,
-in-place results and tensors sharing a storage count once. A weak reference on the storage removes
-it when it dies (storages keep their Python object alive as long as the C++ storage lives).
+optimizer, collectives' staging) and keys each output by its storage (the C++ ``StorageImpl``), so
+views, in-place results and tensors sharing a storage count once. A weak reference on the storage
+removes it when it dies (storages keep their Python object alive as long as the C++ storage lives).
+``device_type="meta"`` counts meta tensors the same way: ``sdp-plan`` rehearses steps on the meta
+device with it (:mod:`sdp.plan_peaks`).
 
 Why this and not ``torch.distributed._tools.mem_tracker.MemTracker``: that one hooks every module and
 keeps per-module snapshots (useful for attribution, costly per step); here the work per op is one
@@ -41,7 +43,7 @@ class LiveTensorTracker(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.budget_bytes = budget_bytes
-        self._live: dict[int, list[Any]] = {}  # data_ptr -> [nbytes, category, weakref]
+        self._live: dict[int, list[Any]] = {}  # storage -> [nbytes, category, weakref]
         self.by_cat = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.peak = 0
@@ -70,10 +72,10 @@ class LiveTensorTracker(TorchDispatchMode):
         if t.device.type != self.device_type:
             return
         st = t.untyped_storage()
-        key = st.data_ptr()
-        if key == 0:
-            return
         nb = st.nbytes()
+        if nb == 0:
+            return
+        key = st._cdata  # the C++ storage: one per live storage, shared by every view (meta tensors too)
         entry = self._live.get(key)
         if entry is not None:
             if nb > entry[0]:  # resize_ grew the storage in place
@@ -115,9 +117,9 @@ class LiveTensorTracker(TorchDispatchMode):
             if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
                 self.label((getattr(t, a) for a in t.__tensor_flatten__()[0]), category)
                 continue
-            if t.device.type != self.device_type or t.untyped_storage().data_ptr() == 0:
+            if t.device.type != self.device_type or t.untyped_storage().nbytes() == 0:
                 continue
-            key = t.untyped_storage().data_ptr()
+            key = t.untyped_storage()._cdata
             if key not in self._live:
                 self._track(t, category)
                 continue

@@ -161,9 +161,8 @@ def apply(
         owner, leaf = _owner(model, name)
         is_param = ps[0].is_param
         mine = [p for p in ps if rank in p.holders]
-        if t.is_meta and mine:
-            assert masking == "forward" and materialise is not None, \
-                f"{name} is on the meta device (masking={masking}, materialise={materialise})"
+        if t.is_meta and mine and materialise is not None:  # None: a meta-device plan (sdp-plan)
+            assert masking == "forward", f"{name} is on the meta device under masking={masking}"
             materialise(name.rpartition(".")[0])
             t = (owner._parameters if is_param else owner._buffers)[leaf]  # type: ignore[assignment]
         if masking == "global" or len(mine) == len(ps):
