@@ -10,10 +10,11 @@ the rehearsal cannot see is added from the strategy's rule:
 
 - DDP: the reducer's gradient buckets exist from construction (``gradient_as_bucket_view``: they
   are the gradients later), so they count in the set-up peak.
-- SDP: one owner-set bucket is flattened after backward (``sdp.subnet.sync``); evaluation holds an
+- SDP: one owner-set bucket is flattened after backward, or (backward masking) one refresh bucket
+  after the update (``sdp.subnet.sync``, the largest that this rank takes part in); evaluation holds an
   assembled full copy (params and buffers) next to the rank's own state.
-- FSDP: the rank's shards of the state, the full replica's activation transient, and the unsharded
-  parameters of the two largest units (the one running and the one prefetched).
+- FSDP: the rank's shards of the state, the full replica's activation transient, the root and the
+  largest block unsharded (see :func:`_fsdp_peaks`): a rule, not a rehearsal of FSDP2's buffers.
 
 The comparison with the CPU tracker is ``tests/test_plan_peaks.py`` (within 10 %).
 """
@@ -124,7 +125,8 @@ def predict_peaks(*, cfg: DictConfig, model: SDPModel, world: int) -> list[dict[
 def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int) -> list[dict[str, int]]:
     from sdp.parallel.sdp import plan_for
     from sdp.subnet import masking as M
-    from sdp.subnet.sync import buckets
+    from sdp.metrics.comm import CommCounter
+    from sdp.subnet.sync import GroupSet, OwnerSetSync
 
     pc = cfg.parallelism
     mode = "forward" if pc.masking == "forward" else ("backward" if pc.refresh == "holders" else "global")
@@ -134,35 +136,41 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
     full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, cfg=cfg,
                          example=model.example_input)
     eval_transient = full_eval["eval"] - full_eval["setup"]
-    cap = int(float(pc.bucket_cap_mb) * 2**20)
+    groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
     out = []
     for r in range(world):
         mine = copy.deepcopy(model)
         layout = M.apply(mine, plan, rank=r, masking=mode, all_pieces=pieces)
         trained = list(mine.parameters()) if mode == "global" else list(M.held_parameters(layout, pieces, r))
         res = rehearse(module=mine, trainable=trained, batch=batch, eval_batch=eval_batch, cfg=cfg, example=mine.example_input)
-        held = [p for p in pieces if p.is_param and r in p.holders and len(p.holders) > 1]
-        by_set: dict[tuple[int, ...], list[Any]] = {}
-        for p in held:
-            by_set.setdefault(p.holders, []).append(p)
-        flat = max((sum(p.nbytes for p in b) for items in by_set.values() for b in buckets(items, cap_bytes=cap)), default=0)
-        out.append({"setup_peak_bytes": res["setup"], "train_peak_bytes": max(res["train"], res["state"] + flat),
+        sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
+                            bucket_cap_mb=float(pc.bucket_cap_mb))
+        flats = [sum(p.nbytes for p in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
+        out.append({"setup_peak_bytes": res["setup"], "train_peak_bytes": max(res["train"], res["state"] + max(flats, default=0)),
                     "eval_peak_bytes": res["state"] + full_copy + eval_transient})
     return out
 
 
 def _fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int) -> list[dict[str, int]]:
+    """FSDP2 on top of the full replica's rehearsal: the model is materialised whole and sharded unit by
+    unit (set-up: the full parameters and one shard in flight); a training step holds the sharded
+    state, the replica's activation transient, the root unsharded, and for the largest block its
+    unsharded parameters twice (running + prefetched) and its unsharded gradients and reduce-scatter
+    input; evaluation unshards every unit (the full parameters) with one all-gather buffer in flight."""
     from sdp.planner import plan_fsdp
 
+    shards = world // int(cfg.parallelism.get("replicate", 1))
     full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=batch, eval_batch=eval_batch,
                     cfg=cfg, example=model.example_input)
-    transient = full["train"] - full["state"]
-    units = sorted((_nbytes(b.parameters()) for b in model.blocks), reverse=True)
-    gathered = sum(units[:2])
+    block_ids = {id(p) for b in model.blocks for p in b.parameters()}
+    root = _nbytes(p for p in model.parameters() if id(p) not in block_ids)
+    largest = max((_nbytes(b.parameters()) for b in model.blocks), default=0)
     params_full = _nbytes(model.parameters())
+    one_shard = max((t.numel() * t.element_size() // shards for t in model.parameters()), default=0)
     out = []
     for mem, _ in plan_fsdp(cfg=cfg, model=model, world=world):
         state = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
-        out.append({"setup_peak_bytes": params_full + mem["param_bytes"], "train_peak_bytes": state + transient + gathered,
-                    "eval_peak_bytes": state + params_full + (full["eval"] - full["setup"])})
+        out.append({"setup_peak_bytes": params_full + one_shard,
+                    "train_peak_bytes": state + (full["train"] - full["state"]) + root + 4 * largest,
+                    "eval_peak_bytes": state + params_full + (full["eval"] - full["state"]) + largest})
     return out

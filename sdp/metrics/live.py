@@ -67,7 +67,9 @@ class LiveTensorTracker(TorchDispatchMode):
     def _track(self, t: torch.Tensor, category: str = "activations") -> None:
         if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):  # DTensor: its local shard
             for attr in t.__tensor_flatten__()[0]:
-                self._track(getattr(t, attr), category)
+                inner = getattr(t, attr)
+                if isinstance(inner, torch.Tensor):
+                    self._track(inner, category)
             return
         if t.device.type != self.device_type:
             return
@@ -115,7 +117,7 @@ class LiveTensorTracker(TorchDispatchMode):
             if t is None:
                 continue
             if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
-                self.label((getattr(t, a) for a in t.__tensor_flatten__()[0]), category)
+                self.label((u for u in (getattr(t, a) for a in t.__tensor_flatten__()[0]) if isinstance(u, torch.Tensor)), category)
                 continue
             if t.device.type != self.device_type or t.untyped_storage().nbytes() == 0:
                 continue
