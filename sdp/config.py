@@ -172,6 +172,11 @@ def validate(cfg: DictConfig) -> None:
     from sdp.evaluation import validate_eval
 
     validate_eval(cfg)
+    boolean("memory.tracker", cfg.memory.tracker)
+    if cfg.memory.budget_mb is not None:
+        positive_float("memory.budget_mb", cfg.memory.budget_mb)
+        require(bool(cfg.memory.tracker) or cl.device == "cuda", "memory.budget_mb", cfg.memory.budget_mb,
+                "on CPU the budget is enforced by the live-tensor tracker: set memory.tracker=true")
     positive_int("seed", cfg.seed, minimum=0)
     positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)
     one_of("optim.schedule", cfg.optim.schedule, ("constant", "cosine", "linear"))

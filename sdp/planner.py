@@ -229,11 +229,21 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
         model = build(cfg.model)
     facts: dict[str, Any] = {}  # strategy-specific facts the planner records (SDP: its plan)
     entries = PLANNERS[name](cfg=cfg, model=model, world=world, facts=facts)
+    add_peaks(cfg=cfg, model=model, entries=entries)
     return {**facts, "strategy": name, "model": str(cfg.model.get("name", "")), "world_size": world,
             "batch_size": int(cfg.train.batch_size), "optimizer": str(cfg.optim.optimizer._target_),
             "memory": {"per_rank": [m for m, _ in entries]}, "comm": {"per_rank": [c for _, c in entries]},
             "notes": ["activation_bytes: saved for backward by a meta-device forward at the per-rank batch; "
                       "stochastic depth / LayerDrop predicted with every block kept"]}
+
+
+def add_peaks(*, cfg: DictConfig, model: SDPModel, entries: list[tuple[dict, dict]]) -> None:
+    """Add the predicted set-up, train and eval peaks (:mod:`sdp.plan_peaks`) to each rank's memory entry."""
+    from sdp.plan_peaks import predict_peaks
+
+    peaks = predict_peaks(cfg=cfg, model=model, world=len(entries))
+    for (mem, _), p in zip(entries, peaks or [{}] * len(entries)):
+        mem.update(p)
 
 
 def sdp_frontier(cfg: DictConfig) -> dict[str, Any]:

@@ -69,7 +69,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"rank {m['rank']}: params {mib(m['param_bytes'])} grads {mib(m['grad_bytes'])} "
             f"optim {mib(m['optim_bytes'])} activations {mib(m.get('activation_bytes'))} "
-            f"peak_rss_delta {mib(m['peak_rss_delta_bytes'])} | "
+            f"peaks setup/train/eval {mib(m.get('setup_peak_bytes'))}/{mib(m.get('train_peak_bytes'))}/"
+            f"{mib(m.get('eval_peak_bytes'))} peak_rss_delta {mib(m['peak_rss_delta_bytes'])} | "
             f"comm {mib(c['bytes_per_step'])}/step in {c['collectives_per_step']:.1f} collectives"
         )
     b = summary.get("budget") or {}

@@ -9,6 +9,7 @@ schedule, logging, evaluation of the full model on the sharded validation set, a
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -108,6 +109,8 @@ class Trainer:
         self.activation_bytes: int | None = None  # saved for backward in the first measured step
         self.tokens_per_sample: int | None = None  # LM: targets per sequence; None for classification
         self.faults = Faults(debug=tc.get("debug"), rank=self.ctx.rank)
+        if peak is not None:
+            peak.watch(lambda: (strategy.module, strategy.optimizer))  # labels CPU peaks by category
         if tc.get("resume"):
             saved = checkpoint.load(path=Path(str(tc.resume)), strategy=strategy, scheduler=self.scheduler,
                                     data_key=self.data_key())
@@ -130,6 +133,8 @@ class Trainer:
         )
         comm = self.ctx.comm
         ckpt_every = int(tc.checkpoint_every)
+        if self.peak is not None:
+            self.peak.set_phase("warmup")  # the set-up peak ends where the first step begins
         try:
             for step in range(self.state.step, steps):
                 n = step + 1  # 1-based, as in metrics rows, messages and train.debug.fault_step
@@ -160,7 +165,8 @@ class Trainer:
                     if problem and self.guard.policy == "stop":
                         raise guards.NonFiniteError(f"{problem} (rank {self.ctx.rank} reporting)")
                     if (eval_every > 0 and n % eval_every == 0) or n == steps:
-                        self.evaluate()
+                        with self.peak.phase("eval") if self.peak is not None else nullcontext():
+                            self.evaluate()
                     if self.run_dir is not None and ckpt_every > 0 and (n % ckpt_every == 0 or n == steps):
                         checkpoint.save(run_dir=self.run_dir, step=n, strategy=self.strategy, scheduler=self.scheduler,
                                         train_state=asdict(self.state), data_key=self.data_key(),
@@ -172,7 +178,8 @@ class Trainer:
     def _step(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss: Any, step: int, measured: bool) -> Any:
         """One strategy step; the first measured step also counts the bytes saved for backward (one
         meter around every strategy's step, so activations are measured the same way for all) and
-        resets the peak-memory counters, so peaks cover the measured steps only."""
+        starts the ``train`` memory phase, so its peak covers the measured steps only (evaluations are
+        their own phase)."""
         if not measured:
             return self.strategy.train_step(inputs=inputs, targets=targets, loss_fn=loss, timer=self.timer, step=step)
         if self.peak is not None:

@@ -29,6 +29,7 @@ from sdp.metrics.flops import throughput
 from sdp.metrics.groups import device_memory, process_groups
 from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
+from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.parallel import STRATEGIES, DistContext, Strategy
 from sdp.trainer import Trainer
@@ -60,12 +61,28 @@ def resolve_device(cluster: DictConfig, local_rank: int) -> tuple[torch.device, 
     return device, backend
 
 
-def build_model(cfg: DictConfig, data: DataBundle) -> SDPModel:
-    """The full model, initialised identically on every rank (seeded before construction)."""
+def build_model(cfg: DictConfig, data: DataBundle, *, meta: bool = False) -> SDPModel:
+    """The model, identical on every rank and under every strategy: built on the meta device, then
+    materialised module by module, each from a seed derived from ``cfg.seed`` and its name
+    (:mod:`sdp.models.init`). ``meta=True`` leaves it on the meta device for a strategy that
+    materialises only what this rank holds (``Strategy.materialises_held``: forward-masking SDP); the
+    values it materialises equal those of the full build."""
     torch.manual_seed(int(cfg.seed))
-    model = build(cfg.model)
+    with torch.device("meta"):
+        model = build(cfg.model)
     assert isinstance(model, SDPModel), f"model {type(model).__name__} is not an sdp.models.base.SDPModel"
+    init.on_meta(model, seed=int(cfg.seed))
+    if not meta:
+        init.materialise(model)
     return model
+
+
+def dataset_tensors(data: DataBundle) -> list[torch.Tensor]:
+    """The tensors of an in-memory dataset (empty for file-backed ones, which load batch by batch)."""
+    out: list[torch.Tensor] = []
+    for split in (data.train, data.val):
+        out.extend(t for t in getattr(split, "tensors", ()) if isinstance(t, torch.Tensor))
+    return out
 
 
 def make_logger(*, cfg: DictConfig, ctx: DistContext, run_dir: Path, config: dict[str, Any]) -> Logger:
@@ -95,7 +112,10 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         torch.cuda.set_device(device)
     threads = cfg.cluster.get("threads_per_rank") or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(int(threads))
-    peak = PeakTracker(device=device)
+    mem = cfg.get("memory") or {}
+    budget_mb = mem.get("budget_mb")
+    peak = PeakTracker(device=device, live=bool(mem.get("tracker", True)),
+                       budget_bytes=int(float(budget_mb) * 2**20) if budget_mb is not None else None)
     # NCCL: bound to its device, the default communicator is created at once and every later new_group
     # (SDP's holder sets) is split from it, sharing its resources (sdp/metrics/groups.py).
     dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg.cluster.timeout_s)),
@@ -112,9 +132,11 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         if rank == 0:
             print(format_layout(layout), flush=True)
         data: DataBundle = build(cfg.dataset)
-        model = build_model(cfg, data)
-        rng.seed_rank_streams(int(cfg.seed) * 7919 + rank + 1)  # per-rank streams (dropout, stochastic depth)
+        peak.ignore(dataset_tensors(data))  # the in-memory dataset is not the strategy's memory
+        peak.start()  # the set-up peak: model build, masking, wrapping, optimizer
         strategy: Strategy = STRATEGIES.get(str(cfg.parallelism.name))(cfg=cfg.parallelism, full_cfg=cfg, ctx=ctx)
+        model = build_model(cfg, data, meta=strategy.materialises_held)
+        rng.seed_rank_streams(int(cfg.seed) * 7919 + rank + 1)  # per-rank streams (dropout, stochastic depth)
         strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
         if rank == 0:
             strategy.save_artifacts(run_dir=out)
@@ -139,6 +161,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         results.write_json(out / f"failure_rank{rank}.json", {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
         raise
     finally:
+        peak.stop()
         logger.finish()
         dist.destroy_process_group()
 

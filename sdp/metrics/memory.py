@@ -1,4 +1,4 @@
-"""Per-rank memory: bytes counted from the tensors a rank really holds, and peak RSS.
+"""Per-rank memory: bytes counted from the tensors a rank really holds, per-phase peaks, peak RSS.
 
 Tensor counts are exact and comparable across strategies (local shards for FSDP DTensors). Peak RSS
 on CPU is reported as a delta over the rank's RSS right after imports, because the CUDA build of
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import resource
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -74,32 +76,132 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def _mode_stack() -> list[Any]:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
+
+
+PHASES = ("setup", "warmup", "train", "eval")
+REPORTED = ("setup", "train", "eval")  # summary.json: <phase>_peak_bytes
+
+
 class PeakTracker:
-    """Baseline after imports; peak delta at the end (CUDA peaks too when on a GPU).
+    """Per-phase peaks of live tensor bytes: ``setup`` (start to the first step: build, masking,
+    optimizer), ``warmup`` (steps before the first measured one, not reported), ``train`` (the measured
+    steps only) and ``eval`` (every evaluation). The trainer switches phases (:meth:`set_phase`,
+    :meth:`phase`); a phase's peak is the largest live total while it ran, starting from what was
+    live when it began (like ``torch.cuda.max_memory_allocated`` after a reset).
 
-    The trainer calls :meth:`start_measuring` at the first measured (post-warm-up) step: CUDA peaks
-    then cover the measured steps only. The RSS peak is not reset there (the kernel's reset drops it
-    to the current RSS, which would hide the model and optimizer state built before); it stays the
-    peak since the post-import baseline."""
+    Source: on CUDA the caching allocator (peak reset at each switch) plus the device-wide use from
+    ``torch.cuda.mem_get_info`` (NCCL buffers, context: outside the allocator); on the CPU the
+    :class:`~sdp.metrics.live.LiveTensorTracker` (``memory.tracker=false`` turns it off, leaving
+    RSS only). The RSS peak delta over the post-import baseline is kept as the process-level figure.
+    ``watch`` names the model and optimizer, so CPU peaks are split into parameters (and buffers),
+    gradients, optimizer state and activations/temporaries (labels refreshed at each switch)."""
 
-    def __init__(self, *, device: torch.device) -> None:
+    def __init__(self, *, device: torch.device, live: bool = True, budget_bytes: int | None = None) -> None:
+        from sdp.metrics.live import LiveTensorTracker
+
         self.device = device
         reset_peak_rss()
         self.baseline_rss = current_rss()
+        self.tracker = LiveTensorTracker(budget_bytes=budget_bytes) if live and device.type == "cpu" else None
+        self.current = "setup"
+        self.peaks: dict[str, int] = {}
+        self.peak_categories: dict[str, dict[str, int]] = {}
+        self.device_used = 0
+        self._watched: Any = None
         if device.type == "cuda":
+            if budget_bytes is not None:
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(budget_bytes / total, 1.0), device)
             torch.cuda.reset_peak_memory_stats(device)
 
+    # ---- life cycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin counting (CPU: enter the dispatch mode); everything allocated from now on counts."""
+        if self.tracker is not None:
+            self.tracker.__enter__()
+
+    def stop(self) -> None:
+        if self.tracker is not None and self.tracker in _mode_stack():
+            self.tracker.__exit__(None, None, None)
+
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Tensors that exist but do not count (the in-memory dataset: on a GPU it stays on the host)."""
+        if self.tracker is not None:
+            self.tracker.label(tensors, "ignored")
+
+    def watch(self, state: Callable[[], tuple[nn.Module | None, torch.optim.Optimizer | None]]) -> None:
+        """``state()`` -> (model, optimizer) now (SDP's re-draws replace both)."""
+        self._watched = state
+
+    # ---- phases -------------------------------------------------------------------------------------
+    def set_phase(self, name: str) -> None:
+        assert name in PHASES, f"memory phase {name!r} not in {PHASES}"
+        if name != self.current:
+            self._close()
+            self.current = name
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        prev = self.current
+        self.set_phase(name)
+        try:
+            yield
+        finally:
+            self.set_phase(prev)
+
     def start_measuring(self) -> None:
-        if self.device.type == "cuda":
+        """The first measured step begins (kept for callers of the previous interface)."""
+        self.set_phase("train")
+
+    def _label(self) -> None:
+        if self.tracker is None or self._watched is None:
+            return
+        model, optimizer = self._watched()
+        if model is not None:
+            self.tracker.label(model.parameters(), "parameters")
+            self.tracker.label(model.buffers(), "parameters")
+            self.tracker.label((p.grad for p in model.parameters()), "gradients")
+        if optimizer is not None:
+            self.tracker.label((v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)),
+                               "optimizer")
+
+    def _close(self) -> None:
+        """Fold the running peak into the current phase's and reset it for the next phase."""
+        name = self.current
+        if self.tracker is not None:
+            self._label()
+            tr = self.tracker
+            peak = tr.peak
+            cats = tr.by_cat if peak == tr.total else tr.peak_by_cat  # a peak that is now: today's labels
+            if peak >= self.peaks.get(name, -1):
+                self.peaks[name], self.peak_categories[name] = peak, dict(cats)
+            tr.reset_peak()
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.peaks[name] = max(self.peaks.get(name, 0), int(torch.cuda.max_memory_allocated(self.device)))
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.device_used = max(self.device_used, int(total - free))
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    # ---- report -------------------------------------------------------------------------------------
     def summary(self) -> dict:
-        out = {
+        self._close()
+        out: dict[str, Any] = {
             "baseline_rss_bytes": self.baseline_rss,
             "peak_rss_delta_bytes": max(peak_rss() - self.baseline_rss, 0),
+            "peak_source": "live_tensors" if self.tracker is not None else
+                           ("cuda_allocator" if self.device.type == "cuda" else None),
         }
+        for name in REPORTED:
+            out[f"{name}_peak_bytes"] = self.peaks.get(name)
+        if self.tracker is not None:
+            out["peak_categories"] = {n: self.peak_categories[n] for n in REPORTED if n in self.peak_categories}
         if self.device.type == "cuda":
-            out["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+            out["cuda_max_allocated_bytes"] = self.peaks.get("train")  # measured steps (as before)
             out["cuda_max_reserved_bytes"] = int(torch.cuda.max_memory_reserved(self.device))
+            out["cuda_device_used_bytes"] = self.device_used  # mem_get_info: all of the device (NCCL, context)
         return out

@@ -147,6 +147,13 @@ class SDPModel(nn.Module):
             self._flops_per_sample = cached
         return cached
 
+    def init_module(self, module: nn.Module) -> bool:
+        """The model's own initialisation of one module, run after the module's ``reset_parameters``
+        when it is materialised from the meta device (:mod:`sdp.models.init`, seeded per module).
+        Returns True when it initialised every tensor the module owns directly (needed for modules
+        without ``reset_parameters``); the default does nothing and returns False."""
+        return False
+
     def example_input(self, batch_size: int) -> torch.Tensor:
         """A correctly shaped dummy input (used by planners, tracers and shape tests)."""
         raise NotImplementedError(f"{type(self).__name__} does not declare example_input")

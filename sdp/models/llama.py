@@ -68,5 +68,9 @@ class LLaMA(SDPModel):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
+    def init_module(self, module: nn.Module) -> bool:
+        self._init(module)
+        return isinstance(module, (nn.Linear, nn.Embedding))
+
     def example_input(self, batch_size: int) -> torch.Tensor:
         return torch.zeros(batch_size, self.max_seq_len, dtype=torch.long, device=self.stem.weight.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchvision.models.swin_transformer import SwinTransformer, SwinTransformerBlock
+from torchvision.models.swin_transformer import ShiftedWindowAttention, SwinTransformer, SwinTransformerBlock
 
 from sdp.models.base import HiddenDim, HiddenSlice, ResidualBlock, SDPModel
 
@@ -77,6 +77,20 @@ class Swin(SDPModel):
 
     def example_input(self, batch_size: int) -> torch.Tensor:
         return torch.zeros(batch_size, 3, self.image_size, self.image_size)
+
+    def init_module(self, module: nn.Module) -> bool:
+        """torchvision's scheme: truncated normal Linear weights with zero biases; a window attention's
+        bias table drawn again and its (constant) position index recomputed."""
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+            return True
+        if isinstance(module, ShiftedWindowAttention):
+            module.define_relative_position_bias_table()  # new CPU tensors (materialisation happens on the CPU)
+            module.define_relative_position_index()
+            return True
+        return False
 
 
 class _SDSwinUnit(SwinUnit):

@@ -24,9 +24,18 @@ class Rotary(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.base = head_dim, base
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self._cache: tuple[int, torch.device, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+        exps = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        return 1.0 / (self.base**exps)
+
+    def reset_parameters(self) -> None:
+        """Recompute the frequencies in place (a module materialised from the meta device)."""
+        self.inv_freq.copy_(self._inv_freq(self.inv_freq.device))
+        self._cache = None
 
     def cos_sin(self, *, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         c = self._cache

@@ -29,6 +29,12 @@ class PatchEmbed(nn.Module):
         self.cls = nn.Parameter(torch.zeros(1, 1, dim)) if cls_token else None
         self.pos = nn.Parameter(torch.randn(1, n, dim) * 0.02)
 
+    def reset_parameters(self) -> None:
+        """The class token at zero, position embeddings N(0, 0.02) (the projection is its own module)."""
+        if self.cls is not None:
+            nn.init.zeros_(self.cls)
+        nn.init.normal_(self.pos, std=0.02)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         x = self.proj(x).flatten(2).transpose(1, 2)
         if self.cls is not None:
@@ -82,6 +88,12 @@ class ViT(SDPModel):
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias)
+
+    def init_module(self, module: nn.Module) -> bool:
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+        return isinstance(module, nn.Linear)
 
     def example_input(self, batch_size: int) -> torch.Tensor:
         return torch.zeros(batch_size, self.in_channels, self.image_size, self.image_size)

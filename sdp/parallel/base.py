@@ -58,6 +58,9 @@ class Strategy(ABC):
     """Base class: subclasses implement ``setup`` and ``train_step``; the rest has defaults."""
 
     name: str = ""
+    # True: ``setup`` receives the model on the meta device and materialises what this rank holds
+    # itself (sdp.models.init); False: the fully materialised model.
+    materialises_held: bool = False
 
     def __init__(self, *, cfg: DictConfig, full_cfg: DictConfig, ctx: DistContext) -> None:
         self.cfg = cfg

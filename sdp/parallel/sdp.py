@@ -5,9 +5,11 @@ full model into this worker's subnetwork, :mod:`sdp.subnet.sync` averages gradie
 sets, :mod:`sdp.subnet.assemble` rebuilds the full model for evaluation and re-draws,
 :mod:`sdp.subnet.carry` carries each unit's optimizer state to its new holders at a re-draw.
 
-The worker builds the full model identically on every rank on the CPU (seeded) and passes it to
-``setup``; masking prunes it there, *before* anything moves to the device, so under forward masking
-the device never sees a non-held parameter (backward masking keeps all values by definition).
+The worker builds the model on the meta device and passes it to ``setup``: under forward masking,
+masking materialises (on the CPU, seeded per module, :mod:`sdp.models.init`) only the tensors this
+rank holds, narrowing neuron-level tensors as it goes, so no rank ever holds the full model and the
+device never sees a non-held parameter; backward masking materialises everything (it keeps all
+values by definition). The values equal those of the full build, so C = 1 equals DDP bit for bit.
 Evaluation uses a transient assembled full copy, reported apart (``comm.phase = "eval"`` and
 ``eval_full_copy_bytes``).
 """
@@ -25,6 +27,7 @@ from torch import nn
 
 from sdp.config import ConfigError, boolean, one_of, positive_float, positive_int, require
 from sdp.metrics.timing import PhaseTimer
+from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
 from sdp.subnet import masking as M
@@ -66,6 +69,8 @@ def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0
 @register("sdp")
 class SDPStrategy(Strategy):
     """Forward or backward masking at block or neuron level, owner-set gradient averaging."""
+
+    materialises_held = True  # forward masking materialises only the held units and the shared parts
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
@@ -116,7 +121,12 @@ class SDPStrategy(Strategy):
         self.redraws = 0
         self.eval_copy_bytes = 0
         self.rescale = resolve_rescale(cfg=cfg, eval_bn=str(self.full_cfg.eval.bn), model=model)
-        self._mask(model, plan=plan_for(model=model, cfg=cfg, world_size=ctx.world_size))
+        plan = plan_for(model=model, cfg=cfg, world_size=ctx.world_size)
+        if self.mode != "forward":
+            init.materialise(model)  # backward masking keeps every value by definition
+        self._mask(model, plan=plan)
+        leftover = init.meta_tensors(model)
+        assert not leftover, f"rank {ctx.rank}: {len(leftover)} tensors left on the meta device after masking: {leftover[:5]}"
         self.optimizer = optimizer_factory(self._trainable())
 
     def _mask(self, model: SDPModel, *, plan: Plan) -> None:
@@ -124,7 +134,8 @@ class SDPStrategy(Strategy):
         ctx = self.ctx
         self.plan = plan
         self.pieces = M.pieces(model, plan)
-        self.layout = M.apply(model, plan, rank=ctx.rank, masking=self.mode, all_pieces=self.pieces)
+        self.layout = M.apply(model, plan, rank=ctx.rank, masking=self.mode, all_pieces=self.pieces,
+                              materialise=lambda name: init.materialise_module(model, name))
         if self.rescale == "train":
             for b in {u.block for u in plan.units}:
                 block = model.blocks[b]

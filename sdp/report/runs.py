@@ -127,6 +127,7 @@ def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
     budget = summary.get("budget") or {}
     state = [sum(r.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes")) for r in mem]
     cuda_peak = _max_over_ranks(mem, "cuda_max_allocated_bytes")
+    train_peak = _max_over_ranks(mem, "train_peak_bytes")
     acc = final.get("eval_accuracy")
     return {
         "eval_loss": final.get("eval_loss"),
@@ -136,10 +137,14 @@ def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
         "assembly_gap": final.get("assembly_gap"),
         "model_state_bytes": float(max(state)) if state else None,
         "model_state_mean_bytes": _mean(state),  # the fullest rank's floor under any assignment
-        # Peak memory of the training steps per rank (memory.per_rank[].train_peak_bytes), where the run records it.
-        "train_peak_bytes": _max_over_ranks(mem, "train_peak_bytes"),
-        "peak_bytes": cuda_peak if cuda_peak is not None else _max_over_ranks(mem, "peak_rss_delta_bytes"),
-        "peak_kind": "cuda_max_allocated" if cuda_peak is not None else "peak_rss_delta",
+        "train_peak_bytes": train_peak,  # the measured steps' peak per rank, where the run records it
+        # The measured steps' peak (live tensors on CPU, the allocator on CUDA); older runs: CUDA max or RSS.
+        "peak_bytes": train_peak if train_peak is not None else (
+            cuda_peak if cuda_peak is not None else _max_over_ranks(mem, "peak_rss_delta_bytes")),
+        "peak_kind": f"train_peak ({mem[0].get('peak_source')})" if train_peak is not None else (
+            "cuda_max_allocated" if cuda_peak is not None else "peak_rss_delta"),
+        "setup_peak_bytes": _max_over_ranks(mem, "setup_peak_bytes"),
+        "eval_peak_bytes": _max_over_ranks(mem, "eval_peak_bytes"),
         "comm_bytes_per_step": _max_over_ranks(comm, "bytes_per_step"),
         "wire_bytes_per_step": _max_over_ranks(comm, "wire_bytes_per_step"),
         "activation_bytes": _max_over_ranks(mem, "activation_bytes"),

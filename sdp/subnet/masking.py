@@ -6,8 +6,8 @@ tensor of a block unit, one hidden group of a sliced tensor at neuron level, a b
 tensor (all ranks). :class:`Layout` then says where each piece this rank has lives locally.
 
 - **Forward masking**: a non-held block is set inactive and its branch tensors are deleted, so it
-  is never executed and nothing of it is allocated on the device (the worker builds the full model
-  on the CPU, prunes it, then moves what is left). At neuron level the held groups are gathered into
+  is never executed and nothing of it is allocated (the model arrives on the meta device and only
+  the held modules are materialised, just before they are pruned; then what is left moves). At neuron level the held groups are gathered into
   physically narrower dense tensors (every HiddenSlice, buffers included), so FLOPs and bytes fall.
 - **Backward masking**: all values stay; non-held tensors get ``requires_grad=False`` so autograd
   skips their weight gradient but still propagates activation gradients. A partly held tensor
@@ -20,7 +20,7 @@ tensor (all ranks). :class:`Layout` then says where each piece this rank has liv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -215,9 +215,15 @@ def _split_forward(module: nn.Module, specs: list[tuple[str, int, _DeviceIndex]]
     return forward
 
 
-def apply(model: SDPModel, plan: Plan, *, rank: int, masking: str, all_pieces: list[Piece]) -> dict[str, Local]:
+def apply(
+    model: SDPModel, plan: Plan, *, rank: int, masking: str, all_pieces: list[Piece],
+    materialise: Callable[[str], None] | None = None,
+) -> dict[str, Local]:
     """Mask ``model`` in place for ``rank``; returns name -> :class:`Local` for every tensor held
-    or stored here. ``masking``: forward | backward | global (backward masking, global refresh)."""
+    or stored here. ``masking``: forward | backward | global (backward masking, global refresh).
+    A model built on the meta device (forward masking) gets each module this rank holds a piece of
+    materialised by ``materialise(module name)`` just before its tensors are pruned or narrowed, so
+    at most one module's full tensors exist beyond what the rank keeps."""
     by_name: dict[str, list[Piece]] = {}
     for p in all_pieces:
         by_name.setdefault(p.name, []).append(p)
@@ -229,6 +235,10 @@ def apply(model: SDPModel, plan: Plan, *, rank: int, masking: str, all_pieces: l
         owner, leaf = _owner(model, name)
         is_param = ps[0].is_param
         mine = [p for p in ps if rank in p.holders]
+        if t.is_meta and mine and materialise is not None:  # None: a meta-device plan (sdp-plan)
+            assert masking == "forward", f"{name} is on the meta device under masking={masking}"
+            materialise(name.rpartition(".")[0])
+            t = (owner._parameters if is_param else owner._buffers)[leaf]  # type: ignore[assignment]
         if masking == "global" or len(mine) == len(ps):
             layout[name] = Local(held=t)
             continue

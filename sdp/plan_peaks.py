@@ -1,0 +1,176 @@
+"""``sdp-plan``'s predicted peaks (set-up, train, eval) per rank, by rehearsing steps on the meta device.
+
+Why a rehearsal rather than a formula: the peak is where parameters, gradients, optimizer state,
+saved activations, output gradients and temporaries (the logits' gradient, foreach optimizer
+buffers) overlap, and that point depends on the model. The rank's own module (DDP: the replica; SDP:
+the masked subnetwork, made by the strategy's own plan and masking) runs two training steps and one
+evaluation forward on meta tensors under the same :class:`~sdp.metrics.live.LiveTensorTracker` that
+measures CPU runs (``device_type="meta"``: storages keyed the same way, nothing is computed). What
+the rehearsal cannot see is added from the strategy's rule:
+
+- DDP: the reducer's gradient buckets exist from construction (``gradient_as_bucket_view``: they
+  are the gradients later), so they count in the set-up peak.
+- SDP: one owner-set bucket is flattened after backward, or (backward masking) one refresh bucket
+  after the update (``sdp.subnet.sync``, the largest that this rank takes part in); evaluation holds an
+  assembled full copy (params and buffers) next to the rank's own state.
+- FSDP: the rank's shards of the state, the full replica's activation transient, the root and the
+  largest block unsharded (see :func:`_fsdp_peaks`): a rule, not a rehearsal of FSDP2's buffers.
+
+The comparison with the CPU tracker is ``tests/test_plan_peaks.py`` (within 10 %).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from sdp.metrics.live import LiveTensorTracker
+from sdp.models.base import SDPModel
+from sdp.trainer import loss_fn
+
+
+class FusedAttention(TorchFunctionMode):
+    """On meta, ``F.scaled_dot_product_attention`` takes the math path and saves the T x T scores;
+    real runs (CPU and CUDA) use a fused kernel that saves the output and its log-sum-exp. This
+    routes the call to the CPU fused kernel's op (which has meta and autograd support), so the
+    rehearsal allocates what a real run does. Masks, dropout and grouped-query calls pass through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and len(args) == 3 and not kwargs.get("enable_gqa") \
+                and kwargs.get("attn_mask") is None and not kwargs.get("dropout_p") and kwargs.get("scale") is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, bool(kwargs.get("is_causal")))[0]
+        return func(*args, **kwargs)
+
+
+def _targets(out: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(out.shape[:-1], dtype=torch.long, device="meta")
+
+
+def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, eval_batch: int, cfg: DictConfig,
+             example: Callable[[int], torch.Tensor]) -> dict[str, int]:
+    """Live meta bytes of ``module``: at set-up (module state), the peak of a training step after one
+    warm-up step, and the peak of one evaluation forward; plus the persistent state after a step
+    (no ``trainable``: evaluation only)."""
+    from sdp.worker import build
+
+    tracker = LiveTensorTracker(device_type="meta")
+    with tracker, FusedAttention():
+        tracker.label(list(module.parameters()) + list(module.buffers()), "parameters")
+        setup = tracker.total
+        opt = build(cfg.optim.optimizer)(trainable) if trainable else None
+        x = example(batch).to("meta")
+        for step in range(2 if opt is not None else 0):
+            if step == 1:
+                tracker.reset_peak()
+            out = module(x)
+            loss_fn(out, _targets(out)).backward()
+            del out
+            opt.step()  # type: ignore[union-attr]
+            opt.zero_grad(set_to_none=False)
+        train, state = tracker.peak, tracker.total
+        was = module.training
+        module.eval()
+        tracker.reset_peak()
+        with torch.no_grad():
+            out = module(example(eval_batch).to("meta"))
+            loss_fn(out, _targets(out))
+            del out
+        module.train(was)
+        evaluation = tracker.peak
+    return {"setup": setup, "train": train, "eval": evaluation, "state": state}
+
+
+def _eval_batch(cfg: DictConfig, world: int) -> int:
+    """Per-rank evaluation batch: ``train.eval_batch_size``, or the rank's share of the val set if smaller."""
+    n_val = cfg.dataset.get("num_val")
+    per_rank = math.ceil(int(n_val) / world) if n_val else int(cfg.train.eval_batch_size)
+    return min(int(cfg.train.eval_batch_size), per_rank)
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def predict_peaks(*, cfg: DictConfig, model: SDPModel, world: int) -> list[dict[str, int]] | None:
+    """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` (None: a strategy
+    without a peak rehearsal: pipeline)."""
+    name = str(cfg.parallelism.name)
+    batch, eval_batch = int(cfg.train.batch_size), _eval_batch(cfg, world)
+    example = model.example_input
+    if name in ("ddp", "ddp_ac", "ddp_stochastic_depth", "ddp_layerdrop"):
+        mine = copy.deepcopy(model)
+        if name == "ddp_ac":
+            from sdp.parallel.ddp_ac import apply_checkpointing
+
+            apply_checkpointing(mine, every=int(cfg.parallelism.get("ac_every", 1)))
+        r = rehearse(module=mine, trainable=list(mine.parameters()), batch=batch, eval_batch=eval_batch, cfg=cfg, example=example)
+        buckets = _nbytes(mine.parameters())
+        one = {"setup_peak_bytes": r["setup"] + buckets, "train_peak_bytes": r["train"], "eval_peak_bytes": r["eval"]}
+        return [dict(one) for _ in range(world)]
+    if name == "sdp":
+        return _sdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch)
+    if name == "fsdp":
+        return _fsdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch)
+    return None
+
+
+def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int) -> list[dict[str, int]]:
+    from sdp.parallel.sdp import plan_for
+    from sdp.subnet import masking as M
+    from sdp.metrics.comm import CommCounter
+    from sdp.subnet.sync import GroupSet, OwnerSetSync
+
+    pc = cfg.parallelism
+    mode = "forward" if pc.masking == "forward" else ("backward" if pc.refresh == "holders" else "global")
+    plan = plan_for(model=model, cfg=pc, world_size=world)
+    pieces = M.pieces(model, plan)
+    full_copy = _nbytes(list(model.parameters()) + list(model.buffers()))
+    full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, cfg=cfg,
+                         example=model.example_input)
+    eval_transient = full_eval["eval"] - full_eval["setup"]
+    groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
+    out = []
+    for r in range(world):
+        mine = copy.deepcopy(model)
+        layout = M.apply(mine, plan, rank=r, masking=mode, all_pieces=pieces)
+        trained = list(mine.parameters()) if mode == "global" else list(M.held_parameters(layout, pieces, r))
+        res = rehearse(module=mine, trainable=trained, batch=batch, eval_batch=eval_batch, cfg=cfg, example=mine.example_input)
+        sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
+                            bucket_cap_mb=float(pc.bucket_cap_mb))
+        flats = [sum(p.nbytes for p in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
+        out.append({"setup_peak_bytes": res["setup"], "train_peak_bytes": max(res["train"], res["state"] + max(flats, default=0)),
+                    "eval_peak_bytes": res["state"] + full_copy + eval_transient})
+    return out
+
+
+def _fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int) -> list[dict[str, int]]:
+    """FSDP2 on top of the full replica's rehearsal: the model is materialised whole and sharded unit by
+    unit (set-up: the full parameters and one shard in flight); a training step holds the sharded
+    state, the replica's activation transient, the root unsharded, and for the largest block its
+    unsharded parameters twice (running + prefetched) and its unsharded gradients and reduce-scatter
+    input; evaluation unshards every unit (the full parameters) with one all-gather buffer in flight."""
+    from sdp.planner import plan_fsdp
+
+    shards = world // int(cfg.parallelism.get("replicate", 1))
+    full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=batch, eval_batch=eval_batch,
+                    cfg=cfg, example=model.example_input)
+    block_ids = {id(p) for b in model.blocks for p in b.parameters()}
+    root = _nbytes(p for p in model.parameters() if id(p) not in block_ids)
+    largest = max((_nbytes(b.parameters()) for b in model.blocks), default=0)
+    params_full = _nbytes(model.parameters())
+    one_shard = max((t.numel() * t.element_size() // shards for t in model.parameters()), default=0)
+    out = []
+    for mem, _ in plan_fsdp(cfg=cfg, model=model, world=world):
+        state = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
+        out.append({"setup_peak_bytes": params_full + one_shard,
+                    "train_peak_bytes": state + (full["train"] - full["state"]) + root + 4 * largest,
+                    "eval_peak_bytes": state + params_full + (full["eval"] - full["state"]) + largest})
+    return out
