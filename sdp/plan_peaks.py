@@ -168,7 +168,7 @@ def _fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eva
     params_full = _nbytes(model.parameters())
     one_shard = max((t.numel() * t.element_size() // shards for t in model.parameters()), default=0)
     out = []
-    for mem, _ in plan_fsdp(cfg=cfg, model=model, world=world):
+    for mem, _ in plan_fsdp(cfg=cfg, model=model, world=world, facts={}):
         state = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
         out.append({"setup_peak_bytes": params_full + one_shard,
                     "train_peak_bytes": state + (full["train"] - full["state"]) + root + 4 * largest,
