@@ -129,7 +129,7 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
     from sdp.subnet.sync import GroupSet, OwnerSetSync
 
     pc = cfg.parallelism
-    mode = "forward" if pc.masking == "forward" else ("backward" if pc.refresh == "holders" else "global")
+    mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     plan = plan_for(model=model, cfg=pc, world_size=world)
     pieces = M.pieces(model, plan)
     full_copy = _nbytes(list(model.parameters()) + list(model.buffers()))
@@ -138,10 +138,7 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
     eval_transient = full_eval["eval"] - full_eval["setup"]
     groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
     out = []
-    for r in range(world):
-        mine = copy.deepcopy(model)
-        layout = M.apply(mine, plan, rank=r, masking=mode, all_pieces=pieces)
-        trained = list(mine.parameters()) if mode == "global" else list(M.held_parameters(layout, pieces, r))
+    for r, mine, layout, trained in M.rank_subnetworks(model, plan, mode=mode, all_pieces=pieces):
         res = rehearse(module=mine, trainable=trained, batch=batch, eval_batch=eval_batch, cfg=cfg, example=mine.example_input)
         sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
                             bucket_cap_mb=float(pc.bucket_cap_mb))

@@ -14,7 +14,6 @@ disconnected overlap graph) is warned about as ``sdp-train`` does (:func:`sdp.su
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import sys
@@ -112,16 +111,13 @@ def plan_sdp(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, A
     from sdp.subnet.sync import GroupSet, OwnerSetSync
 
     pc = cfg.parallelism
-    mode = "forward" if pc.masking == "forward" else ("backward" if pc.refresh == "holders" else "global")
+    mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     plan = plan_for(model=model, cfg=pc, world_size=world)
     facts["plan"] = plan.summary()  # as summary.json["plan"]: units -> holders, holder sets, connectivity
     pieces = M.pieces(model, plan)
     groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
     out = []
-    for r in range(world):
-        mine = copy.deepcopy(model)
-        layout = M.apply(mine, plan, rank=r, masking=mode, all_pieces=pieces)
-        trained = list(mine.parameters()) if mode == "global" else list(M.held_parameters(layout, pieces, r))
+    for r, mine, layout, trained in M.rank_subnetworks(model, plan, mode=mode, all_pieces=pieces):
         sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
                             bucket_cap_mb=float(pc.bucket_cap_mb))
         records: list[Record] = [("all_reduce", sum(p.nbytes for p in items), len(h)) for h, items in sync.grad_buckets]

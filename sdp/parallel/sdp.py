@@ -115,7 +115,7 @@ class SDPStrategy(Strategy):
     # ---- set-up ---------------------------------------------------------------------------------
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         cfg, ctx = self.cfg, self.ctx
-        self.mode = "forward" if cfg.masking == "forward" else ("backward" if cfg.refresh == "holders" else "global")
+        self.mode = M.masking_mode(masking=str(cfg.masking), refresh=str(cfg.refresh))
         self.skeleton = copy.deepcopy(model).to("meta")
         self.groups: GroupSet | None = None
         self.redraws = 0

@@ -19,6 +19,7 @@ tensor (all ranks). :class:`Layout` then says where each piece this rank has liv
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -311,3 +312,20 @@ def held_parameters(layout: dict[str, Local], pieces_: list[Piece], rank: int) -
             if isinstance(t, nn.Parameter) and t.requires_grad and id(t) not in seen:
                 seen.add(id(t))
                 yield t
+
+
+def masking_mode(*, masking: str, refresh: str) -> str:
+    """The mode :func:`apply` takes: forward | backward | global (backward masking, global refresh)."""
+    return "forward" if masking == "forward" else ("backward" if refresh == "holders" else "global")
+
+
+def rank_subnetworks(model: SDPModel, plan: Plan, *, mode: str, all_pieces: list[Piece]
+                     ) -> Iterator[tuple[int, SDPModel, dict[str, Local], list[nn.Parameter]]]:
+    """For every rank of ``plan``: (rank, a masked copy of ``model``, its layout, the parameters it
+    trains), the per-rank view the planner and the peak predictor both rehearse on the meta device."""
+    for r in range(plan.world_size):
+        mine = copy.deepcopy(model)
+        layout = apply(mine, plan, rank=r, masking=mode, all_pieces=all_pieces)
+        trained = list(mine.parameters()) if mode == "global" else list(held_parameters(layout, all_pieces, r))
+        yield r, mine, layout, trained
+
