@@ -99,6 +99,8 @@ def validate_train(cfg: DictConfig) -> None:
         positive_int(f"train.{key}", tc[key])
     for key in ("eval_every", "warmup_steps", "num_workers", "checkpoint_every", "checkpoint_keep"):
         positive_int(f"train.{key}", tc[key], minimum=0)
+    if tc.get("eval_points") is not None:
+        positive_int("train.eval_points", tc.eval_points)
     one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
     precision.check(tc.get("precision", "fp32"))
     boolean("train.deterministic", tc.deterministic)

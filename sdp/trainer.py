@@ -57,6 +57,20 @@ def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int, min_lr_rati
     return f
 
 
+def eval_steps(*, steps: int, eval_every: int, eval_points: int | None) -> frozenset[int]:
+    """The 1-based steps after which the model is evaluated (always including the last).
+
+    ``eval_points`` (when set) places that many evaluations evenly over the run's *resolved* step count, so
+    every method of a budget-matched sweep is evaluated at the same fractions of its budget (a FLOP-matched
+    SDP run at C = 0.25 runs 4x DDP's steps; a fixed ``eval_every`` would evaluate it 4x as often and cost
+    it 4x the evaluation time). Otherwise every ``eval_every`` steps (0: only at the end)."""
+    if eval_points is not None:
+        points = min(int(eval_points), steps)
+        return frozenset(math.ceil(i * steps / points) for i in range(1, points + 1))
+    every = frozenset(range(eval_every, steps + 1, eval_every)) if eval_every > 0 else frozenset()
+    return every | {steps}
+
+
 @dataclass
 class TrainState:
     """What the loop produced; the worker turns it into summary.json."""
@@ -126,6 +140,7 @@ class Trainer:
         tc = self.cfg.train
         steps, warmup = int(tc.steps), int(tc.warmup_steps)
         eval_every, log_every = int(tc.eval_every), int(tc.log_every)
+        eval_at = eval_steps(steps=steps, eval_every=eval_every, eval_points=tc.get("eval_points"))
         bar = ProgressBar(total=steps, enabled=self.ctx.rank == 0 and bool(self.cfg.logger.progress))
         batches = train_batches(
             self.data, sampler=self.sampler, start=self.state.step, stop=steps,
@@ -164,7 +179,7 @@ class Trainer:
                         bar.update(n, loss=loss, samples_per_s=self.global_batch / step_s)
                     if problem and self.guard.policy == "stop":
                         raise guards.NonFiniteError(f"{problem} (rank {self.ctx.rank} reporting)")
-                    if (eval_every > 0 and n % eval_every == 0) or n == steps:
+                    if n in eval_at:
                         with self.peak.phase("eval") if self.peak is not None else nullcontext():
                             self.evaluate()
                     if self.run_dir is not None and ckpt_every > 0 and (n % ckpt_every == 0 or n == steps):

@@ -97,3 +97,15 @@ def test_rank_failure_survives_pickling():
 
     e = pickle.loads(pickle.dumps(RankFailure("rank 1 of 2 failed", rank=1, exitcode=-9)))
     assert (str(e), e.rank, e.exitcode) == ("rank 1 of 2 failed", 1, -9)
+
+
+def test_eval_points_place_evaluations_at_the_same_budget_fractions() -> None:
+    """A FLOP-matched run with 4x the steps is evaluated at the same fractions of its budget, not 4x as often."""
+    from sdp.trainer import eval_steps
+
+    assert eval_steps(steps=1000, eval_every=0, eval_points=5) == {200, 400, 600, 800, 1000}
+    assert eval_steps(steps=4000, eval_every=100, eval_points=5) == {800, 1600, 2400, 3200, 4000}
+    assert eval_steps(steps=1333, eval_every=0, eval_points=4) == {334, 667, 1000, 1333}
+    assert eval_steps(steps=3, eval_every=0, eval_points=10) == {1, 2, 3}
+    assert eval_steps(steps=10, eval_every=4, eval_points=None) == {4, 8, 10}
+    assert eval_steps(steps=10, eval_every=0, eval_points=None) == {10}

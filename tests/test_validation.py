@@ -44,6 +44,7 @@ CATALOGUE = [
     Bad("batch-zero", ["train.batch_size=0"], ["train.batch_size=0", "integer >= 1"]),
     Bad("batch-not-int", ["train.batch_size=3.5"], ["train.batch_size=3.5", "integer >= 1"]),
     Bad("eval-batch-zero", ["train.eval_batch_size=0"], ["train.eval_batch_size=0", "integer >= 1"]),
+    Bad("eval-points-zero", ["train.eval_points=0"], ["train.eval_points=0", "integer >= 1"]),
     Bad("log-every-zero", ["train.log_every=0"], ["train.log_every=0", "integer >= 1"]),
     Bad("lr-zero", ["optim.optimizer.lr=0"], ["optim.optimizer.lr=0", "number > 0"]),
     Bad("lr-negative", ["optim.optimizer.lr=-0.1"], ["optim.optimizer.lr=-0.1", "number > 0"]),

@@ -1,0 +1,97 @@
+"""The CPU-scale reproduction (issue 17): every run of one study, then its report, in one command.
+
+    python benchmarks/cpu_study.py --study lm       # LLaMA, 8 blocks, stdlib text (conf/experiment/cpu_study_lm.yaml)
+    python benchmarks/cpu_study.py --study image    # ResNet-18 width 16, digits (conf/experiment/cpu_study_image.yaml)
+    python benchmarks/cpu_study.py --study lm --render-only   # the report again from the committed runs
+
+Each study is three Hydra multiruns of the real ``sdp-train`` (resumable: ``train.skip_done=true`` skips a
+finished job and resumes a checkpointed one when the command is run again):
+
+- ``runs/main``: the experiment's own sweep (every method x seeds 0-2, FLOP-matched, plus the same-iteration rows);
+- ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
+  rescale rules (``parallelism.rescale=none,train``, seeds 0-1; the main row's ``auto`` resolves to ``eval``);
+- ``runs/peaks``: every method once more for 20 steps with the live-tensor tracker on (``memory.tracker=true``):
+  the training peak of a step does not depend on how long the run is, and the main runs keep their step
+  times free of the tracker's cost.
+
+The report (:mod:`sdp.report.verdicts`) is written from the run directories only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sdp.report.verdicts import write_report  # noqa: E402
+
+STUDIES = {
+    "lm": {"experiment": "cpu_study_lm",
+           "extras": [["variant=fsdp", "seed=0"],
+                      ["variant=b_sdp_c50", "parallelism.rescale=none,train", "seed=0,1"]]},
+    "image": {"experiment": "cpu_study_image",
+              "extras": [["variant=fsdp", "seed=0"]]},
+}
+PEAK_STEPS = 20
+
+
+def sweep_variants(experiment: str) -> list[str]:
+    """The variants the experiment's own sweep runs (read from its YAML, so the list lives in one place)."""
+    doc = yaml.safe_load((ROOT / "conf" / "experiment" / f"{experiment}.yaml").read_text())
+    return str(doc["hydra"]["sweeper"]["params"]["variant"]).split(",")
+
+
+def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
+    spec = STUDIES[study]
+    exp = spec["experiment"]
+    peak_variants = [v for v in sweep_variants(exp) if not v.endswith("_iters")] + ["fsdp"]
+    common = [f"experiment={exp}", "train.skip_done=true"]
+    out_runs = out / study / "runs"
+    result = [("main", [*common, f"hydra.sweep.dir={out_runs / 'main'}"])]
+    result += [(f"extras-{i}", [*common, *extra, f"hydra.sweep.dir={out_runs / 'extras' / str(i)}"])
+               for i, extra in enumerate(spec["extras"])]
+    result.append(("peaks", [*common, f"variant={','.join(peak_variants)}", "seed=0", f"train.steps={PEAK_STEPS}",
+                             "train.budget=iterations", "train.eval_points=1", "memory.tracker=true",
+                             f"hydra.sweep.dir={out_runs / 'peaks'}"]))
+    return result
+
+
+def run_study(*, study: str, out: Path, only: list[str] | None) -> float:
+    """Run every stage (or those named in ``only``) one after another; returns the wall seconds."""
+    start = time.time()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name, args in stages(study=study, out=out):
+        if only and name.split("-")[0] not in only:
+            continue
+        t0 = time.time()
+        print(f"[{study}] {name}: sdp-train {' '.join(args)}", flush=True)
+        subprocess.run([sys.executable, "-m", "sdp.train", *args], cwd=ROOT, env=env, check=True)
+        print(f"[{study}] {name}: {time.time() - t0:.0f} s", flush=True)
+    return time.time() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--study", choices=sorted(STUDIES), required=True)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-study")
+    ap.add_argument("--only", default=None, help="comma-separated stages to run: main,extras,peaks (default all)")
+    ap.add_argument("--render-only", action="store_true", help="write the report from existing runs")
+    args = ap.parse_args(argv)
+    if not args.render_only:
+        seconds = run_study(study=args.study, out=args.out, only=args.only.split(",") if args.only else None)
+        print(f"[{args.study}] all stages: {seconds / 60:.1f} min wall", flush=True)
+    files = write_report(study_dir=args.out / args.study, study=args.study)
+    print("\n".join(f"wrote {f}" for f in files))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

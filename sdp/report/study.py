@@ -1,0 +1,187 @@
+"""The report of a CPU study (``benchmarks/cpu_study.py``): one row per method, every difference to DDP
+paired by seed with its 95 % interval, time to DDP's quality, measured training peaks, plots, and one
+verdict per claim of the paper, all computed from the run directories.
+
+Layout read: ``<study>/runs/main`` (the FLOP-matched and same-iteration rows, seeds 0-2),
+``<study>/runs/extras`` (FSDP's check, rescale rules), ``<study>/runs/peaks`` (one short run per method
+with the live-tensor tracker: the training peak). Written: ``<study>/REPORT.md``, ``table.csv``,
+``curves.png`` (evaluation loss against the fraction of DDP's FLOPs, mean and a band of +- one sample
+std over seeds), ``peak_vs_loss.png``.
+
+What is measured and what follows by construction is kept apart: the training peak, comm bytes, time
+and losses are measured; the model-state ratio follows from the plan and is labelled so.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdp.report.runs import Run, find_runs, run_figures
+from sdp.report.stats import TARGET_FACTOR, Paired, paired_difference, t_half_width, time_to_target
+from sdp.report.tables import method_label, row_coverage
+from sdp.results import read_metrics
+
+NOMINAL_RANGE = (0.40, 0.72)  # the paper's "28-60 % less memory per device" as a ratio to DDP
+PAPER_COMMANDS = {
+    "lm": "sdp-train -m experiment=paper_llama_fineweb dataset.root=/data/fineweb10B cluster=slurm_gpu",
+    "image": "sdp-train -m experiment=paper_resnet18_cifar10 dataset.root=/data/cifar10 cluster=slurm_gpu",
+}
+
+
+def row_name(run: Run) -> str:
+    """A method's row: its paper label, coverage (C) or survival probability (p), and what sets it apart."""
+    f = run.flat
+    label = method_label(f)
+    cov = row_coverage(f)
+    name = label
+    if cov is not None:
+        name += f" {'p' if label.startswith('DDP+') else 'C'}={cov:g}"  # drop baselines: survival probability
+    rescale = f.get("parallelism.rescale")
+    if label.endswith("SDP") and rescale not in (None, "auto"):
+        name += f" rescale={rescale}"
+    if f.get("train.budget") == "iterations" and label not in ("DDP", "FSDP"):
+        name += " (same iterations)"
+    return name
+
+
+def peak_name(name: str) -> str:
+    return name.replace(" (same iterations)", "")
+
+
+@dataclass
+class Row:
+    name: str
+    runs: dict[int, Run] = field(default_factory=dict)  # by seed
+
+    def values(self, key: str) -> dict[int, float | None]:
+        return {s: run_figures(r.summary)[key] for s, r in self.runs.items()}
+
+    def mean_std(self, key: str) -> tuple[float | None, float | None]:
+        vals = [v for v in self.values(key).values() if v is not None]
+        if not vals:
+            return None, None
+        return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
+
+
+def collect(runs: list[Run]) -> dict[str, Row]:
+    rows: dict[str, Row] = {}
+    for run in runs:
+        if not run.ok:
+            continue
+        name = row_name(run)
+        rows.setdefault(name, Row(name)).runs[int(run.seed)] = run
+    return rows
+
+
+def curve(run: Run, *, ddp_flops: float) -> list[tuple[float, float]]:
+    """(fraction of DDP's total FLOPs, eval loss) at each evaluation of ``run``."""
+    per_step = (run.summary.get("budget") or {}).get("flops_per_step") or 0.0
+    return [(r["step"] * per_step / ddp_flops, r["eval_loss"]) for r in read_metrics(run.path)
+            if r.get("eval_loss") is not None]
+
+
+def fmt(v: float | None, spec: str = ".3f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def pm(mean: float | None, std: float | None, spec: str = ".3f") -> str:
+    return "–" if mean is None else fmt(mean, spec) + ("" if std is None else f" ± {fmt(std, spec)}")
+
+
+def interval(p: Paired, spec: str = "+.3f") -> str:
+    if p.mean is None:
+        return "–"
+    hw = "no interval (n = 1)" if p.half_width is None else f"± {p.half_width:.3f}"
+    return f"{p.mean:{spec}} {hw}" + ("" if p.resolved else " · not resolved")
+
+
+def verdict(p: Paired, *, what: str, unit: str = "nats") -> str:
+    """One line: the difference, its interval, and whether it is resolved (interval excludes 0)."""
+    if p.mean is None:
+        return f"{what}: no paired runs"
+    if p.half_width is None:
+        return f"{what}: {p.mean:+.3f} {unit} from one seed: no interval, not resolved"
+    side = "higher" if p.mean > 0 else "lower"
+    if not p.resolved:
+        return f"{what}: not resolved ({p.mean:+.3f} ± {p.half_width:.3f} {unit}, n = {p.n})"
+    return f"{what}: {side} by {abs(p.mean):.3f} ± {p.half_width:.3f} {unit} (n = {p.n}, resolved)"
+
+
+class Study:
+    """The rows of one study and every derived figure, computed once."""
+
+    def __init__(self, *, study_dir: Path, study: str) -> None:
+        self.dir, self.study = Path(study_dir), study
+        runs_dir = self.dir / "runs"
+        self.runs = [r for sub in ("main", "extras") if (runs_dir / sub).is_dir() for r in find_runs(runs_dir / sub)]
+        self.rows = collect(self.runs)
+        self.peaks = collect(find_runs(runs_dir / "peaks")) if (runs_dir / "peaks").is_dir() else {}
+        assert "DDP" in self.rows, f"no DDP run with a summary below {runs_dir}: rows {sorted(self.rows)}"
+        self.ddp = self.rows["DDP"]
+        self.metric = "eval_accuracy" if self.ddp.mean_std("eval_accuracy")[0] is not None else None
+        self.target = self.ddp.mean_std("eval_loss")[0] * TARGET_FACTOR
+
+    def paired(self, name: str, key: str = "eval_loss", *, reference: str = "DDP") -> Paired:
+        if name not in self.rows or reference not in self.rows:
+            return Paired(None, None, 0)
+        return paired_difference(self.rows[name].values(key), self.rows[reference].values(key))
+
+    def ratio(self, name: str, key: str, *, source: str = "main") -> float | None:
+        rows, ref = (self.peaks, "DDP") if source == "peaks" else (self.rows, "DDP")
+        name = peak_name(name) if source == "peaks" else name
+        if name not in rows or ref not in rows:
+            return None
+        a, b = rows[name].mean_std(key)[0], rows[ref].mean_std(key)[0]
+        return None if a is None or not b else a / b
+
+    def reach(self, row: Row) -> str:
+        hits = [time_to_target(read_metrics(r.path), target=self.target) for r in row.runs.values()]
+        done = [h for h in hits if h[0] is not None]
+        if not done:
+            return "not reached"
+        steps = statistics.fmean(h[0] for h in done)
+        secs = statistics.fmean(h[1] for h in done)
+        return f"{steps:.0f} st / {secs:.0f} s ({len(done)}/{len(hits)})"
+
+    def table(self) -> list[dict[str, str]]:
+        out = []
+        for name, row in sorted(self.rows.items(), key=lambda kv: _order(kv[0])):
+            gap_vals = [v for v in row.values("assembly_gap").values() if v is not None]
+            flops = self.ratio(name, "total_flops")
+            rec = {
+                "method": name, "seeds": ",".join(str(s) for s in sorted(row.runs)),
+                "steps": fmt(row.mean_std("steps")[0], ".0f"), "FLOPs x DDP": fmt(flops, ".2f"),
+                "eval loss": pm(*row.mean_std("eval_loss")),
+                "Δ loss vs DDP (95 % CI)": "" if name == "DDP" else interval(self.paired(name)),
+            }
+            if self.metric:
+                rec["accuracy %"] = pm(*row.mean_std("eval_accuracy"), ".2f")
+                rec["Δ acc vs DDP (pts)"] = "" if name == "DDP" else interval(self.paired(name, "eval_accuracy"), "+.2f")
+            rec["workers' own loss"] = pm(*row.mean_std("eval_loss_workers"))
+            rec["assembly gap"] = "–" if not gap_vals else (
+                f"{statistics.fmean(gap_vals):+.3f}" + (f" ± {t_half_width(gap_vals):.3f}" if len(gap_vals) > 1 else ""))
+            rec[f"to DDP loss x {TARGET_FACTOR}"] = self.reach(row)
+            rec["train peak x DDP"] = fmt(self.ratio(name, "train_peak_bytes", source="peaks"))
+            rec["state x DDP (by construction)"] = fmt(self.ratio(name, "model_state_bytes", source="peaks"))
+            rec["comm/step x DDP"] = fmt(self.ratio(name, "comm_bytes_per_step"))
+            rec["step s x DDP"] = fmt(self.ratio(name, "step_s"))
+            out.append(rec)
+        return out
+
+
+def _order(name: str) -> tuple[int, str]:
+    for i, prefix in enumerate(("DDP", "FSDP", "B-SDP", "B_β-SDP", "N-SDP", "DDP+")):
+        if name == prefix or name.startswith(prefix + " ") or (prefix == "DDP+" and name.startswith(prefix)):
+            return i, name
+    return 9, name
+
+
+def markdown_table(records: list[dict[str, str]]) -> str:
+    head = list(records[0])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r[h] for h in head) + " |" for r in records]
+    return "\n".join(lines)
