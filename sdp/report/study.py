@@ -41,7 +41,7 @@ def row_name(run: Run) -> str:
     if cov is not None:
         name += f" {'p' if label.startswith('DDP+') else 'C'}={cov:g}"  # drop baselines: survival probability
     rescale = f.get("parallelism.rescale")
-    if label.endswith("SDP") and rescale not in (None, "auto"):
+    if f.get("parallelism.masking") == "forward" and rescale not in (None, "auto"):  # backward: always none
         name += f" rescale={rescale}"
     if f.get("train.budget") == "iterations" and label not in ("DDP", "FSDP"):
         name += " (same iterations)"

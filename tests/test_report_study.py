@@ -1,0 +1,111 @@
+"""The CPU study's report (sdp/report/study.py, verdicts.py) from run directories written by hand: paired
+differences by seed with Student t intervals, resolved vs not resolved verdicts, the training peak taken
+from the peak runs, time to target, and the plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sdp.report.study import Study, row_name
+from sdp.report.verdicts import claims, write_report
+
+MIB = 2**20
+DDP = {"name": "ddp"}
+BSDP = {"name": "sdp", "level": "block", "masking": "forward", "coverage": 0.5, "rescale": "auto"}
+BBSDP = {"name": "sdp", "level": "block", "masking": "backward", "coverage": 0.5, "rescale": "none"}
+
+
+def run_dir(root: Path, job: int, *, seed: int, par: dict, losses: list[float], steps: int, flops_per_step: float,
+            peak_mib: float = 100.0, budget: str = "flops", gap: float | None = None) -> None:
+    d = root / str(job)
+    d.mkdir(parents=True)
+    cfg = {"seed": seed, "model": {"name": "llama"}, "parallelism": par, "cluster": {"world_size": 4},
+           "train": {"steps": steps, "budget": budget}}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    every = steps // len(losses)
+    rows = [{"step": s, "loss": 2.0, "step_s": 0.1} for s in range(1, steps + 1)]
+    rows += [{"step": every * (i + 1), "eval_loss": v} for i, v in enumerate(losses)]
+    rows.sort(key=lambda r: (r["step"], "eval_loss" in r))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    per_rank = [{"rank": r, "param_bytes": peak_mib / 4 * MIB, "grad_bytes": 0, "optim_bytes": 0,
+                 "train_peak_bytes": peak_mib * MIB * (1 + 0.01 * r)} for r in range(4)]
+    summary = {"strategy": par["name"], "world_size": 4, "steps": steps, "model": "llama", "seed": seed,
+               "final": {"eval_loss": losses[-1], "eval_accuracy": None, "assembly_gap": gap,
+                         "eval_loss_workers": None if gap is None else losses[-1] - gap},
+               "memory": {"per_rank": per_rank}, "comm": {"per_rank": [{"rank": 0, "bytes_per_step": MIB}]},
+               "time": {"step_s_median": 0.1}, "versions": {"git_commit": "abc", "git_dirty": False},
+               "budget": {"flops_per_step": flops_per_step, "total_flops": flops_per_step * steps}}
+    (d / "summary.json").write_text(json.dumps(summary))
+
+
+DDP_FINAL = (2.00, 2.10, 1.95)
+BSDP_FINAL = (2.05, 2.16, 1.99)   # +0.05, +0.06, +0.04: resolved
+BB_FINAL = (2.10, 2.00, 1.96)     # +0.10, -0.10, +0.01: not resolved
+
+
+@pytest.fixture
+def study(tmp_path: Path) -> Path:
+    main, peaks = tmp_path / "lm" / "runs" / "main", tmp_path / "lm" / "runs" / "peaks"
+    job = 0
+    for seed in range(3):
+        run_dir(main, job, seed=seed, par=DDP, losses=[3.0, DDP_FINAL[seed]], steps=100, flops_per_step=10.0)
+        run_dir(main, job + 1, seed=seed, par=BSDP, losses=[2.02, BSDP_FINAL[seed]], steps=200, flops_per_step=5.0,
+                gap=0.2 + 0.01 * seed)
+        run_dir(main, job + 2, seed=seed, par=BBSDP, losses=[3.1, BB_FINAL[seed]], steps=100, flops_per_step=7.0,
+                budget="iterations")
+        job += 3
+    run_dir(peaks, 0, seed=0, par=DDP, losses=[3.0], steps=20, flops_per_step=10.0, peak_mib=200.0)
+    run_dir(peaks, 1, seed=0, par=BSDP, losses=[3.0], steps=20, flops_per_step=5.0, peak_mib=110.0)
+    run_dir(peaks, 2, seed=0, par=BBSDP, losses=[3.0], steps=20, flops_per_step=7.0, peak_mib=170.0)
+    return tmp_path / "lm"
+
+
+def test_rows_pair_by_seed_and_say_whether_resolved(study: Path) -> None:
+    st = Study(study_dir=study, study="lm")
+    assert sorted(st.rows) == ["B-SDP C=0.5", "B_β-SDP C=0.5 (same iterations)", "DDP"]
+    p = st.paired("B-SDP C=0.5")
+    d = [b - a for a, b in zip(DDP_FINAL, BSDP_FINAL)]
+    assert p.n == 3 and p.mean == pytest.approx(statistics.fmean(d))
+    assert p.half_width == pytest.approx(4.302652729911275 * statistics.stdev(d) / math.sqrt(3))
+    assert p.resolved
+    assert not st.paired("B_β-SDP C=0.5 (same iterations)").resolved
+    table = {r["method"]: r for r in st.table()}
+    assert "not resolved" not in table["B-SDP C=0.5"]["Δ loss vs DDP (95 % CI)"]
+    assert "not resolved" in table["B_β-SDP C=0.5 (same iterations)"]["Δ loss vs DDP (95 % CI)"]
+    # peaks come from runs/peaks (largest rank), matched to the same-iteration row by its method
+    assert table["B-SDP C=0.5"]["train peak x DDP"] == "0.550"
+    assert table["B_β-SDP C=0.5 (same iterations)"]["train peak x DDP"] == "0.850"
+    assert table["B-SDP C=0.5"]["FLOPs x DDP"] == "1.00" and table["B_β-SDP C=0.5 (same iterations)"]["FLOPs x DDP"] == "0.70"
+    # target = mean DDP final x 1.02 = 2.057: B-SDP reaches it at its first evaluation in seeds 0 and 2 only
+    assert table["B-SDP C=0.5"]["to DDP loss x 1.02"].endswith("(3/3)")
+    assert table["B_β-SDP C=0.5 (same iterations)"]["to DDP loss x 1.02"].endswith("(2/3)")
+    assert table["B-SDP C=0.5"]["assembly gap"].startswith("+0.210 ±")
+
+
+def test_verdicts_and_files(study: Path) -> None:
+    st = Study(study_dir=study, study="lm")
+    text = "\n".join(claims(st))
+    assert "B-SDP C=0.5 − DDP: higher by 0.050" in text and "(n = 3, resolved)" in text
+    assert "B_β-SDP C=0.5 (same iterations) − DDP: not resolved" in text
+    assert "measured training peak 0.550x DDP's, inside the claimed" in text
+    assert "by construction" in text
+    assert "NOT met" in text  # half-width 0.025 > 0.02
+    files = write_report(study_dir=study, study="lm")
+    assert all(f.exists() and f.stat().st_size > 0 for f in files)
+    assert {f.name for f in files} == {"REPORT.md", "table.csv", "curves.png", "peak_vs_loss.png"}
+
+
+def test_row_names_from_configs(tmp_path: Path) -> None:
+    from sdp.report.runs import load_run
+
+    run_dir(tmp_path, 0, seed=0, par={"name": "ddp_stochastic_depth", "survival_prob": 0.5}, losses=[1.0], steps=10,
+            flops_per_step=1.0)
+    run_dir(tmp_path, 1, seed=0, par={**BSDP, "rescale": "none"}, losses=[1.0], steps=10, flops_per_step=1.0)
+    assert row_name(load_run(tmp_path / "0")) == "DDP+StochDepth p=0.5"
+    assert row_name(load_run(tmp_path / "1")) == "B-SDP C=0.5 rescale=none"
