@@ -28,6 +28,7 @@ from sdp.metrics.activations import forward_saved_bytes
 from sdp.metrics.comm import wire_bytes
 from sdp.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
 from sdp.models.base import SDPModel
+from sdp.subnet.sync import predicted_process_groups
 from sdp.trainer import loss_fn
 
 Record = tuple[str, float, int]  # (kind, payload bytes, group size) per step
@@ -99,6 +100,7 @@ def plan_ddp(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, A
     total = sum(sizes)
     records: list[Record] = [("all_reduce", total / n_buckets, world)] * n_buckets
     optim = optim_bytes(held=total, tensors=len(params), optim=cfg.optim)
+    facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets=(), refresh=False)  # the default only
     return [rank_entry(rank=r, params=total, grads=total, optim=optim, acts=acts, records=records) for r in range(world)]
 
 
@@ -115,6 +117,9 @@ def plan_sdp(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, A
     plan = plan_for(model=model, cfg=pc, world_size=world)
     facts["plan"] = plan.summary()  # as summary.json["plan"]: units -> holders, holder sets, connectivity
     pieces = M.pieces(model, plan)
+    # the groups SDPStrategy creates (the same holder sets, the same rule): summary.json's process_groups
+    facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets={p.holders for p in pieces},
+                                                       refresh=mode == "backward")
     groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
     out = []
     for r, mine, layout, trained in M.rank_subnetworks(model, plan, mode=mode, all_pieces=pieces):

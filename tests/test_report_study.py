@@ -22,7 +22,7 @@ BBSDP = {"name": "sdp", "level": "block", "masking": "backward", "coverage": 0.5
 
 
 def run_dir(root: Path, job: int, *, seed: int, par: dict, losses: list[float], steps: int, flops_per_step: float,
-            peak_mib: float = 100.0, budget: str = "flops", gap: float | None = None) -> None:
+            peak_mib: float = 100.0, budget: str = "flops", gap: float | None = None, step_s: float = 0.1) -> None:
     d = root / str(job)
     d.mkdir(parents=True)
     cfg = {"seed": seed, "model": {"name": "llama"}, "parallelism": par, "cluster": {"world_size": 4},
@@ -39,7 +39,7 @@ def run_dir(root: Path, job: int, *, seed: int, par: dict, losses: list[float], 
                "final": {"eval_loss": losses[-1], "eval_accuracy": None, "assembly_gap": gap,
                          "eval_loss_workers": None if gap is None else losses[-1] - gap},
                "memory": {"per_rank": per_rank}, "comm": {"per_rank": [{"rank": 0, "bytes_per_step": MIB}]},
-               "time": {"step_s_median": 0.1}, "versions": {"git_commit": "abc", "git_dirty": False},
+               "time": {"step_s_median": step_s}, "versions": {"git_commit": "abc", "git_dirty": False},
                "budget": {"flops_per_step": flops_per_step, "total_flops": flops_per_step * steps}}
     (d / "summary.json").write_text(json.dumps(summary))
 
@@ -63,6 +63,9 @@ def study(tmp_path: Path) -> Path:
     run_dir(peaks, 0, seed=0, par=DDP, losses=[3.0], steps=20, flops_per_step=10.0, peak_mib=200.0)
     run_dir(peaks, 1, seed=0, par=BSDP, losses=[3.0], steps=20, flops_per_step=5.0, peak_mib=110.0)
     run_dir(peaks, 2, seed=0, par=BBSDP, losses=[3.0], steps=20, flops_per_step=7.0, peak_mib=170.0)
+    timing = tmp_path / "lm" / "runs" / "timing"
+    run_dir(timing, 0, seed=0, par=DDP, losses=[3.0], steps=60, flops_per_step=10.0, step_s=0.2)
+    run_dir(timing, 1, seed=0, par=BSDP, losses=[3.0], steps=60, flops_per_step=5.0, step_s=0.05)
     return tmp_path / "lm"
 
 
@@ -83,7 +86,8 @@ def test_rows_pair_by_seed_and_say_whether_resolved(study: Path) -> None:
     assert table["B_β-SDP C=0.5 (same iterations)"]["train peak x DDP"] == "0.850"
     assert table["B-SDP C=0.5"]["FLOPs x DDP"] == "1.00" and table["B_β-SDP C=0.5 (same iterations)"]["FLOPs x DDP"] == "0.70"
     # target = mean DDP final x 1.02 = 2.057: B-SDP reaches it at its first evaluation in seeds 0 and 2 only
-    assert table["B-SDP C=0.5"]["to DDP loss x 1.02"].endswith("(3/3)")
+    assert table["B-SDP C=0.5"]["to DDP loss x 1.02"] == "100 st / 5 s (3/3)"  # first evaluation; x 0.05 s (timing)
+    assert table["B-SDP C=0.5"]["step s x DDP"] == "0.250" and table["B_β-SDP C=0.5 (same iterations)"]["step s x DDP"] == "–"
     assert table["B_β-SDP C=0.5 (same iterations)"]["to DDP loss x 1.02"].endswith("(2/3)")
     assert table["B-SDP C=0.5"]["assembly gap"].startswith("+0.210 ±")
 

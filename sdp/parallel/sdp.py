@@ -63,6 +63,7 @@ def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0
         model=model, world_size=world_size, coverage=float(cfg.coverage), level=str(cfg.level),
         assignment=str(cfg.assignment), groups=int(cfg.groups), drop_downsample=bool(cfg.drop_downsample),
         seed=int(cfg.plan_seed), draw=draw, balance=tuple(float(cfg.balance[r]) for r in BALANCE_KEYS),
+        max_holder_sets=cfg.get("max_holder_sets"),  # absent from configs written before the key
     )
 
 
@@ -92,6 +93,10 @@ class SDPStrategy(Strategy):
         positive_float("parallelism.bucket_cap_mb", cfg.bucket_cap_mb)
         boolean("parallelism.overlap", cfg.get("overlap", True))
         positive_int("parallelism.plan_seed", cfg.plan_seed, minimum=0)
+        if cfg.get("max_holder_sets") is not None:
+            positive_int("parallelism.max_holder_sets", cfg.max_holder_sets)
+            require(str(cfg.assignment) == "balanced", "parallelism.max_holder_sets", cfg.max_holder_sets,
+                    f"caps the balanced assignment only (parallelism.assignment={cfg.assignment!r}): set assignment=balanced")
         b = cfg.balance
         require(isinstance(b, DictConfig) and set(b) == set(BALANCE_KEYS), "parallelism.balance",
                 b, f"a mapping with exactly the keys {', '.join(BALANCE_KEYS)}")

@@ -120,6 +120,7 @@ class Study:
         self.runs = [r for sub in ("main", "extras") if (runs_dir / sub).is_dir() for r in find_runs(runs_dir / sub)]
         self.rows = collect(self.runs)
         self.peaks = collect(find_runs(runs_dir / "peaks")) if (runs_dir / "peaks").is_dir() else {}
+        self.timing = collect(find_runs(runs_dir / "timing")) if (runs_dir / "timing").is_dir() else {}
         assert "DDP" in self.rows, f"no DDP run with a summary below {runs_dir}: rows {sorted(self.rows)}"
         self.ddp = self.rows["DDP"]
         self.metric = "eval_accuracy" if self.ddp.mean_std("eval_accuracy")[0] is not None else None
@@ -131,21 +132,30 @@ class Study:
         return paired_difference(self.rows[name].values(key), self.rows[reference].values(key))
 
     def ratio(self, name: str, key: str, *, source: str = "main") -> float | None:
-        rows, ref = (self.peaks, "DDP") if source == "peaks" else (self.rows, "DDP")
-        name = peak_name(name) if source == "peaks" else name
+        rows = {"peaks": self.peaks, "timing": self.timing, "main": self.rows}[source]
+        name = name if source == "main" else peak_name(name)  # one peak / timing run per method, whatever the budget
+        ref = "DDP"
         if name not in rows or ref not in rows:
             return None
         a, b = rows[name].mean_std(key)[0], rows[ref].mean_std(key)[0]
         return None if a is None or not b else a / b
 
+    def step_s(self, name: str) -> float | None:
+        """The method's median step time from its quiet timing run (None without one)."""
+        row = self.timing.get(peak_name(name))
+        return None if row is None else row.mean_std("step_s")[0]
+
     def reach(self, row: Row) -> str:
+        """Steps to DDP's final loss x TARGET_FACTOR (mean over the seeds that reach it) and seconds = those
+        steps x the timing run's step time (the long runs' own wall-clock is not used: other jobs may have run)."""
         hits = [time_to_target(read_metrics(r.path), target=self.target) for r in row.runs.values()]
         done = [h for h in hits if h[0] is not None]
         if not done:
-            return "not reached"
+            return f"not reached (0/{len(hits)})"
         steps = statistics.fmean(h[0] for h in done)
-        secs = statistics.fmean(h[1] for h in done)
-        return f"{steps:.0f} st / {secs:.0f} s ({len(done)}/{len(hits)})"
+        step_s = self.step_s(row.name)
+        secs = "" if step_s is None else f" / {steps * step_s:.0f} s"
+        return f"{steps:.0f} st{secs} ({len(done)}/{len(hits)})"
 
     def table(self) -> list[dict[str, str]]:
         out = []
@@ -168,7 +178,7 @@ class Study:
             rec["train peak x DDP"] = fmt(self.ratio(name, "train_peak_bytes", source="peaks"))
             rec["state x DDP (by construction)"] = fmt(self.ratio(name, "model_state_bytes", source="peaks"))
             rec["comm/step x DDP"] = fmt(self.ratio(name, "comm_bytes_per_step"))
-            rec["step s x DDP"] = fmt(self.ratio(name, "step_s"))
+            rec["step s x DDP"] = fmt(self.ratio(name, "step_s", source="timing"))
             out.append(rec)
         return out
 

@@ -138,9 +138,11 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
           f"{' (dirty working tree)' if dirty else ''}. Every method of one seed shares the initial weights and the "
           f"data order; Δ columns are per-seed differences to DDP with the 95 % Student t interval (n − 1 d.f.); "
           f"'not resolved' = the interval contains 0. Time to target: first evaluation at or below DDP's mean final "
-          f"eval loss x {TARGET_FACTOR} (steps / wall seconds of training steps; reached seeds of all). Ratios are of "
-          f"means on the rank where each figure is largest. Training peak and model state come from runs/peaks "
-          f"(20 steps, seed 0, live-tensor tracker); comm and step time from the main runs.", "",
+          f"eval loss x {TARGET_FACTOR} (mean steps over the seeds that reach it, of all seeds; seconds = those steps x "
+          f"the method's step time from runs/timing). Ratios are of means on the rank where each figure is largest. "
+          f"Training peak and model state come from runs/peaks (20 steps, seed 0, live-tensor tracker); step time "
+          f"from runs/timing (60 steps, seed 0, median after warm-up, run with nothing else on the machine); comm "
+          f"bytes from the main runs.", "",
           markdown_table(records), "", "![curves](curves.png) ![peak vs loss](peak_vs_loss.png)", "",
           "## Verdicts, claim by claim", "", *claims(st), ""]
     (st.dir / "REPORT.md").write_text("\n".join(md))

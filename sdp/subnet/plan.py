@@ -43,6 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from sdp.metrics.activations import forward_saved_bytes
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.subnet.assign import ASSIGNMENTS, PlanError, assign, components, connectable
+from sdp.subnet.capped import cap_holder_sets
 
 __all__ = ["ASSIGNMENTS", "LEVELS", "Plan", "PlanError", "PlanWarning", "Unit", "assign", "build_plan", "check",
            "num_holders", "warn_degenerate"]
@@ -283,14 +284,15 @@ def measure_block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
 def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str = "block", assignment: str = "balanced",
                groups: int = 1, drop_downsample: bool = True, seed: int = 0, draw: int = 0,
                balance: tuple[float, float, float] = (1.0, 1.0, 1.0),
-               block_costs: dict[int, tuple[float, float]] | None = None) -> Plan:
+               block_costs: dict[int, tuple[float, float]] | None = None, max_holder_sets: int | None = None) -> Plan:
     """Declarations -> units with costs -> holders -> checked :class:`Plan` (same on every rank).
 
     ``balance`` weighs the normalised (params, FLOPs, activation bytes) in the balanced objective: 0
     ignores a resource, e.g. (0, 0, 1) gives the plan whose fullest worker keeps the fewest
     activations whatever its parameters (``sdp-plan plan.frontier=true`` shows the trade-off).
     ``block_costs``: :func:`measure_block_costs` of this model, when already measured (it runs one meta-device
-    forward per block, seconds for LLaMA-1B, and depends on the model alone, not on n, C or the draw)."""
+    forward per block, seconds for LLaMA-1B, and depends on the model alone, not on n, C or the draw).
+    ``max_holder_sets``: at most this many process groups for holder sets (:mod:`sdp.subnet.capped`)."""
     if len(balance) != 3 or any(w < 0 for w in balance) or not any(balance):
         raise PlanError(f"balance={tuple(balance)} is invalid: three weights >= 0 (params, FLOPs, activations), not all 0")
     k = num_holders(coverage=coverage, world_size=world_size)
@@ -317,6 +319,10 @@ def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str 
     unit_costs = [tuple(w * getattr(u, a) / t for w, a, t in zip(balance, ("params", "flops", "act_bytes"), tot))
                   for u in units]
     holders = assign(costs=unit_costs, world_size=world_size, k=k, method=assignment, seed=seed, draw=draw)
+    if max_holder_sets is not None:
+        unions = [[i for i, u in enumerate(units) if u.block == b] for b in remainder if remainder[b]]
+        holders = cap_holder_sets(costs=unit_costs, holders=holders, n=world_size, k=k, cap=int(max_holder_sets),
+                                  unions=unions)
     plan = Plan(world_size=world_size, coverage=coverage, k=k, level=level, assignment=assignment,
                 groups=groups if level == "neuron" else 1, units=tuple(units), holders=holders,
                 shared_params=shared, remainder=remainder, draw=draw)

@@ -58,6 +58,35 @@ def buckets(items: list[Piece], *, cap_bytes: int) -> list[list[Piece]]:
     return out
 
 
+def group_rank_sets(*, world_size: int, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> list[tuple[int, ...]]:
+    """The rank sets that get their own process group, in the one creation order every rank follows:
+    each holder set (and, with ``refresh``, its refresh set) of 2 .. n - 1 ranks; n ranks use the default
+    group, one rank needs none."""
+    out: list[tuple[int, ...]] = []
+    n = world_size
+    for h in sorted(set(holder_sets), key=lambda h: (len(h), h)):
+        for ranks in (h, refresh_set(h, n=n)) if refresh and len(h) < n else (h,):
+            if 1 < len(ranks) < n and ranks not in out:
+                out.append(ranks)
+    return out
+
+
+def refresh_set(h: tuple[int, ...], *, n: int) -> tuple[int, ...]:
+    """The lowest holder (the source) and every non-holder."""
+    return tuple(sorted({min(h)} | (set(range(n)) - set(h))))
+
+
+def predicted_process_groups(*, world_size: int, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> dict[str, Any]:
+    """What summary.json's ``process_groups`` will say, per rank, before any rank starts: the default group
+    plus every group of :func:`group_rank_sets` the rank is a member of (sizes largest first)."""
+    sets = group_rank_sets(world_size=world_size, holder_sets=holder_sets, refresh=refresh)
+    per_rank = []
+    for r in range(world_size):
+        sizes = sorted([world_size] + [len(s) for s in sets if r in s], reverse=True)
+        per_rank.append({"rank": r, "count": len(sizes), "sizes": sizes})
+    return {"per_rank": per_rank, "distinct_groups": len(sets)}
+
+
 class GroupSet:
     """Process groups for holder sets and refresh sets, created once in one global order."""
 
@@ -68,22 +97,16 @@ class GroupSet:
 
     def add(self, *, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> None:
         """Create the groups still missing (collective: every rank calls this with the same sets)."""
-        for h in sorted(set(holder_sets), key=lambda h: (len(h), h)):
-            self._make(h)
-            if refresh and len(h) < self.n:
-                self._make(self.refresh_set(h))
+        for ranks in group_rank_sets(world_size=self.n, holder_sets=holder_sets, refresh=refresh):
+            if ranks not in self.groups:
+                self.groups[ranks] = dist.new_group(list(ranks))
 
     def refresh_set(self, h: tuple[int, ...]) -> tuple[int, ...]:
-        """The lowest holder (the source) and every non-holder."""
-        return tuple(sorted({min(h)} | (set(range(self.n)) - set(h))))
-
-    def _make(self, ranks: tuple[int, ...]) -> None:
-        if ranks in self.groups or len(ranks) <= 1:
-            return
-        self.groups[ranks] = None if len(ranks) == self.n else dist.new_group(list(ranks))
+        return refresh_set(h, n=self.n)
 
     def get(self, ranks: tuple[int, ...]) -> Any:
-        return self.groups[ranks]
+        """The group of ``ranks``: None (the default group) for the whole world."""
+        return None if len(ranks) == self.n else self.groups[ranks]
 
 
 class OwnerSetSync:

@@ -1,0 +1,103 @@
+"""Process groups: what sdp-plan predicts (``process_groups``) equals what the ranks create, for every SDP
+preset on 4 and 8 gloo workers and two model families; the holder-set cap (``parallelism.max_holder_sets``)
+is respected by the plan and therefore by the groups created."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdp.metrics.groups import process_groups
+from sdp.planner import plan_sdp
+from sdp.subnet.assign import PlanError
+from sdp.subnet.capped import cap_holder_sets, groups_needed
+from tests.dist_helpers import compose_cfg, spawn
+
+PRESETS = ("sdp", "sdp_block_bwd", "sdp_neuron_fwd", "sdp_neuron_bwd")
+MODELS = (["model=resnet18_cifar", "model.width=8"], ["model=llama_tiny", "dataset=synthetic_text"])
+
+
+def cases(world: int) -> list[tuple[str, list[str]]]:
+    out = [(f"{p}/{m[0]}", [f"parallelism={p}", *m, f"cluster.world_size={world}"]) for p in PRESETS for m in MODELS]
+    out.append((f"capped/{world}", ["parallelism=sdp_neuron_fwd", *MODELS[0], f"cluster.world_size={world}",
+                                    "parallelism.max_holder_sets=2"]))
+    return out
+
+
+def _create(rank: int, world: int, configs: dict, out: str) -> None:
+    """Each rank makes the groups the way SDPStrategy does (the plan, its pieces, GroupSet) and records them."""
+    from omegaconf import OmegaConf
+
+    from sdp.parallel.sdp import plan_for
+    from sdp.subnet import masking as M
+    from sdp.subnet.sync import GroupSet
+    from sdp.worker import build
+
+    seen = {}
+    for name, cfg_dict in configs.items():
+        cfg = OmegaConf.create(cfg_dict)
+        with torch.device("meta"):
+            model = build(cfg.model)
+        plan = plan_for(model=model, cfg=cfg.parallelism, world_size=world)
+        mode = M.masking_mode(masking=str(cfg.parallelism.masking), refresh=str(cfg.parallelism.refresh))
+        before = process_groups()["sizes"]
+        GroupSet(world_size=world, holder_sets={p.holders for p in M.pieces(model, plan)}, refresh=mode == "backward")
+        after = process_groups()["sizes"]  # every group this rank is in, earlier configs' too: take the new ones
+        new = list(after)
+        for size in before:
+            new.remove(size)
+        seen[name] = {"count": 1 + len(new), "sizes": sorted([world, *new], reverse=True)}
+    Path(out, f"{rank}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [4, 8])
+def test_predicted_process_groups_equal_created(world: int, tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from sdp.worker import build
+
+    cfgs = {name: compose_cfg(o) for name, o in cases(world)}
+    predicted = {}
+    for name, cfg in cfgs.items():  # sdp-plan's SDP path (predict() minus validation and the peaks)
+        facts: dict = {}
+        with torch.device("meta"):
+            plan_sdp(cfg=cfg, model=build(cfg.model), world=world, facts=facts)
+        predicted[name] = facts["process_groups"]
+    spawn(_create, world=world, args=({n: OmegaConf.to_container(c, resolve=True) for n, c in cfgs.items()}, str(tmp_path)))
+    for rank in range(world):
+        created = json.loads((tmp_path / f"{rank}.json").read_text())
+        for name in cfgs:
+            want = predicted[name]["per_rank"][rank]
+            got = created[name]
+            assert (got["count"], got["sizes"]) == (want["count"], want["sizes"]), f"{name} rank {rank}: {got} vs {want}"
+    assert predicted[f"capped/{world}"]["distinct_groups"] <= 2, predicted[f"capped/{world}"]
+    if world == 8:  # the cap binds: uncapped neuron-level ResNet needs more groups than 2
+        assert predicted[f"sdp_neuron_fwd/{MODELS[0][0]}"]["distinct_groups"] > 2
+
+
+def test_cap_keeps_every_unit_k_holders_and_every_worker_busy() -> None:
+    costs = [(1.0 + 0.1 * u, 1.0, 1.0) for u in range(32)]
+    uncapped = tuple(tuple(sorted(((u * 3 + j) % 8) for j in range(4))) for u in range(32))  # 8 distinct sets
+    unions = [list(range(b * 4, b * 4 + 4)) for b in range(8)]
+    assert len(groups_needed(holders=uncapped, unions=[], n=8)) == 8
+    for cap in (2, 3, 5):
+        capped = cap_holder_sets(costs=costs, holders=uncapped, n=8, k=4, cap=cap, unions=unions)
+        assert len(groups_needed(holders=capped, unions=unions, n=8)) <= cap, (cap, capped)
+        assert all(len(set(h)) == 4 for h in capped) and {r for h in capped for r in h} == set(range(8)), capped
+    assert cap_holder_sets(costs=costs, holders=uncapped, n=8, k=4, cap=8, unions=[]) == uncapped  # not binding
+    with pytest.raises(PlanError, match=r"parallelism.max_holder_sets=1 is too small.*at least 2"):
+        cap_holder_sets(costs=costs, holders=uncapped, n=8, k=4, cap=1, unions=unions)
+
+
+def test_cap_needs_balanced_assignment() -> None:
+    from sdp.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"parallelism.max_holder_sets=3.*assignment=balanced"):
+        validate(compose_cfg(["parallelism.max_holder_sets=3", "parallelism.assignment=cyclic"]))
+    with pytest.raises(ConfigError, match=r"parallelism.max_holder_sets=0.*integer >= 1"):
+        validate(compose_cfg(["parallelism.max_holder_sets=0"]))
