@@ -34,7 +34,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sdp.report.verdicts import write_report  # noqa: E402
+from sdp.report.verdicts import write_index, write_report  # noqa: E402
 
 STUDIES = {
     "lm": {"experiment": "cpu_study_lm",
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render_only:
         seconds = run_study(study=args.study, out=args.out, only=args.only.split(",") if args.only else None)
         print(f"[{args.study}] all stages: {seconds / 60:.1f} min wall", flush=True)
-    files = write_report(study_dir=args.out / args.study, study=args.study)
+    files = [*write_report(study_dir=args.out / args.study, study=args.study), write_index(out=args.out)]
     print("\n".join(f"wrote {f}" for f in files))
     return 0
 

@@ -41,7 +41,7 @@ if not OmegaConf.has_resolver("sdp_mul"):
     OmegaConf.register_new_resolver("sdp_mul", lambda *xs: math.prod(int(x) for x in xs))
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-DEFAULT_JOB = ["experiment=compare"]  # what `sdp-train` alone runs (README line 1)
+DEFAULT_JOB = ["experiment=compare"]  # what `sdp-train` alone runs (the first Quick start command of the README)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

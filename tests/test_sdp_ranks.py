@@ -146,9 +146,16 @@ def test_replicas_identical_after_10_steps(preset: str) -> None:
 def test_comm_bytes_equal_analytic_bucket_sum(tmp_path, world: int, coverage: float) -> None:  # noqa: ANN001
     import json
 
-    summary, _ = run_job(MLP + ["parallelism=sdp", f"parallelism.coverage={coverage}", f"cluster.world_size={world}",
-                                "train.steps=5", "train.warmup_steps=1", "train.eval_every=0"], tmp_path)
+    overrides = MLP + ["parallelism=sdp", f"parallelism.coverage={coverage}", f"cluster.world_size={world}",
+                       "train.steps=5", "train.warmup_steps=1", "train.eval_every=0"]
+    summary, _ = run_job(overrides, tmp_path)
     plan = json.loads((tmp_path / "plan.json").read_text())
+    from sdp.planner import predict
+    from tests.dist_helpers import compose_cfg
+
+    predicted = predict(compose_cfg(overrides))["process_groups"]["per_rank"]  # sdp-plan's figure, before any rank
+    assert [(g["count"], g["sizes"]) for g in predicted] == \
+        [(g["count"], g["sizes"]) for g in summary["process_groups"]["per_rank"]], (predicted, summary["process_groups"])
     k = plan["summary"]["k"]
     for rank_comm in summary["comm"]["per_rank"]:
         r = rank_comm["rank"]

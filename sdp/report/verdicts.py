@@ -147,3 +147,14 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
           "## Verdicts, claim by claim", "", *claims(st), ""]
     (st.dir / "REPORT.md").write_text("\n".join(md))
     return [st.dir / "REPORT.md", st.dir / "table.csv", *plot(st)]
+
+
+def write_index(*, out: Path) -> Path:
+    """``<out>/README.md``: what each study is, the command that re-creates it, and a link to its report."""
+    lines = ["# CPU studies (issue 17)", "",
+             "Each study is re-created, runs and report, by one command (resumable; `--render-only` re-writes the "
+             "report from the committed runs). Every figure in the reports is computed from the run directories.", ""]
+    for study in sorted(p.name for p in out.iterdir() if (p / "REPORT.md").exists()):
+        lines += [f"- [{study}]({study}/REPORT.md): `python benchmarks/cpu_study.py --study {study}`"]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    return out / "README.md"
