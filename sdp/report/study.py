@@ -126,10 +126,15 @@ class Study:
         self.metric = "eval_accuracy" if self.ddp.mean_std("eval_accuracy")[0] is not None else None
         self.target = self.ddp.mean_std("eval_loss")[0] * TARGET_FACTOR
 
-    def paired(self, name: str, key: str = "eval_loss", *, reference: str = "DDP") -> Paired:
+    def paired(self, name: str, key: str = "eval_loss", *, reference: str = "DDP", ref_key: str | None = None) -> Paired:
+        """Per-seed ``name``'s ``key`` minus ``reference``'s ``ref_key`` (default the same key)."""
         if name not in self.rows or reference not in self.rows:
             return Paired(None, None, 0)
-        return paired_difference(self.rows[name].values(key), self.rows[reference].values(key))
+        return paired_difference(self.rows[name].values(key), self.rows[reference].values(ref_key or key))
+
+    def paired_workers(self, name: str) -> Paired:
+        """The subnetworks that were trained (mean over workers of each one's own eval loss) minus DDP's model."""
+        return self.paired(name, "eval_loss_workers", ref_key="eval_loss")
 
     def ratio(self, name: str, key: str, *, source: str = "main") -> float | None:
         rows = {"peaks": self.peaks, "timing": self.timing, "main": self.rows}[source]
@@ -172,6 +177,8 @@ class Study:
                 rec["accuracy %"] = pm(*row.mean_std("eval_accuracy"), ".2f")
                 rec["Δ acc vs DDP (pts)"] = "" if name == "DDP" else interval(self.paired(name, "eval_accuracy"), "+.2f")
             rec["workers' own loss"] = pm(*row.mean_std("eval_loss_workers"))
+            workers = self.paired_workers(name)
+            rec["Δ workers' loss vs DDP"] = "–" if workers.mean is None else interval(workers)
             rec["assembly gap"] = "–" if not gap_vals else (
                 f"{statistics.fmean(gap_vals):+.3f}" + (f" ± {t_half_width(gap_vals):.3f}" if len(gap_vals) > 1 else ""))
             rec[f"to DDP loss x {TARGET_FACTOR}"] = self.reach(row)

@@ -38,7 +38,9 @@ def claims(st: Study) -> list[str]:
     lines += ["", "### Quality parity above C ≈ 0.3 (FLOP-matched, final eval loss, paired by seed)", ""]
     for name in ("B-SDP C=0.25", "B-SDP C=0.5", "B-SDP C=0.75", "B_β-SDP C=0.5", "N-SDP C=0.5"):
         if name in st.rows:
-            lines.append(f"- {verdict(st.paired(name), what=f'{name} − DDP', unit=unit)}")
+            lines.append(f"- {verdict(st.paired(name), what=f'{name} (assembled model) − DDP', unit=unit)}")
+            if st.paired_workers(name).mean is not None:
+                lines.append(f"  - {verdict(st.paired_workers(name), what='its workers own subnetworks − DDP', unit=unit)}")
             if acc:
                 lines.append(f"  - accuracy: {verdict(st.paired(name, 'eval_accuracy'), what=f'{name} − DDP', unit='points')}")
     lines += ["", "### Block vs neuron level at C = 0.5", "",
