@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from sdp.config import ConfigError, one_of, positive_int, require
+from sdp.errors import ConfigError, one_of, positive_int, require
+from sdp.registry import build
 
 BUDGETS = ("iterations", "flops", "tokens")
 FLOPS_RATIOS = ("coverage", "measured")
@@ -119,7 +120,6 @@ def model_flops(cfg: DictConfig) -> tuple[int | None, float | None, int | None, 
     """(training FLOPs per sample of the full model, masked share, number of units, why not) from a
     meta-device build."""
     from sdp.models.base import forward_flop_counts
-    from sdp.worker import build
 
     try:
         with torch.device("meta"):

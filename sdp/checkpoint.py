@@ -31,7 +31,7 @@ import torch.distributed as dist
 from sdp import rng
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.config import ConfigError
+from sdp.errors import ConfigError
 from sdp.parallel.base import Strategy
 
 CKPT_DIR = "checkpoints"

@@ -15,9 +15,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names key, value and what is allowed."""
+from sdp.errors import ConfigError, boolean, fail, one_of, positive_float, positive_int, require  # noqa: F401 (re-exported)
 
 
 # Keys that moved: a config or command line that still sets one fails naming the new key (Hydra's own
@@ -46,34 +44,6 @@ def check_renamed(cfg: DictConfig) -> None:
         parent = OmegaConf.select(cfg, node) if node else cfg
         if isinstance(parent, DictConfig) and leaf in parent:
             raise ConfigError(f"{old}={parent[leaf]!r} is invalid: the key moved to {new}")
-
-
-def fail(key: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
-
-
-def require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        fail(key, value, allowed)
-
-
-def one_of(key: str, value: Any, allowed: Iterable[Any]) -> None:
-    allowed = tuple(allowed)
-    require(value in allowed, key, value, f"allowed: {', '.join(map(str, allowed))}")
-
-
-def positive_int(key: str, value: Any, *, minimum: int = 1) -> None:
-    require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key, value,
-            f"must be an integer >= {minimum}")
-
-
-def positive_float(key: str, value: Any, *, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
-    require(ok, key, value, f"must be a number {'>=' if allow_zero else '>'} 0")
-
-
-def boolean(key: str, value: Any) -> None:
-    require(isinstance(value, bool), key, value, "must be true or false")
 
 
 def importable(key: str, value: Any, *, base: type | None = None) -> None:
@@ -120,21 +90,15 @@ def validate_train(cfg: DictConfig) -> None:
 
 
 def validate_strategy(cfg: DictConfig) -> None:
-    """The strategy's own checks; ``full_cfg`` is passed to overrides whose signature names it."""
-    import inspect
-
+    """The strategy's own checks, given its ``parallelism`` node and the whole config."""
     from sdp.parallel import STRATEGIES
 
-    cls = STRATEGIES.get(str(cfg.parallelism.name))
-    kwargs: dict[str, Any] = {"cfg": cfg.parallelism, "world_size": int(cfg.cluster.world_size)}
-    if "full_cfg" in inspect.signature(cls.validate).parameters:
-        kwargs["full_cfg"] = cfg
-    cls.validate(**kwargs)
+    STRATEGIES.get(str(cfg.parallelism.name)).validate(cfg=cfg.parallelism, full_cfg=cfg, world_size=int(cfg.cluster.world_size))
 
 
 def validate(cfg: DictConfig) -> None:
     """Check everything that can be checked without starting a rank."""
-    from sdp.launch import external_launcher
+    from sdp.rankenv import external_launcher
     from sdp.models.base import SDPModel
     from sdp.parallel import STRATEGIES
 
@@ -154,7 +118,7 @@ def validate(cfg: DictConfig) -> None:
         import os
 
         env_world = int(os.environ["WORLD_SIZE"])
-        from sdp.launch import seen_env
+        from sdp.rankenv import seen_env
 
         require(env_world == cl.world_size, "cluster.world_size", cl.world_size,
                 f"the external launcher started a world of WORLD_SIZE={env_world} ranks (variables seen: {seen_env()}); "

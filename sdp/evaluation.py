@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn import functional as F
 
-from sdp.config import boolean, one_of, positive_int
+from sdp.errors import boolean, one_of, positive_int
 from sdp.data.base import DataBundle, val_batches
 from sdp.parallel.base import DistContext, average_buffers
 

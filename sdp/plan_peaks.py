@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
 from sdp.trainer import loss_fn
+from sdp.registry import build
 
 
 class FusedAttention(TorchFunctionMode):
@@ -59,7 +60,6 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
     """Live meta bytes of ``module``: at set-up (module state), the peak of a training step after one
     warm-up step, and the peak of one evaluation forward; plus the persistent state after a step
     (no ``trainable``: evaluation only)."""
-    from sdp.worker import build
 
     tracker = LiveTensorTracker(device_type="meta")
     with tracker, FusedAttention():
@@ -99,9 +99,11 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def predict_peaks(*, cfg: DictConfig, model: SDPModel, world: int) -> list[dict[str, int]] | None:
+def predict_peaks(*, cfg: DictConfig, model: SDPModel, world: int,
+                  state: list[dict[str, Any]]) -> list[dict[str, int]] | None:
     """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` (None: a strategy
-    without a peak rehearsal: pipeline)."""
+    without a peak rehearsal: pipeline). ``state``: the planner's per-rank memory entries (the held
+    parameter, gradient and optimizer bytes that FSDP's rule starts from)."""
     name = str(cfg.parallelism.name)
     batch, eval_batch = int(cfg.train.batch_size), _eval_batch(cfg, world)
     example = model.example_input
@@ -118,7 +120,7 @@ def predict_peaks(*, cfg: DictConfig, model: SDPModel, world: int) -> list[dict[
     if name == "sdp":
         return _sdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch)
     if name == "fsdp":
-        return _fsdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch)
+        return _fsdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch, state=state)
     return None
 
 
@@ -148,14 +150,13 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
     return out
 
 
-def _fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int) -> list[dict[str, int]]:
+def _fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+                state: list[dict[str, Any]]) -> list[dict[str, int]]:
     """FSDP2 on top of the full replica's rehearsal: the model is materialised whole and sharded unit by
     unit (set-up: the full parameters and one shard in flight); a training step holds the sharded
     state, the replica's activation transient, the root unsharded, and for the largest block its
     unsharded parameters twice (running + prefetched) and its unsharded gradients and reduce-scatter
     input; evaluation unshards every unit (the full parameters) with one all-gather buffer in flight."""
-    from sdp.planner import plan_fsdp
-
     shards = world // int(cfg.parallelism.get("replicate", 1))
     full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=batch, eval_batch=eval_batch,
                     cfg=cfg, example=model.example_input)
@@ -165,7 +166,7 @@ def _fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eva
     params_full = _nbytes(model.parameters())
     one_shard = max((t.numel() * t.element_size() // shards for t in model.parameters()), default=0)
     out = []
-    for mem, _ in plan_fsdp(cfg=cfg, model=model, world=world, facts={}):
+    for mem in state:
         state = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
         out.append({"setup_peak_bytes": params_full + one_shard,
                     "train_peak_bytes": state + (full["train"] - full["state"]) + root + 4 * largest,

@@ -30,6 +30,7 @@ from sdp.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the co
 from sdp.models.base import SDPModel
 from sdp.subnet.sync import predicted_process_groups
 from sdp.trainer import loss_fn
+from sdp.registry import build
 
 Record = tuple[str, float, int]  # (kind, payload bytes, group size) per step
 MIB = 2**20
@@ -220,7 +221,6 @@ PLANNERS: dict[str, Callable[..., list[tuple[dict, dict]]]] = {
 def predict(cfg: DictConfig) -> dict[str, Any]:
     """Per-rank predicted memory and comm of ``cfg`` (validated first, as sdp-train does)."""
     from sdp.config import validate
-    from sdp.worker import build
 
     validate(cfg)
     name, world = str(cfg.parallelism.name), int(cfg.cluster.world_size)
@@ -242,7 +242,7 @@ def add_peaks(*, cfg: DictConfig, model: SDPModel, entries: list[tuple[dict, dic
     """Add the predicted set-up, train and eval peaks (:mod:`sdp.plan_peaks`) to each rank's memory entry."""
     from sdp.plan_peaks import predict_peaks
 
-    peaks = predict_peaks(cfg=cfg, model=model, world=len(entries))
+    peaks = predict_peaks(cfg=cfg, model=model, world=len(entries), state=[m for m, _ in entries])
     for (mem, _), p in zip(entries, peaks or [{}] * len(entries)):
         mem.update(p)
 
@@ -253,7 +253,6 @@ def sdp_frontier(cfg: DictConfig) -> dict[str, Any]:
 
     from sdp.parallel.sdp import plan_for
     from sdp.subnet.frontier import format_frontier, frontier
-    from sdp.worker import build
 
     if str(cfg.parallelism.name) != "sdp" or str(cfg.parallelism.masking) != "forward":
         raise ValueError(f"plan.frontier=true scores SDP with forward masking (backward masking keeps every parameter "
@@ -299,7 +298,7 @@ def format_sdp_plan(summary: dict[str, Any]) -> str:
 
 def plan_options(cfg: DictConfig) -> tuple[str | None, bool]:
     """The ``plan:`` node (read by sdp-plan only, so checked here, not by sdp-train's validation)."""
-    from sdp.config import boolean, require
+    from sdp.errors import boolean, require
 
     node = cfg.get("plan") or {}
     output, frontier = node.get("output"), node.get("frontier", False)

@@ -5,7 +5,7 @@ Why: :func:`sdp.config.validate` checks keys one by one, but a model or optimize
 right type and still cannot work (a negative width, ``momentum=-1``, a global batch larger than the
 dataset) used to pass it and fail inside every spawned rank, as a bare ``IndexError`` or ``ValueError``
 from deep in torch under a page of elastic-launcher traceback. Built here first, the same exception
-becomes one :class:`~sdp.config.ConfigError` line naming the config node (``dataset``, ``model``,
+becomes one :class:`~sdp.errors.ConfigError` line naming the config node (``dataset``, ``model``,
 ``optim.optimizer``, ``train``) and the original message, and no rank is started.
 
 The model is built on the meta device (no memory, no init compute), so this costs about what
@@ -21,7 +21,8 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig
 
-from sdp.config import ConfigError
+from sdp.errors import ConfigError
+from sdp.registry import build
 
 
 @contextmanager
@@ -62,7 +63,6 @@ def build_once(cfg: DictConfig) -> dict[str, Any]:
     built (the number of training samples and parameters) for the driver's log."""
     from sdp.data.base import GlobalBatchSampler
     from sdp.trainer import global_batch_size
-    from sdp.worker import build
 
     with building("dataset", cfg.dataset.get("_target_")):
         data = build(cfg.dataset)

@@ -1,4 +1,5 @@
-"""A tiny name -> factory registry, shared by strategies (and anything else looked up by name).
+"""A tiny name -> factory registry, shared by strategies (and anything else looked up by name), and
+:func:`build`, which instantiates a config node (a model, a dataset, an optimizer) by its ``_target_``.
 
 Why a registry rather than ``if name == ...`` ladders: the trainer must never name a strategy, and
 a new strategy must be one new module, nothing else edited.
@@ -6,7 +7,10 @@ a new strategy must be one new module, nothing else edited.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
 T = TypeVar("T")
 
@@ -39,3 +43,14 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: str) -> bool:
         return name in self._items
+
+
+META_KEYS = ("name",)
+
+
+def build(node: DictConfig, **overrides: Any) -> Any:
+    """Instantiate a config node's ``_target_``, leaving out documentation-only keys (``name``)."""
+    resolved = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(resolved, dict), f"expected a config mapping with _target_, got {resolved!r}"
+    kwargs = {k: v for k, v in resolved.items() if k not in META_KEYS}
+    return instantiate(kwargs, **overrides, _convert_="all")

@@ -2,7 +2,7 @@
 
 Every Slurm task of a job is one rank: :func:`slurm_environment` turns the task's SLURM_* variables
 into the torch.distributed ones (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE),
-so the worker runs in-process (``sdp.launch.external_launcher``) and nothing is spawned again. It
+so the worker runs in-process (``sdp.rankenv.external_launcher``) and nothing is spawned again. It
 works for tasks started by Hydra's submitit launcher (``cluster=slurm`` with ``-m``) and by a plain
 ``srun`` (``slurm/sdp.sbatch``) alike, single- or multi-node.
 
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from sdp.launch import external_launcher
+from sdp.rankenv import external_launcher
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def slurm_environment(*, cluster: DictConfig) -> None:
     Not ``submitit.helpers.TorchDistributedEnvironment``: it needs a submitit job (no plain srun),
     draws a random port and masks CUDA_VISIBLE_DEVICES, while the worker selects ``cuda:LOCAL_RANK``.
     """
-    from sdp.config import ConfigError, require
+    from sdp.errors import ConfigError, require
 
     if cluster.name != "slurm" or external_launcher():
         return

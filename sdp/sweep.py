@@ -25,7 +25,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from sdp import checkpoint
-from sdp.config import ConfigError
+from sdp.errors import ConfigError
 from sdp.results import RUN_CONTROL_KEYS, scrub
 
 LEFTOVERS = ("metrics.jsonl", "failure.json")

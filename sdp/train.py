@@ -28,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from sdp import checkpoint, results, sweep
 from sdp.budget import resolve_steps
 from sdp.config import renamed_overrides, validate
-from sdp.launch import RankFailure, external_launcher, launch
+from sdp.launch import RankFailure, launch
+from sdp.rankenv import external_launcher
 from sdp.loggers import wandb_run_id
 from sdp.slurm import slurm_environment
 

@@ -17,13 +17,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from sdp import evaluation, results, rng
 from sdp.data.base import DataBundle
-from sdp.launch import format_layout, launcher_identity, nodes_of, world_layout
+from sdp.rankenv import format_layout, launcher_identity, nodes_of, world_layout
 from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
 from sdp.metrics.flops import throughput
 from sdp.metrics.groups import device_memory, process_groups
@@ -31,19 +30,9 @@ from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
+from sdp.registry import build  # noqa: F401 (re-exported: sdp.worker.build is used widely)
 from sdp.parallel import STRATEGIES, DistContext, Strategy
 from sdp.trainer import Trainer
-
-META_KEYS = ("name",)
-
-
-def build(node: DictConfig, **overrides: Any) -> Any:
-    """Instantiate a config node's ``_target_``, leaving out documentation-only keys (``name``)."""
-    resolved = OmegaConf.to_container(node, resolve=True)
-    assert isinstance(resolved, dict), f"expected a config mapping with _target_, got {resolved!r}"
-    kwargs = {k: v for k, v in resolved.items() if k not in META_KEYS}
-    return instantiate(kwargs, **overrides, _convert_="all")
-
 
 def resolve_device(cluster: DictConfig, local_rank: int) -> tuple[torch.device, str]:
     """Device and backend: NCCL on CUDA, gloo on CPU (``cluster.backend=auto``).

@@ -150,7 +150,7 @@ def test_llama_scale_cpu_maps_each_size_to_a_tiny_llama_on_text():
     assert sizes == sorted(sizes) and len(set(sizes)) == 3, f"CPU LLaMAs must grow with the paper's sizes: {sizes}"
 
 
-_FRACTION = re.compile(r"_c(\d+)$")
+_FRACTION = re.compile(r"_c(\d+)(_iters)?$")  # *_iters: the same row under the same-iteration budget
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -165,6 +165,8 @@ def test_variant_sets_method_and_coverage(variant: str):
         return
     key = "coverage" if "coverage" in cfg.parallelism else "survival_prob"
     assert cfg.parallelism[key] == int(m.group(1)) / 100, (variant, key, cfg.parallelism[key])
+    if m.group(2):
+        assert cfg.train.budget == "iterations", (variant, cfg.train.budget)
 
 
 @pytest.mark.parametrize("variant", ["sd_c50", "layerdrop_c50"])

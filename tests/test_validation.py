@@ -140,8 +140,8 @@ def test_valid_configs_pass(overrides: list[str]) -> None:
     compose_and_validate(overrides)
 
 
-def test_strategy_validate_receives_full_cfg_when_it_asks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Strategies whose checks need the batch size or the model (pipeline, SDP) declare ``full_cfg``."""
+def test_strategy_validate_receives_the_full_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every strategy's validate receives the whole config (pipeline and SDP need the batch size and the model)."""
     seen = {}
     ddp = STRATEGIES.get("ddp")
 
@@ -166,7 +166,7 @@ def test_bad_model_value_fails_in_the_driver_in_one_line(tmp_path: Path) -> None
 
     job = run_train(tmp_path / "run", "experiment=smoke", "model.num_classes=5", check=False, timeout=120)
     assert job.proc.returncode != 0
-    line = next((ln for ln in job.output.splitlines() if ln.startswith("sdp.config.ConfigError: ")), None)
+    line = next((ln for ln in job.output.splitlines() if ln.startswith("sdp.errors.ConfigError: ")), None)
     assert line is not None and "model (sdp.models.mlp.MLP) cannot be built" in line and "5 logits" in line, job.output[-3000:]
     assert "ChildFailedError" not in job.output and "IndexError" not in job.output, job.output[-3000:]
     assert not (tmp_path / "run" / "rank_logs").exists(), "no rank may start"

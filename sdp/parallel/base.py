@@ -74,11 +74,11 @@ class Strategy(ABC):
 
     # ---- validation before any rank starts -----------------------------------------------------
     @classmethod
-    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
         """Raise ``ValueError`` naming key, value and what is allowed for impossible settings.
 
-        An override may also accept ``full_cfg`` (the whole config: batch size, model depth, ...);
-        :func:`sdp.config.validate` passes it when the signature names it."""
+        ``cfg`` is the ``parallelism`` node, ``full_cfg`` the whole job config (batch size, model, ...),
+        both passed by :func:`sdp.config.validate` before any rank starts."""
 
     # ---- set-up and one step --------------------------------------------------------------------
     @abstractmethod

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sdp.config import positive_int
+from sdp.errors import positive_int
 from sdp.metrics.activations import note_retained
 from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, register
@@ -73,7 +73,7 @@ class DDPActivationCheckpointStrategy(DDPStrategy):
     """DDP whose blocks trade recomputation for activation memory."""
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
         positive_int("parallelism.ac_every", cfg.get("ac_every", 1))
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.config import one_of, require
+from sdp.errors import one_of, require
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, register
@@ -60,7 +60,7 @@ class _DropStrategy(DDPStrategy):
     decays: tuple[str, ...] = ("uniform",)
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
         p = cfg.get("survival_prob")
         require(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1, "parallelism.survival_prob",
                 p, "must be a number in (0, 1]")

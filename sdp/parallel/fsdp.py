@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from sdp.config import positive_int, require
+from sdp.errors import positive_int, require
 from sdp.metrics.collectives import count_collectives
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
@@ -47,7 +47,7 @@ class FSDPStrategy(Strategy):
     """Parameters, gradients and optimizer state sharded over the shard dimension of the mesh."""
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
         replicate = cfg.get("replicate", 1)
         positive_int("parallelism.replicate", replicate)
         require(world_size % replicate == 0, "parallelism.replicate", replicate,

@@ -35,12 +35,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from sdp.config import require
+from sdp.errors import require
 from sdp.metrics.collectives import count_collectives
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel, count_params
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers, register
 from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan
+from sdp.registry import build
 
 
 class StageModule(nn.Module):
@@ -89,12 +90,10 @@ class PipelineStrategy(Strategy):
     """GPipe / 1F1B / interleaved 1F1B over ``world / dp`` ranks, optionally replicated dp times."""
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
         check_layout(cfg=cfg, world_size=world_size)
-        root = cfg._get_root() if hasattr(cfg, "_get_root") else None
-        if root is not None and "model" in root and "train" in root:  # called from sdp.config.validate
-            from sdp.worker import build
-
+        root = full_cfg
+        if "model" in root and "train" in root:
             with torch.device("meta"):  # the real model's structure, no memory
                 model = build(OmegaConf.create(OmegaConf.to_container(root.model, resolve=True)))
             make_plan(cfg=cfg, world_size=world_size, model=model, batch_size=int(root.train.batch_size))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sdp.config import ConfigError, fail, one_of, positive_int, require
+from sdp.errors import ConfigError, fail, one_of, positive_int, require
 from sdp.models.base import SDPModel, count_params
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")

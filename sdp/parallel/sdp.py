@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from sdp.config import ConfigError, boolean, one_of, positive_float, positive_int, require
+from sdp.errors import ConfigError, boolean, one_of, positive_float, positive_int, require
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
@@ -35,6 +35,7 @@ from sdp.subnet.assemble import assemble, set_branch_scales, tensor_map
 from sdp.subnet.carry import carry_state
 from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError, build_plan
 from sdp.subnet.sync import GroupSet, OwnerSetSync
+from sdp.registry import build
 
 
 BALANCE_KEYS = ("params", "flops", "activations")
@@ -74,7 +75,7 @@ class SDPStrategy(Strategy):
     materialises_held = True  # forward masking materialises only the held units and the shared parts
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
         one_of("parallelism.level", cfg.level, LEVELS)
         one_of("parallelism.masking", cfg.masking, ("forward", "backward"))
         c = cfg.coverage
@@ -103,10 +104,8 @@ class SDPStrategy(Strategy):
         for r in BALANCE_KEYS:
             positive_float(f"parallelism.balance.{r}", b[r], allow_zero=True)
         require(any(b[r] for r in BALANCE_KEYS), "parallelism.balance", b, "at least one weight > 0")
-        root = cfg._get_root()  # the full job config: the plan needs the model declarations
-        if root is not cfg and "model" in root:
-            from sdp.worker import build  # lazy: sdp.worker imports this package
-
+        root = full_cfg  # the plan needs the model declarations
+        if "model" in root:
             node = OmegaConf.create(OmegaConf.to_container(root.model, resolve=True))  # resolve against the root
             with torch.device("meta"):
                 model = build(node)
