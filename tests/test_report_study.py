@@ -60,12 +60,12 @@ def study(tmp_path: Path) -> Path:
         run_dir(main, job + 2, seed=seed, par=BBSDP, losses=[3.1, BB_FINAL[seed]], steps=100, flops_per_step=7.0,
                 budget="iterations")
         job += 3
-    run_dir(peaks, 0, seed=0, par=DDP, losses=[3.0], steps=20, flops_per_step=10.0, peak_mib=200.0)
-    run_dir(peaks, 1, seed=0, par=BSDP, losses=[3.0], steps=20, flops_per_step=5.0, peak_mib=110.0)
+    run_dir(peaks, 0, seed=0, par=DDP, losses=[3.0], steps=20, flops_per_step=10.0, peak_mib=200.0, budget="iterations")
+    run_dir(peaks, 1, seed=0, par=BSDP, losses=[3.0], steps=20, flops_per_step=5.0, peak_mib=110.0, budget="iterations")
     run_dir(peaks, 2, seed=0, par=BBSDP, losses=[3.0], steps=20, flops_per_step=7.0, peak_mib=170.0)
     timing = tmp_path / "lm" / "runs" / "timing"
     run_dir(timing, 0, seed=0, par=DDP, losses=[3.0], steps=60, flops_per_step=10.0, step_s=0.2)
-    run_dir(timing, 1, seed=0, par=BSDP, losses=[3.0], steps=60, flops_per_step=5.0, step_s=0.05)
+    run_dir(timing, 1, seed=0, par=BSDP, losses=[3.0], steps=60, flops_per_step=5.0, step_s=0.05, budget="iterations")
     return tmp_path / "lm"
 
 

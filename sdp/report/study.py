@@ -77,6 +77,10 @@ def collect(runs: list[Run]) -> dict[str, Row]:
     return rows
 
 
+def by_method(rows: dict[str, Row]) -> dict[str, Row]:
+    return {peak_name(name): row for name, row in rows.items()}
+
+
 def curve(run: Run, *, ddp_flops: float) -> list[tuple[float, float]]:
     """(fraction of DDP's total FLOPs, eval loss) at each evaluation of ``run``."""
     per_step = (run.summary.get("budget") or {}).get("flops_per_step") or 0.0
@@ -119,8 +123,9 @@ class Study:
         runs_dir = self.dir / "runs"
         self.runs = [r for sub in ("main", "extras") if (runs_dir / sub).is_dir() for r in find_runs(runs_dir / sub)]
         self.rows = collect(self.runs)
-        self.peaks = collect(find_runs(runs_dir / "peaks")) if (runs_dir / "peaks").is_dir() else {}
-        self.timing = collect(find_runs(runs_dir / "timing")) if (runs_dir / "timing").is_dir() else {}
+        # one short run per method (under the iterations budget whatever the method's): keyed by the method
+        self.peaks = by_method(collect(find_runs(runs_dir / "peaks"))) if (runs_dir / "peaks").is_dir() else {}
+        self.timing = by_method(collect(find_runs(runs_dir / "timing"))) if (runs_dir / "timing").is_dir() else {}
         assert "DDP" in self.rows, f"no DDP run with a summary below {runs_dir}: rows {sorted(self.rows)}"
         self.ddp = self.rows["DDP"]
         self.metric = "eval_accuracy" if self.ddp.mean_std("eval_accuracy")[0] is not None else None

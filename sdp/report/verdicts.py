@@ -152,11 +152,12 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
         writer.writeheader()
         writer.writerows(records)
     ddp = st.ddp.runs[min(st.ddp.runs)].summary
-    commits = sorted({str(r.summary.get("versions", {}).get("git_commit")) for row in st.rows.values() for r in row.runs.values()})
-    dirty = any(r.summary.get("versions", {}).get("git_dirty") for row in st.rows.values() for r in row.runs.values())
+    every = [r for rows in (st.rows, st.peaks, st.timing) for row in rows.values() for r in row.runs.values()]
+    commits = sorted({str(r.summary.get("versions", {}).get("git_commit"))[:12] for r in every})
+    dirty = any(r.summary.get("versions", {}).get("git_dirty") for r in every)
     md = [f"# CPU study: {study}", "", header,
           f"{len(st.runs)} runs ({sum(len(r.runs) for r in st.rows.values())} with results), DDP {ddp['steps']} steps, "
-          f"{ddp['world_size']} ranks, model {ddp['model']}; code at commit {', '.join(commits)}"
+          f"{ddp['world_size']} ranks, model {ddp['model']}; code at commit(s) {', '.join(commits)} (main runs, peaks, timing)"
           f"{' (dirty working tree)' if dirty else ''}. Every method of one seed shares the initial weights and the "
           f"data order; Δ columns are per-seed differences to DDP with the 95 % Student t interval (n − 1 d.f.); "
           f"'not resolved' = the interval contains 0. Time to target: first evaluation at or below DDP's mean final "
