@@ -14,11 +14,9 @@ and losses are measured; the model-state ratio follows from the plan and is labe
 
 from __future__ import annotations
 
-import csv
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from sdp.report.runs import Run, find_runs, run_figures
 from sdp.report.stats import TARGET_FACTOR, Paired, paired_difference, t_half_width, time_to_target

@@ -103,7 +103,18 @@ def plot(st: Study) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = []
+    files: list[Path] = []
+
+    def save(fig, ax, *, xlabel: str, ylabel: str, title: str, name: str) -> None:  # type: ignore[no-untyped-def]
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(st.dir / name, dpi=110)
+        plt.close(fig)
+        files.append(st.dir / name)
+
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, row in st.rows.items():
         curves = []
@@ -117,14 +128,8 @@ def plot(st: Study) -> list[Path]:
         (line,) = ax.plot(xs, ys, marker=".", label=name)
         ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.15,
                         color=line.get_color())
-    ax.set_xlabel("fraction of DDP's total training FLOPs")
-    ax.set_ylabel("evaluation loss (mean ± sample std over seeds)")
-    ax.set_title(f"CPU study: {st.study}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(st.dir / "curves.png", dpi=110)
-    plt.close(fig)
-    files.append(st.dir / "curves.png")
+    save(fig, ax, xlabel="fraction of DDP's total training FLOPs", ylabel="evaluation loss (mean ± sample std over seeds)",
+         title=f"CPU study: {st.study}", name="curves.png")
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for name, row in st.rows.items():
@@ -132,14 +137,8 @@ def plot(st: Study) -> list[Path]:
         mean, std = row.mean_std("eval_loss")
         if peak is not None and mean is not None:
             ax.errorbar([peak], [mean], yerr=[std or 0.0], fmt="o", capsize=3, label=name)
-    ax.set_xlabel("training peak / DDP's (measured, fullest rank)")
-    ax.set_ylabel("final evaluation loss")
-    ax.set_title(f"Peak memory vs final loss: {st.study}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(st.dir / "peak_vs_loss.png", dpi=110)
-    plt.close(fig)
-    files.append(st.dir / "peak_vs_loss.png")
+    save(fig, ax, xlabel="training peak / DDP's (measured, fullest rank)", ylabel="final evaluation loss",
+         title=f"Peak memory vs final loss: {st.study}", name="peak_vs_loss.png")
     return files
 
 
