@@ -56,7 +56,7 @@ def row(label: str, s: dict[str, Any]) -> dict[str, Any]:
         "straggler_spread": s["time"]["straggler_spread"],
         "peak_rss_delta_bytes": max(m.get("peak_rss_delta_bytes", 0) for m in mem),
         "eval_accuracy": s["final"]["eval_accuracy"],
-        "eval_full_copy_bytes": s.get("strategy_info", {}).get("eval_full_copy_bytes"),
+        "eval_assembled_bytes": s.get("strategy_info", {}).get("eval_assembled_bytes", s.get("strategy_info", {}).get("eval_full_copy_bytes")),
     }
 
 
