@@ -46,7 +46,12 @@ def validate_eval(cfg: DictConfig) -> None:
     """The ``eval:`` node (called by :func:`sdp.config.validate`)."""
     one_of("eval.bn", cfg.eval.bn, BN_PROTOCOLS)
     positive_int("eval.bn_batches", cfg.eval.bn_batches)
-    positive_int("eval.part_batches", cfg.eval.part_batches)
+    positive_int("eval.part_batches", part_batches(cfg))
+
+
+def part_batches(cfg: DictConfig) -> Any:
+    """``eval.part_batches``; 1 for configs written before the key (a re-run of a recorded run)."""
+    return cfg.eval.get("part_batches", 1)
     boolean("eval.subnetworks", cfg.eval.subnetworks)
 
 
@@ -202,21 +207,28 @@ def partwise_totals(model: Partwise, *, bn: str, bn_batches: Callable[[], Iterab
         val = ((x.to(ctx.device), y.to(ctx.device)) for x, y in
                val_batches(data, rank=rank, world_size=world_size, batch_size=batch_size, num_workers=num_workers))
         for chunk in _passes(val, size=part_batches, ctx=ctx):
-            xs = [x for x, _ in chunk]
-            for i in range(len(model)):
-                part = model.part(i)
-                if stats and stats[i]:
-                    _load(part, stats[i])
-                xs = [part(x) for x in xs]
-                del part
-            for o, (_, y) in zip(xs, chunk):
-                loss, correct = loss_and_correct(o, y)
-                out[0] += loss
-                out[1] += correct
-                out[2] += y.numel()
+            _add_pass(out, model=model, chunk=chunk, stats=stats)
     finally:
         ctx.comm.phase = prev
     return out
+
+
+def _add_pass(out: torch.Tensor, *, model: Partwise, chunk: list[tuple[torch.Tensor, torch.Tensor]],
+              stats: list[dict[str, torch.Tensor]] | None) -> None:
+    """One validation pass: ``chunk``'s batches through every part in turn, their sums added to ``out``.
+    A function of its own so that nothing of the pass (a part, the logits) outlives it."""
+    xs = [x for x, _ in chunk]
+    for i in range(len(model)):
+        part = model.part(i)
+        if stats and stats[i]:
+            _load(part, stats[i])
+        xs = [part(x) for x in xs]
+        del part
+    for o, (_, y) in zip(xs, chunk):
+        loss, correct = loss_and_correct(o, y)
+        out[0] += loss
+        out[1] += correct
+        out[2] += y.numel()
 
 
 def _reestimated(model: Partwise, *, batches: Iterable[torch.Tensor], ctx: DistContext,
@@ -239,7 +251,7 @@ def _reestimated(model: Partwise, *, batches: Iterable[torch.Tensor], ctx: DistC
                 _load(part, stats[i])
             outs = bn_pass(part, batches=outs, keep=True) if norms else [part(x) for x in outs]
             stats[i] = {k: b.clone() for k, b in part.named_buffers()} if norms else {}
-            del part
+            del part, norms  # both: a BatchNorm list would keep its part's modules alive into the next part's build
     assert seen > 0, "eval.bn=reestimate found no training batch before this evaluation (step 0?)"
     kept = [s or {} for s in stats]
     average_tensors([b for s in kept for b in s.values() if b.is_floating_point()], ctx=ctx)

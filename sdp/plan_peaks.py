@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
-from sdp.evaluation import bn_pass, loss_and_correct
+from sdp.evaluation import loss_and_correct
 from sdp.subnet.assemble import partwise_names
 from sdp.trainer import loss_fn
 from sdp.registry import build
@@ -70,27 +70,32 @@ def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[t
     the previous part's output; ``batches``: (batch size, BatchNorm re-estimation pass?) per pass kind,
     the training batch for re-estimation and the evaluation batch for the validation pass."""
     tracker = LiveTensorTracker(device_type="meta")
-    with tracker, FusedAttention(), torch.no_grad():
-        for size, reestimate in batches:
+    names = partwise_names(model)
+    for size, reestimate in batches:
+        skeletons: list[Any] = [copy.deepcopy(model.get_submodule(name)) for name in names]  # untracked, as the real
+        with tracker, FusedAttention(), torch.no_grad():  # run copies its skeleton; to_empty allocates
             x = example(size).to("meta")
-            for name in partwise_names(model):
-                part = copy.deepcopy(model.get_submodule(name)).eval()
+            for i, name in enumerate(names):
+                part, skeletons[i] = skeletons[i].to_empty(device="meta").eval(), None  # dropped after its forward
                 flat = torch.empty(flats.get(name, 0), dtype=torch.uint8, device="meta")
                 del flat
-                y = bn_pass(part, batches=[x], keep=True)[0] if reestimate else part(x)
+                for m in part.modules():  # re-estimation: BatchNorm in training mode, as bn_pass runs it (its
+                    if reestimate and isinstance(m, nn.modules.batchnorm._BatchNorm):  # cumulative momentum
+                        m.train()  # reads num_batches_tracked, which meta cannot; the allocations are the same)
+                y = part(x)
                 del part
                 x = y
             if not reestimate:
                 loss_and_correct(x, _targets(x), number=_unread)
-            del x
+            del x, skeletons
     return tracker.peak
 
 
 def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, eval_batch: int, cfg: DictConfig,
-             example: Callable[[int], torch.Tensor]) -> dict[str, int]:
+             example: Callable[[int], torch.Tensor], after_backward: Callable[[], None] | None = None) -> dict[str, int]:
     """Live meta bytes of ``module``: at set-up (module state), the peak of a training step after one
     warm-up step, and the peak of one evaluation forward; plus the persistent state after a step
-    (no ``trainable``: evaluation only)."""
+    (no ``trainable``: evaluation only). ``after_backward`` stands for the strategy's gradient sync."""
 
     tracker = LiveTensorTracker(device_type="meta")
     with tracker, FusedAttention():
@@ -104,6 +109,8 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
             out = module(x)
             loss_fn(out, _targets(out)).backward()
             del out
+            if after_backward is not None:
+                after_backward()
             opt.step()  # type: ignore[union-attr]
             opt.zero_grad(set_to_none=False)
         train, state = tracker.peak, tracker.total
@@ -180,28 +187,72 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
     groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
     out = []
     for r, mine, layout, trained in M.rank_subnetworks(model, plan, mode=mode, all_pieces=pieces):
-        res = rehearse(module=mine, trainable=trained, batch=batch, eval_batch=eval_batch, cfg=cfg, example=mine.example_input)
+        overlap = bool(pc.get("overlap", True))
         sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
-                            bucket_cap_mb=float(pc.bucket_cap_mb))
+                            bucket_cap_mb=float(pc.bucket_cap_mb), overlap=overlap)
+        sync.close()  # its hooks would launch collectives; the stand-in below allocates what they do
+        res = rehearse(module=mine, trainable=trained, batch=batch, eval_batch=eval_batch, cfg=cfg, example=mine.example_input,
+                       after_backward=_overlap_stand_in(sync) if overlap else None)
         flats = [sum(p.nbytes for p in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
         out.append({"setup_peak_bytes": res["setup"], "train_peak_bytes": max(res["train"], res["state"] + max(flats, default=0)),
                     "eval_peak_bytes": res["state"] + eval_extra})
     return out
 
 
+def _overlap_stand_in(sync: Any) -> Callable[[], None]:
+    """Meta stand-in for OwnerSetSync's overlapped all-reduces (``parallelism.overlap``): a gradient
+    hook on every synced tensor counts its buckets down, and each ready bucket of the launch order
+    allocates its flat buffer, which stays live until the sync finishes after backward (the returned
+    callable: it allocates the buckets not launched yet, then frees them all), as the real one does."""
+    live: list[torch.Tensor] = []
+    need: list[int] = []
+    state = {"next": 0, "left": []}
+    tensors: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for b, (_, items) in enumerate(sync.grad_buckets):
+        mine = {id(t): t for t in (sync._tensor(p) for p in items)}
+        need.append(len(mine))
+        for key, t in mine.items():
+            tensors.setdefault(key, (t, []))[1].append(b)
+
+    def launch(*, every: bool) -> None:
+        while state["next"] < len(sync.launch_order):
+            b = sync.launch_order[state["next"]]
+            if state["left"][b] and not every:
+                return
+            live.append(torch.empty(sum(p.nbytes for p in sync.grad_buckets[b][1]), dtype=torch.uint8, device="meta"))
+            state["next"] += 1
+
+    def hook_for(bs: list[int]) -> Callable[[torch.Tensor], None]:
+        def hook(_t: torch.Tensor) -> None:
+            for b in bs:
+                state["left"][b] -= 1
+            launch(every=False)
+        return hook
+
+    for t, bs in tensors.values():
+        if t.requires_grad:
+            t.register_post_accumulate_grad_hook(hook_for(bs))
+
+    def finish() -> None:
+        launch(every=True)
+        live.clear()
+        state["next"], state["left"] = 0, list(need)
+
+    state["left"] = list(need)
+    return finish
+
+
 def _part_flats(pieces: list[Any], *, n: int, forward: bool) -> dict[str, int]:
-    """Per top-level part, the largest flat broadcast that fills it (sdp.subnet.assemble.fill: one per
-    source rank, of the pieces lacked by some rank; only under forward masking)."""
-    sums: dict[tuple[str, int], int] = {}
+    """Per top-level part, the largest temporary that filling it allocates (sdp.subnet.assemble.fill
+    with ``in_place``: a piece lacked by some rank is broadcast straight into its tensor, except a
+    slice narrowed along a dimension other than the first, which goes through a contiguous copy;
+    only under forward masking)."""
+    out: dict[str, int] = {}
     for p in pieces:
-        if forward and len(p.holders) < n:
+        if forward and len(p.holders) < n and p.dim not in (None, 0):
             parts = p.name.split(".")
             name = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
-            key = (name, min(p.holders))
-            sums[key] = sums.get(key, 0) + p.nbytes
-    out: dict[str, int] = {}
-    for (name, _), b in sums.items():
-        out[name] = max(out.get(name, 0), b)
+            out[name] = max(out.get(name, 0), p.nbytes)
     return out
 
 

@@ -251,4 +251,4 @@ class Trainer:
         return evaluation.totals(model, bn=bn, bn_batches=bn_batches, ctx=self.ctx, data=self.data, rank=rank,
                                  world_size=world_size, batch_size=int(self.cfg.train.eval_batch_size),
                                  num_workers=int(self.cfg.train.num_workers), average=average,
-                                 part_batches=int(self.cfg.eval.part_batches))
+                                 part_batches=int(evaluation.part_batches(self.cfg)))

@@ -55,16 +55,19 @@ def assemble_part(*, skeleton: SDPModel, name: str, pieces: list[Piece], layout:
     mine = [p for p in pieces if p.name in state]
     assert {p.name for p in mine} == set(state), \
         f"part {name}: tensors without a piece {sorted(set(state) - {p.name for p in mine})[:5]} (tied weights?)"
-    fill(state=state, pieces=mine, layout=layout, masking=masking, groups=groups, ctx=ctx)
+    fill(state=state, pieces=mine, layout=layout, masking=masking, groups=groups, ctx=ctx, in_place=True)
     return part
 
 
 def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[str, Local], masking: str,
-         groups: GroupSet, ctx: DistContext) -> None:
+         groups: GroupSet, ctx: DistContext, in_place: bool = False) -> None:
     """Write ``pieces`` into ``state`` (full-model tensor names -> empty tensors): this rank's own
     pieces copied, floating-point buffers averaged over the ranks that computed them, the pieces this
-    rank lacks broadcast from their lowest-rank holder (one flat broadcast per source rank). The same
-    ``pieces`` list on every rank, so every rank takes part in the same collectives in the same order."""
+    rank lacks broadcast from their lowest-rank holder (one flat broadcast per source rank; with
+    ``in_place``, one broadcast per piece straight into its tensor, so no flat copy of the part exists
+    and none is left to the backend's worker thread to free: a part's evaluation peak is the part).
+    The same ``pieces`` list on every rank, so every rank takes part in the same collectives in the
+    same order."""
     n, rank = ctx.world_size, ctx.rank
 
     def target(p: Piece) -> torch.Tensor:
@@ -91,9 +94,17 @@ def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[st
         world = tuple(range(n))
         for src in range(n):
             items = [p for p in pieces if len(p.holders) < n and min(p.holders) == src]
-            if items:
+            if items and not in_place:
                 broadcast_pieces(items, layout=layout, src=src, ranks=world, group=None, rank=rank,
                                  comm=ctx.comm, targets=[target(p) for p in items])
+            for p in items if in_place else ():
+                t = target(p)
+                buf = t if t.is_contiguous() else t.contiguous()  # a narrowed slice (neuron level) goes via a copy
+                ctx.comm.record(kind="broadcast", payload=buf.numel() * buf.element_size() if rank == src else 0,
+                                group_size=n)
+                dist.broadcast(buf, src=src)
+                if buf is not t:
+                    t.copy_(buf)
 
 
 def set_branch_scales(model: SDPModel, plan: Plan, *, scale: float) -> None:

@@ -244,23 +244,50 @@ class OwnerSetSync:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Broadcast each holder set's updated parameters from its lowest holder to non-holders."""
-        for h, items in self.refresh_buckets:
+        """Broadcast each holder set's updated parameters from its lowest holder to non-holders, every
+        bucket through one flat buffer of the largest bucket's size: a buffer per bucket would leave the
+        previous one to the backend's worker thread to free, so two could be live at once, by timing."""
+        mine = [(h, items) for h, items in self.refresh_buckets if self.rank in self.groups.refresh_set(h)]
+        if not mine:
+            return
+        sizes = [sum(self._numel(p) for p in items) for _, items in mine]
+        dtypes = {self._dtype(p) for _, items in mine for p in items}
+        buffer = torch.empty(max(sizes), dtype=dtypes.pop(), device=self._device(mine[0][1][0])) if len(dtypes) == 1 else None
+        for h, items in mine:
             broadcast_pieces(items, layout=self.layout, src=min(h), ranks=self.groups.refresh_set(h),
-                             group=self.groups.get(self.groups.refresh_set(h)), rank=self.rank, comm=self.comm)
+                             group=self.groups.get(self.groups.refresh_set(h)), rank=self.rank, comm=self.comm,
+                             buffer=buffer)
+
+    def _numel(self, p: Piece) -> int:
+        t, dim, start, length = locate(p, self.layout)  # type: ignore[misc]
+        return view(t, dim, start, length).numel()
+
+    def _dtype(self, p: Piece) -> torch.dtype:
+        return locate(p, self.layout)[0].dtype  # type: ignore[index]
+
+    def _device(self, p: Piece) -> torch.device:
+        return locate(p, self.layout)[0].device  # type: ignore[index]
 
 
 def broadcast_pieces(items: list[Piece], *, layout: dict[str, Local], src: int, ranks: tuple[int, ...], group: Any,
-                     rank: int, comm: CommCounter, targets: list[torch.Tensor] | None = None) -> None:
+                     rank: int, comm: CommCounter, targets: list[torch.Tensor] | None = None,
+                     buffer: torch.Tensor | None = None) -> None:
     """One flat broadcast of ``items`` from ``src`` to ``ranks``; receivers write into their local
-    storage (or into ``targets``, views in the same order, e.g. an assembled full model)."""
+    storage (or into ``targets``, views in the same order, e.g. an assembled full model). ``buffer``:
+    a flat tensor at least as large to use instead of a new one."""
     if rank not in ranks:
         return
     if targets is None:
         specs = [locate(p, layout) for p in items]
         assert all(s is not None for s in specs), f"rank {rank} lacks storage for {[p.name for p in items]}"
         targets = [view(t, d, s, n) for t, d, s, n in specs]  # type: ignore[misc]
-    flat = flatten(targets) if rank == src else torch.empty(sum(v.numel() for v in targets), dtype=targets[0].dtype, device=targets[0].device)
+    numel = sum(v.numel() for v in targets)
+    if buffer is not None and buffer.numel() >= numel and buffer.dtype == targets[0].dtype:
+        flat = buffer[:numel]
+        if rank == src:
+            torch.cat([v.reshape(-1) for v in targets], out=flat)
+    else:
+        flat = flatten(targets) if rank == src else torch.empty(numel, dtype=targets[0].dtype, device=targets[0].device)
     comm.record(kind="broadcast", payload=flat.numel() * flat.element_size() if rank == src else 0, group_size=len(ranks))
     dist.broadcast(flat, src=src, group=group)
     if rank != src:
