@@ -15,7 +15,7 @@ Layout of ``<root>/`` (Hydra's job output directory):
 - ``failure.json`` (the job's first failure), ``failure_rank<r>.json`` (each failing rank's own),
   ``failures/<attempt>/rank<r>.json`` (ranks of an external launcher);
 - ``rank_logs/`` (torch elastic's per-rank output), ``wandb_run_id`` (one W&B run across resumes),
-  ``.hydra/overrides.yaml`` (Hydra's record of the command line), ``report/`` (``sdp-report``'s default).
+  ``.hydra/overrides.yaml`` (Hydra's record of the command line).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ CHECKPOINT_META = "meta.json"  # inside each checkpoint directory
 FAILURE = "failure.json"
 RANK_LOGS = "rank_logs"
 WANDB_RUN_ID = "wandb_run_id"
-REPORT = "report"
 
 
 @dataclass(frozen=True)
@@ -91,10 +90,6 @@ class RunDir:
     @property
     def hydra_overrides(self) -> Path:
         return self.root / ".hydra" / "overrides.yaml"
-
-    @property
-    def report(self) -> Path:
-        return self.root / REPORT
 
     def __str__(self) -> str:
         return str(self.root)

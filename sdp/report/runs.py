@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 from sdp.results import read_metrics
-from sdp.rundir import CONFIG, RANK_LOGS, REPORT, RunDir
+from sdp.rundir import CONFIG, RANK_LOGS, RunDir
 from sdp.summary import Summary, read_summary
 
-SKIP_DIRS = (RANK_LOGS, "wandb", REPORT)
+SKIP_DIRS = (RANK_LOGS, "wandb", "report")  # "report": sdp-report's default output below a sweep
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
