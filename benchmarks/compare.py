@@ -59,7 +59,7 @@ def row(label: str, s: Summary) -> dict[str, Any]:
     fig = run_figures(s)
     return {"run": label, "strategy": s.strategy, **{k: fig[k] for k in ROW_FIGURES}, "step_s_median": fig["step_s"],
             "eval_accuracy": s.final.eval_accuracy,  # a fraction here (run_figures: percent)
-            "eval_full_copy_bytes": s.strategy_info.get("eval_full_copy_bytes")}
+            "eval_assembled_bytes": s.strategy_info.get("eval_assembled_bytes", s.strategy_info.get("eval_full_copy_bytes"))}
 
 
 RATIOS = ("model_state_bytes", "grad_optim_bytes", "comm_bytes_per_step", "wire_bytes_per_step", "step_s_median")

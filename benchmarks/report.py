@@ -76,7 +76,7 @@ def markdown(rows: list[dict[str, Any]], *, title: str) -> str:
               f"grads + optimizer state; activations = bytes saved for backward in the first measured step; peak = {kind}; "
               "step s = the slowest rank's median step time (warm-up excluded; with --repeat, the median over the "
               "repeats); straggler = max/min of per-rank medians. "
-              "SDP's transient evaluation copy is reported apart (report.json: eval_full_copy_bytes)."]
+              "SDP's transient evaluation assembly (its largest part) is reported apart (report.json: eval_assembled_bytes)."]
     if rows and len(rows[0]["step_s_repeats"]) > 1:
         base = next((r for r in rows if r["strategy"] == "ddp"), rows[0])
         lines += ["", "| run | step s per interleaved repeat | ratio to the same repeat's DDP |", "|---|---|---|"]

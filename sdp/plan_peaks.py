@@ -11,8 +11,9 @@ the rehearsal cannot see is added from the strategy's rule:
 - DDP: the reducer's gradient buckets exist from construction (``gradient_as_bucket_view``: they
   are the gradients later), so they count in the set-up peak.
 - SDP: one owner-set bucket is flattened after backward, or (backward masking) one refresh bucket
-  after the update (``sdp.subnet.sync``, the largest that this rank takes part in); evaluation holds an
-  assembled full copy (params and buffers) next to the rank's own state.
+  after the update (``sdp.subnet.sync``, the largest that this rank takes part in); evaluation builds
+  the model part by part next to the rank's own state (:func:`rehearse_partwise`: one part, its
+  broadcast buffer and one batch's activations at a time).
 - FSDP: the rank's shards of the state, the full replica's activation transient, the root and the
   largest block unsharded (see :func:`_fsdp_peaks`): a rule, not a rehearsal of FSDP2's buffers.
 
@@ -33,6 +34,8 @@ from torch.overrides import TorchFunctionMode
 
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
+from sdp.evaluation import bn_pass, loss_and_correct
+from sdp.subnet.assemble import partwise_names
 from sdp.trainer import loss_fn
 from sdp.registry import build
 
@@ -53,6 +56,34 @@ class FusedAttention(TorchFunctionMode):
 
 def _targets(out: torch.Tensor) -> torch.Tensor:
     return torch.zeros(out.shape[:-1], dtype=torch.long, device="meta")
+
+
+def _unread(_: torch.Tensor) -> float:
+    return 0.0
+
+
+def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[tuple[int, bool]],
+                      example: Callable[[int], torch.Tensor]) -> int:
+    """Peak live meta bytes of evaluating ``model`` part by part (:func:`sdp.evaluation.partwise_totals`
+    with ``eval.part_batches=1``), above whatever the rank already holds: for each part, its transient
+    copy plus the largest flat broadcast that fills it (``flats``: bytes per part), then its forward on
+    the previous part's output; ``batches``: (batch size, BatchNorm re-estimation pass?) per pass kind,
+    the training batch for re-estimation and the evaluation batch for the validation pass."""
+    tracker = LiveTensorTracker(device_type="meta")
+    with tracker, FusedAttention(), torch.no_grad():
+        for size, reestimate in batches:
+            x = example(size).to("meta")
+            for name in partwise_names(model):
+                part = copy.deepcopy(model.get_submodule(name)).eval()
+                flat = torch.empty(flats.get(name, 0), dtype=torch.uint8, device="meta")
+                del flat
+                y = bn_pass(part, batches=[x], keep=True)[0] if reestimate else part(x)
+                del part
+                x = y
+            if not reestimate:
+                loss_and_correct(x, _targets(x), number=_unread)
+            del x
+    return tracker.peak
 
 
 def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, eval_batch: int, cfg: DictConfig,
@@ -81,7 +112,7 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
         tracker.reset_peak()
         with torch.no_grad():
             out = module(example(eval_batch).to("meta"))
-            loss_fn(out, _targets(out))
+            loss_and_correct(out, _targets(out), number=_unread)
             del out
         module.train(was)
         evaluation = tracker.peak
@@ -134,10 +165,18 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     plan = plan_for(model=model, cfg=pc, world_size=world)
     pieces = M.pieces(model, plan)
-    full_copy = _nbytes(list(model.parameters()) + list(model.buffers()))
-    full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, cfg=cfg,
-                         example=model.example_input)
-    eval_transient = full_eval["eval"] - full_eval["setup"]
+    partwise = bool(partwise_names(model))
+    if partwise:  # evaluation part by part (SDPStrategy.eval_module)
+        reestimate = str(cfg.eval.bn) == "reestimate" and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        eval_extra = rehearse_partwise(model=model, flats=_part_flats(pieces, n=world, forward=mode == "forward"),
+                                       batches=[(eval_batch, False)] + ([(batch, True)] if reestimate else []),
+                                       example=model.example_input)
+        eval_extra += _nbytes(b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                              for b in m.buffers()) if reestimate else 0  # the re-estimated statistics kept per part
+    else:  # a whole assembled copy next to the rank's state
+        full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, cfg=cfg,
+                             example=model.example_input)
+        eval_extra = _nbytes(list(model.parameters()) + list(model.buffers())) + full_eval["eval"] - full_eval["setup"]
     groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
     out = []
     for r, mine, layout, trained in M.rank_subnetworks(model, plan, mode=mode, all_pieces=pieces):
@@ -146,7 +185,23 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
                             bucket_cap_mb=float(pc.bucket_cap_mb))
         flats = [sum(p.nbytes for p in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
         out.append({"setup_peak_bytes": res["setup"], "train_peak_bytes": max(res["train"], res["state"] + max(flats, default=0)),
-                    "eval_peak_bytes": res["state"] + full_copy + eval_transient})
+                    "eval_peak_bytes": res["state"] + eval_extra})
+    return out
+
+
+def _part_flats(pieces: list[Any], *, n: int, forward: bool) -> dict[str, int]:
+    """Per top-level part, the largest flat broadcast that fills it (sdp.subnet.assemble.fill: one per
+    source rank, of the pieces lacked by some rank; only under forward masking)."""
+    sums: dict[tuple[str, int], int] = {}
+    for p in pieces:
+        if forward and len(p.holders) < n:
+            parts = p.name.split(".")
+            name = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+            key = (name, min(p.holders))
+            sums[key] = sums.get(key, 0) + p.nbytes
+    out: dict[str, int] = {}
+    for (name, _), b in sums.items():
+        out[name] = max(out.get(name, 0), b)
     return out
 
 

@@ -87,8 +87,9 @@ class Summary:
     memory_per_rank: list[dict[str, Any]] = _per_rank("memory")
     """``memory.per_rank``: ``rank``, the strategy's ``param_bytes``/``grad_bytes``/``optim_bytes``,
     ``activation_bytes``, the tracker's ``setup|train|eval_peak_bytes``, ``peak_source``,
-    ``peak_categories``, ``peak_rss_delta_bytes``, ``eval_full_copy_bytes``, ``param_digest``,
-    ``cuda_max_allocated_bytes`` / ``cuda_max_reserved_bytes`` on CUDA."""
+    ``peak_categories``, ``peak_rss_delta_bytes``, ``eval_assembled_bytes`` (older runs:
+    ``eval_full_copy_bytes``), ``param_digest``, ``cuda_max_allocated_bytes`` / ``cuda_max_reserved_bytes``
+    on CUDA."""
     comm_per_rank: list[dict[str, Any]] = _per_rank("comm")
     """``comm.per_rank``: ``rank``, ``bytes_per_step``, ``wire_bytes_per_step``, ``collectives_per_step``,
     ``by_kind`` (:mod:`sdp.metrics.collectives`)."""

@@ -222,10 +222,9 @@ class Trainer:
         also every worker's own subnetwork, where the strategy has one, on the whole set."""
         ec, ctx = self.cfg.eval, self.ctx
         bn, n_bn = str(ec.bn), int(ec.bn_batches)
-        with self.strategy.eval_module() as full, evaluation.applied(
-            full, bn=bn, batches=self.recent_inputs(n_bn), ctx=ctx
-        ) as model:
-            totals = self._val_totals(model, rank=ctx.rank, world_size=ctx.world_size)
+        with self.strategy.eval_module() as full:
+            totals = self._val_totals(full, bn=bn, bn_batches=lambda: self.recent_inputs(n_bn),
+                                      rank=ctx.rank, world_size=ctx.world_size)
         if ctx.world_size > 1:
             dist.all_reduce(totals)
         classify = self.data.task == "classification"
@@ -234,8 +233,8 @@ class Trainer:
         if bool(ec.subnetworks):
             with self.strategy.subnetwork_module() as own:
                 if own is not None:  # the same answer on every rank: the strategy decides
-                    with evaluation.applied(own, bn=bn, batches=self.recent_inputs(n_bn), ctx=ctx, average=False) as m:
-                        mine = self._val_totals(m, rank=0, world_size=1)
+                    mine = self._val_totals(own, bn=bn, bn_batches=lambda: self.recent_inputs(n_bn), rank=0,
+                                            world_size=1, average=False)
                     means = torch.stack([mine[0] / mine[2], mine[1] / mine[2]])
                     if ctx.world_size > 1:
                         dist.all_reduce(means)
@@ -247,7 +246,9 @@ class Trainer:
         self.logger.log(row)
         return row
 
-    def _val_totals(self, model: Any, *, rank: int, world_size: int) -> torch.Tensor:
-        return evaluation.val_totals(model, data=self.data, rank=rank, world_size=world_size,
-                                     batch_size=int(self.cfg.train.eval_batch_size),
-                                     num_workers=int(self.cfg.train.num_workers), device=self.ctx.device)
+    def _val_totals(self, model: Any, *, bn: str, bn_batches: Any, rank: int, world_size: int,
+                    average: bool = True) -> torch.Tensor:
+        return evaluation.totals(model, bn=bn, bn_batches=bn_batches, ctx=self.ctx, data=self.data, rank=rank,
+                                 world_size=world_size, batch_size=int(self.cfg.train.eval_batch_size),
+                                 num_workers=int(self.cfg.train.num_workers), average=average,
+                                 part_batches=int(self.cfg.eval.part_batches))

@@ -189,7 +189,7 @@ def collect_summary(
     mine = {
         "rank": ctx.rank,
         "memory": {"rank": ctx.rank, **strategy.state_bytes(), "activation_bytes": trainer.activation_bytes,
-                   **peak.summary(), "eval_full_copy_bytes": extra.get("eval_full_copy_bytes"),
+                   **peak.summary(), "eval_assembled_bytes": extra.get("eval_assembled_bytes"),
                    "param_digest": param_digest(strategy.unwrapped()), **device_memory(ctx.device)},
         "process_groups": {"rank": ctx.rank, **process_groups()},
         "comm": {"rank": ctx.rank, **ctx.comm.summary()},

@@ -211,17 +211,20 @@ def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
 
 def average_buffers(model: nn.Module, *, ctx: DistContext, group: Any = None) -> None:
     """Average floating-point buffers (BatchNorm running stats) over ``group`` (world default);
-    integer buffers (num_batches_tracked) are taken from rank 0. One flat all-reduce."""
-    if ctx.world_size == 1:
+    integer buffers (num_batches_tracked) are left as they are (equal on every rank that ran the layer)."""
+    average_tensors([b for b in model.buffers() if b.is_floating_point()], ctx=ctx, group=group)
+
+
+def average_tensors(tensors: list[torch.Tensor], *, ctx: DistContext, group: Any = None) -> None:
+    """Replace each tensor by its mean over ``group`` (world default), in place: one flat all-reduce."""
+    if ctx.world_size == 1 or not tensors:
         return
-    floats = [b for b in model.buffers() if b.is_floating_point()]
-    if floats:
-        flat = torch.cat([b.detach().reshape(-1) for b in floats])
-        size = dist.get_world_size(group)
-        ctx.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=size)
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        offset = 0
-        for b in floats:
-            b.copy_(flat[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    size = dist.get_world_size(group)
+    ctx.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=size)
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

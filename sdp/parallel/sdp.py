@@ -10,8 +10,9 @@ masking materialises (on the CPU, seeded per module, :mod:`sdp.models.init`) onl
 rank holds, narrowing neuron-level tensors as it goes, so no rank ever holds the full model and the
 device never sees a non-held parameter; backward masking materialises everything (it keeps all
 values by definition). The values equal those of the full build, so C = 1 equals DDP bit for bit.
-Evaluation uses a transient assembled full copy, reported apart (``comm.phase = "eval"`` and
-``eval_full_copy_bytes``).
+Evaluation assembles the model one part at a time (stem, each block, head: built from its holders,
+run, dropped), so evaluation never holds the full model either; its traffic is ``comm.phase = "eval"``
+and its largest transient part ``eval_assembled_bytes``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from sdp.models.base import SDPModel
 from sdp.rundir import RunDir
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
 from sdp.subnet import masking as M
-from sdp.subnet.assemble import assemble, set_branch_scales, tensor_map
+from sdp.subnet.assemble import PartwiseAssembly, assemble, partwise_names, set_branch_scales, tensor_map
 from sdp.subnet.carry import carry_state
 from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError, build_plan
 from sdp.subnet.sync import GroupSet, OwnerSetSync
@@ -221,15 +222,27 @@ class SDPStrategy(Strategy):
                         masking=self.mode, groups=self.groups, ctx=self.ctx)
 
     @contextmanager
-    def eval_module(self) -> Iterator[nn.Module]:
+    def eval_module(self) -> Iterator[nn.Module | PartwiseAssembly]:
         """The assembled full model (BatchNorm statistics averaged over the workers that ran each
         layer), each unit's branch scaled per ``parallelism.rescale``; the trainer applies the
-        evaluation protocol (``eval.bn``) to it as to every strategy's model."""
+        evaluation protocol (``eval.bn``) to it as to every strategy's model. It comes part by part
+        (:class:`~sdp.subnet.assemble.PartwiseAssembly`: stem, each block, head, each built from its
+        holders, run and dropped), so no rank ever holds the full model; a model that cannot be cut
+        into parts (tied weights, a custom forward) is assembled whole instead."""
+        scale = self.plan.k / self.plan.world_size if self.rescale == "eval" else 1.0
+        if partwise_names(self.skeleton):
+            assert self.groups is not None
+            parts = PartwiseAssembly(skeleton=self.skeleton, pieces=self.pieces, layout=self.layout, plan=self.plan,
+                                     masking=self.mode, groups=self.groups, ctx=self.ctx, scale=scale)
+            try:
+                yield parts
+            finally:
+                self.eval_copy_bytes = max(self.eval_copy_bytes, parts.part_bytes)
+            return
         prev = self.ctx.comm.phase
         self.ctx.comm.phase = "eval"
         try:
             full = self._assemble()
-            scale = self.plan.k / self.plan.world_size if self.rescale == "eval" else 1.0
             set_branch_scales(full, self.plan, scale=scale)
         finally:
             self.ctx.comm.phase = prev
@@ -261,7 +274,7 @@ class SDPStrategy(Strategy):
             "plan": self.plan.summary(),
             "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh), "rescale": self.rescale,
             "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
-            "eval_full_copy_bytes": self.eval_copy_bytes, "redraws": self.redraws, "overlap": self.sync.overlap,
+            "eval_assembled_bytes": self.eval_copy_bytes, "redraws": self.redraws, "overlap": self.sync.overlap,
         }
 
     def save_artifacts(self, *, run_dir: Path) -> None:

@@ -146,7 +146,7 @@ def run_figures(summary: Summary) -> dict[str, float | None]:
         "activation_bytes": _max_over_ranks(mem, "activation_bytes"),
         "activation_mean_bytes": _mean([r["activation_bytes"] for r in mem if r.get("activation_bytes") is not None]),
         "cuda_max_reserved_bytes": _max_over_ranks(mem, "cuda_max_reserved_bytes"),
-        "eval_full_copy_bytes": _max_over_ranks(mem, "eval_full_copy_bytes"),
+        "eval_assembled_bytes": _max_over_ranks(mem, "eval_assembled_bytes") or _max_over_ranks(mem, "eval_full_copy_bytes"),
         "tokens_per_s": t.get("tokens_per_s"),
         "mfu": t.get("mfu"),
         "step_s": t.get("step_s_median"),

@@ -3,8 +3,11 @@
 Why a fresh copy instead of widening the training module in place: the training module, its
 narrowed tensors and the optimizer's references to them must come back exactly as they were, and
 a separate transient model (built from a meta-device skeleton) makes that true by construction.
-The cost is a transient full copy of parameters and buffers (no gradients, no optimizer state),
-reported apart by the strategy.
+
+Two shapes: :func:`assemble` builds the whole model at once (re-draws and checkpoints need every
+tensor together: a transient full copy of parameters and buffers); :class:`PartwiseAssembly`
+builds it one top-level part at a time (stem, each block, head) for evaluation, so a rank holds its
+own state plus one part, never the full model (:mod:`sdp.evaluation` runs the part and drops it).
 
 Order: (1) every rank copies the pieces it has; (2) BatchNorm running statistics are averaged over
 the ranks that computed them (holders under forward masking, the world otherwise); (3) under
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdp.models.base import SDPModel
+from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import DistContext, average_buffers
 from sdp.subnet.masking import Local, Piece, locate, view
 from sdp.subnet.plan import Plan
@@ -36,9 +39,33 @@ def tensor_map(model: nn.Module) -> dict[str, torch.Tensor]:
 def assemble(*, skeleton: SDPModel, pieces: list[Piece], layout: dict[str, Local], plan: Plan, masking: str,
              groups: GroupSet, ctx: DistContext) -> SDPModel:
     """The full model with every unit active, identical on every rank."""
-    n, rank = ctx.world_size, ctx.rank
     full = copy.deepcopy(skeleton).to_empty(device=ctx.device)
-    state = tensor_map(full)
+    fill(state=tensor_map(full), pieces=pieces, layout=layout, masking=masking, groups=groups, ctx=ctx)
+    return full
+
+
+@torch.no_grad()
+def assemble_part(*, skeleton: SDPModel, name: str, pieces: list[Piece], layout: dict[str, Local], masking: str,
+                  groups: GroupSet, ctx: DistContext) -> nn.Module:
+    """One top-level part of the full model (``"stem"``, ``"blocks.3"``, ``"head"``), identical on every
+    rank: the same three steps as :func:`assemble`, restricted to the part's pieces. Collective: every
+    rank calls it with the same ``name``."""
+    part = copy.deepcopy(skeleton.get_submodule(name)).to_empty(device=ctx.device)
+    state = {f"{name}.{k}": t for k, t in tensor_map(part).items()}
+    mine = [p for p in pieces if p.name in state]
+    assert {p.name for p in mine} == set(state), \
+        f"part {name}: tensors without a piece {sorted(set(state) - {p.name for p in mine})[:5]} (tied weights?)"
+    fill(state=state, pieces=mine, layout=layout, masking=masking, groups=groups, ctx=ctx)
+    return part
+
+
+def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[str, Local], masking: str,
+         groups: GroupSet, ctx: DistContext) -> None:
+    """Write ``pieces`` into ``state`` (full-model tensor names -> empty tensors): this rank's own
+    pieces copied, floating-point buffers averaged over the ranks that computed them, the pieces this
+    rank lacks broadcast from their lowest-rank holder (one flat broadcast per source rank). The same
+    ``pieces`` list on every rank, so every rank takes part in the same collectives in the same order."""
+    n, rank = ctx.world_size, ctx.rank
 
     def target(p: Piece) -> torch.Tensor:
         return view(state[p.name].data, p.dim, p.start, p.length)
@@ -67,10 +94,57 @@ def assemble(*, skeleton: SDPModel, pieces: list[Piece], layout: dict[str, Local
             if items:
                 broadcast_pieces(items, layout=layout, src=src, ranks=world, group=None, rank=rank,
                                  comm=ctx.comm, targets=[target(p) for p in items])
-    return full
 
 
 def set_branch_scales(model: SDPModel, plan: Plan, *, scale: float) -> None:
     """Multiply every unit block's residual branch by ``scale`` (1 restores the plain model)."""
     for b in {u.block for u in plan.units}:
         model.blocks[b].branch_scale = scale
+
+
+class PartwiseAssembly:
+    """The assembled model as its parts, ``head(blocks(stem(x)))``, each built on demand.
+
+    ``part(i)`` is collective (every rank calls it with the same ``i``, in the same order) and returns
+    a transient module in eval mode with every unit active and its branch scaled by ``scale``;
+    :func:`sdp.evaluation.totals` runs it on a chunk of batches and drops it before the next part, so
+    the evaluation peak is this rank's own state, the largest part (received flat, then unflattened)
+    and one chunk's activations. ``part_bytes`` records the largest part built (summary.json)."""
+
+    def __init__(self, *, skeleton: SDPModel, pieces: list[Piece], layout: dict[str, Local], plan: Plan,
+                 masking: str, groups: GroupSet, ctx: DistContext, scale: float) -> None:
+        self.skeleton, self.pieces, self.layout, self.masking, self.groups, self.ctx = skeleton, pieces, layout, masking, groups, ctx
+        self.names = partwise_names(skeleton)
+        self.units = {f"blocks.{u.block}" for u in plan.units}
+        self.scale = scale
+        self.part_bytes = 0
+        self.has_batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
+                                  for m in skeleton.modules())
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def part(self, i: int) -> nn.Module:
+        name = self.names[i]
+        m = assemble_part(skeleton=self.skeleton, name=name, pieces=self.pieces, layout=self.layout,
+                          masking=self.masking, groups=self.groups, ctx=self.ctx)
+        if name in self.units:
+            assert isinstance(m, ResidualBlock), f"unit {name} is a {type(m).__name__}, not a ResidualBlock"
+            m.branch_scale = self.scale
+        self.part_bytes = max(self.part_bytes, sum(t.numel() * t.element_size() for t in tensor_map(m).values()))
+        return m.eval()
+
+
+def partwise_names(model: SDPModel) -> list[str]:
+    """The top-level parts of ``model`` in forward order, or [] when the model cannot be evaluated part
+    by part: its forward is not the template's ``head(blocks(stem(x)))``, or a tensor is tied across
+    parts (an LM head sharing the embedding: the part would lack the tensor)."""
+    if type(model).forward is not SDPModel.forward:
+        return []
+    names = ["stem", *(f"blocks.{i}" for i in range(len(model.blocks))), "head"]
+    owner: dict[int, str] = {}
+    for part in names:
+        for t in tensor_map(model.get_submodule(part)).values():
+            if owner.setdefault(id(t), part) != part:
+                return []
+    return names
