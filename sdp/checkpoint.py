@@ -33,8 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdp.errors import ConfigError
 from sdp.parallel.base import Strategy
-from sdp.rundir import CHECKPOINT_PREFIX as PREFIX
-from sdp.rundir import CHECKPOINTS, RunDir, checkpoint_meta, run_of_checkpoint
+from sdp.rundir import CHECKPOINT_PREFIX as PREFIX, CHECKPOINTS, RunDir, checkpoint_meta, run_of_checkpoint
 
 # What the LR of every step depends on (sdp.trainer.lr_lambda over the resolved train.steps, which the
 # budget sets): a resume with any of these changed would train on under a schedule it never started.
