@@ -22,13 +22,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sdp.report.runs import run_figures  # noqa: E402
+from sdp.report.stats import ratio  # noqa: E402
+from sdp.summary import Summary, read_summary  # noqa: E402
+
 DEFAULT_RUNS = ["ddp=ddp", "sdp=sdp", "sdp_block_bwd=sdp_block_bwd", "sdp_neuron_fwd=sdp_neuron_fwd"]
 DEFAULT_COMMON = ["model=resnet18_cifar", "model.width=64", "dataset=synthetic", "dataset.image_size=32",
                   "train.batch_size=32", "cluster.world_size=4", "train.steps=12", "train.warmup_steps=3",
                   "train.eval_every=0", "logger.wandb.mode=disabled", "logger.progress=false"]
 
 
-def run_one(*, label: str, spec: str, common: list[str], out: Path) -> dict[str, Any]:
+def run_one(*, label: str, spec: str, common: list[str], out: Path) -> Summary:
+    """Run one ``sdp-train`` job into ``out/label`` and return its summary."""
     preset, *extra = spec.split(",")
     run_dir = out / label
     cmd = [sys.executable, "-m", "sdp.train", f"parallelism={preset}", *common, *extra, f"hydra.run.dir={run_dir}"]
@@ -37,27 +44,22 @@ def run_one(*, label: str, spec: str, common: list[str], out: Path) -> dict[str,
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"run {label} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
+    assert summary is not None, f"run {label} exited 0 but wrote no readable summary.json in {run_dir}"
+    return summary
 
 
-def row(label: str, s: dict[str, Any]) -> dict[str, Any]:
-    """Per-rank maxima of what each rank really held and sent (the straggler rank decides)."""
-    mem, comm = s["memory"]["per_rank"], s["comm"]["per_rank"]
-    return {
-        "run": label,
-        "strategy": s["strategy"],
-        "model_state_bytes": max(m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in mem),
-        "param_bytes": max(m["param_bytes"] for m in mem),
-        "grad_optim_bytes": max(m["grad_bytes"] + m["optim_bytes"] for m in mem),
-        "comm_bytes_per_step": max(c["bytes_per_step"] for c in comm),
-        "wire_bytes_per_step": max(c["wire_bytes_per_step"] for c in comm),
-        "collectives_per_step": max(c["collectives_per_step"] for c in comm),
-        "step_s_median": s["time"]["step_s_median"],
-        "straggler_spread": s["time"]["straggler_spread"],
-        "peak_rss_delta_bytes": max(m.get("peak_rss_delta_bytes", 0) for m in mem),
-        "eval_accuracy": s["final"]["eval_accuracy"],
-        "eval_assembled_bytes": s.get("strategy_info", {}).get("eval_assembled_bytes", s.get("strategy_info", {}).get("eval_full_copy_bytes")),
-    }
+ROW_FIGURES = ("model_state_bytes", "param_bytes", "grad_optim_bytes", "comm_bytes_per_step", "wire_bytes_per_step",
+               "collectives_per_step", "straggler_spread", "peak_rss_delta_bytes")
+
+
+def row(label: str, s: Summary) -> dict[str, Any]:
+    """Per-rank maxima of what each rank really held and sent (the straggler rank decides):
+    :func:`sdp.report.runs.run_figures`, the figures every report takes."""
+    fig = run_figures(s)
+    return {"run": label, "strategy": s.strategy, **{k: fig[k] for k in ROW_FIGURES}, "step_s_median": fig["step_s"],
+            "eval_accuracy": s.final.eval_accuracy,  # a fraction here (run_figures: percent)
+            "eval_assembled_bytes": s.strategy_info.get("eval_assembled_bytes", s.strategy_info.get("eval_full_copy_bytes"))}
 
 
 RATIOS = ("model_state_bytes", "grad_optim_bytes", "comm_bytes_per_step", "wire_bytes_per_step", "step_s_median")
@@ -67,7 +69,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     base = rows[0]
     for r in rows:
         for k in RATIOS:
-            r[f"{k}_x"] = (r[k] / base[k]) if base[k] else None
+            r[f"{k}_x"] = ratio(r[k], base[k])
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

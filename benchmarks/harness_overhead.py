@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     suite, mini = [], []
     for i in range(args.repeats):
         s = run_one(label=f"suite{i}", spec="ddp", common=common, out=args.out)
-        suite.append(s["time"]["step_s_median"])
+        suite.append(s.time["step_s_median"])
         mini.append(minimal(config, world=world, out=args.out / f"minimal{i}.json")["step_s_median"])
         print(f"repeat {i}: suite {suite[-1]:.4f} s, minimal {mini[-1]:.4f} s", flush=True)
     result = {"suite_step_s": statistics.median(suite), "minimal_step_s": statistics.median(mini),

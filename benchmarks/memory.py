@@ -21,6 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.compare import ROOT, run_one  # noqa: E402
+from sdp.summary import Summary  # noqa: E402
 
 BASE = ["logger.wandb.mode=disabled", "logger.progress=false", "train.eval_every=0", "train.warmup_steps=2",
         "cluster.world_size=4", "train.steps=6"]
@@ -38,9 +39,9 @@ TARGETS = {"resnet18": {"train_peak_bytes": 0.65, "setup_peak_bytes": 0.60, "eva
            "llama": {"train_peak_bytes": 0.60, "setup_peak_bytes": 0.60, "eval_peak_bytes": 1.0}}
 
 
-def figures(s: dict[str, Any]) -> dict[str, Any]:
-    mem = s["memory"]["per_rank"]
-    out: dict[str, Any] = {"strategy": s["strategy"], "step_s": s["time"]["step_s_median"],
+def figures(s: Summary) -> dict[str, Any]:
+    mem = s.memory_per_rank
+    out: dict[str, Any] = {"strategy": s.strategy, "step_s": s.time["step_s_median"],
                            "peak_source": mem[0].get("peak_source")}
     for k in PEAKS:
         vals = [(m.get(k), m["rank"]) for m in mem if m.get(k) is not None]

@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import ROOT, run_one  # noqa: E402  (the same job runner as the strategy comparison)
+from sdp.summary import Summary  # noqa: E402
 
 COMMON = ["model=resnet18_cifar", "model.width=64", "dataset=synthetic", "dataset.image_size=32",
           "train.batch_size=32", "cluster.world_size=4", "train.steps=10", "train.warmup_steps=3",
@@ -34,10 +35,10 @@ COMMON = ["model=resnet18_cifar", "model.width=64", "dataset=synthetic", "datase
           "parallelism.coverage=0.5"]
 
 
-def figures(summary: dict[str, Any]) -> dict[str, float]:
-    ranks = summary["time"]["per_rank"]
+def figures(summary: Summary) -> dict[str, float]:
+    ranks = summary.time["per_rank"]
     phase = lambda name: statistics.mean(r["phases_s_median"].get(name, 0.0) for r in ranks)  # noqa: E731
-    return {"step_s": summary["time"]["step_s_median"], "comm_s": phase("comm"), "backward_s": phase("backward"),
+    return {"step_s": summary.time["step_s_median"], "comm_s": phase("comm"), "backward_s": phase("backward"),
             "forward_s": phase("forward")}
 
 

@@ -28,7 +28,9 @@ from benchmarks.compare import ROOT, run_one  # noqa: E402
 from sdp.report.plots import plot_row as row  # noqa: E402
 from sdp.report.plots import plots  # noqa: E402
 from sdp.report.runs import load_run, run_figures  # noqa: E402
+from sdp.report.stats import ratio  # noqa: E402
 from sdp.results import machine, versions  # noqa: E402
+from sdp.rundir import RunDir  # noqa: E402
 
 BASE = ["logger.wandb.mode=disabled", "logger.progress=false", "train.eval_every=0", "train.warmup_steps=3",
         "cluster.world_size=4"]
@@ -52,7 +54,7 @@ RATIO_KEYS = ("model_state_bytes", "activation_bytes", "peak_bytes", "comm_bytes
 def add_ratios(rows: list[dict[str, Any]], *, reference: str = "ddp") -> None:
     base = next((r for r in rows if r["strategy"] == reference), rows[0])
     for r in rows:
-        r["x_ddp"] = {k: (r[k] / base[k]) if r.get(k) is not None and base.get(k) else None for k in RATIO_KEYS}
+        r["x_ddp"] = {k: ratio(r.get(k), base.get(k)) for k in RATIO_KEYS}
 
 
 def markdown(rows: list[dict[str, Any]], *, title: str) -> str:
@@ -79,7 +81,7 @@ def markdown(rows: list[dict[str, Any]], *, title: str) -> str:
         base = next((r for r in rows if r["strategy"] == "ddp"), rows[0])
         lines += ["", "| run | step s per interleaved repeat | ratio to the same repeat's DDP |", "|---|---|---|"]
         lines += [f"| {r['run']} | {', '.join(f'{v:.4f}' for v in r['step_s_repeats'])} | "
-                  f"{', '.join(f'{v / b:.3f}x' for v, b in zip(r['step_s_repeats'], base['step_s_repeats']))} |" for r in rows]
+                  f"{', '.join(f'{ratio(v, b):.3f}x' for v, b in zip(r['step_s_repeats'], base['step_s_repeats']))} |" for r in rows]
     lines += ["", "| run | model state MiB: fullest rank | mean over ranks | activations MiB: fullest rank | mean over ranks |",
               "|---|---|---|---|---|"]
     lines += [f"| {r['run']} | {mib(r['model_state_bytes'])}{x(r, 'model_state_bytes')} | {mib(r['model_state_mean_bytes'])}"
@@ -102,7 +104,7 @@ def frontiers(rows: list[dict[str, Any]]) -> str:
 
     out = []
     for r in rows:
-        cfg = OmegaConf.load(Path(r["run_dir"]) / "config.yaml")
+        cfg = OmegaConf.load(RunDir(Path(r["run_dir"])).config)
         if r["strategy"] == "sdp" and cfg.parallelism.masking == "forward" and cfg.parallelism.level == "block":
             out.append(f"\n\nRun {r['run']}: " + sdp_frontier(cfg)["text"])
     return "".join(out)

@@ -4,7 +4,8 @@ Layout: ``sdp.train`` (Hydra entry point, composes and validates once, then laun
 ``sdp.launch`` (torch elastic / external launchers), ``sdp.worker`` (what each rank runs),
 ``sdp.trainer`` (strategy-agnostic loop), ``sdp.parallel`` (one module per strategy behind one
 registry), ``sdp.subnet`` (coverage plan, masking, owner-set sync), ``sdp.models``, ``sdp.data``,
-``sdp.metrics`` (memory, communication, time) and ``sdp.results`` (the results contract).
+``sdp.metrics`` (memory, communication, time) and the results contract: ``sdp.results`` (config.yaml,
+metrics.jsonl), ``sdp.summary`` (summary.json, typed) and ``sdp.rundir`` (every path of a run directory).
 """
 
 __version__ = "0.1.0"

@@ -33,9 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdp.errors import ConfigError
 from sdp.parallel.base import Strategy
+from sdp.rundir import CHECKPOINT_PREFIX as PREFIX, CHECKPOINTS, RunDir, checkpoint_meta, run_of_checkpoint
 
-CKPT_DIR = "checkpoints"
-PREFIX = "step_"
 # What the LR of every step depends on (sdp.trainer.lr_lambda over the resolved train.steps, which the
 # budget sets): a resume with any of these changed would train on under a schedule it never started.
 SCHEDULE_KEYS = ("train.steps", "train.budget", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio",
@@ -43,21 +42,21 @@ SCHEDULE_KEYS = ("train.steps", "train.budget", "optim.schedule", "optim.warmup_
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / CKPT_DIR / f"{PREFIX}{step:08d}"
+    return RunDir(run_dir).checkpoint(step)
 
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (a ``meta.json``, no ``.tmp`` suffix) of a run directory, by step."""
-    root = run_dir / CKPT_DIR
+    root = RunDir(run_dir).checkpoints
     if not root.is_dir():
         return []
     found = [(int(p.name[len(PREFIX):]), p) for p in root.iterdir()
-             if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and (p / "meta.json").exists()]
+             if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and checkpoint_meta(p).exists()]
     return sorted(found)
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads((path / "meta.json").read_text())
+    return json.loads(checkpoint_meta(path).read_text())
 
 
 def resolve(*, resume: Any, run_dir: Path | None) -> Path | None:
@@ -72,7 +71,7 @@ def resolve(*, resume: Any, run_dir: Path | None) -> Path | None:
         found = checkpoints(run_dir) if run_dir is not None else []
         return found[-1][1] if found else None
     path = Path(str(resume)).expanduser().resolve()
-    if (path / "meta.json").is_file():
+    if checkpoint_meta(path).is_file():
         return path
     found = checkpoints(path)
     if found:
@@ -80,7 +79,7 @@ def resolve(*, resume: Any, run_dir: Path | None) -> Path | None:
     why = "does not exist" if not path.exists() else "holds no complete checkpoint"
     raise ConfigError(
         f"train.resume={str(resume)!r} is invalid: {path} {why}; allowed: null, auto (latest checkpoint of "
-        f"this run directory), a checkpoint directory (with meta.json) or a run directory with {CKPT_DIR}/"
+        f"this run directory), a checkpoint directory (with meta.json) or a run directory with {CHECKPOINTS}/"
     )
 
 
@@ -153,7 +152,7 @@ def save(
 
         meta = {"step": step, "world_size": ctx.world_size, "strategy": strategy.name, "data_key": data_key,
                 "schedule": schedule, "wandb_run_id": stored_run_id(run_dir)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        checkpoint_meta(tmp).write_text(json.dumps(meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for _, old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
@@ -195,9 +194,8 @@ def prepare_run_dir(*, ckpt: Path, run_dir: Path) -> int:
     after its checkpoint are dropped, so no step appears twice), and drop this run's checkpoints of
     later steps (a stale future). Returns the checkpoint's step."""
     step = int(read_meta(ckpt)["step"])
-    source = ckpt.parent.parent
     rows = []
-    src = source / "metrics.jsonl"
+    src = run_of_checkpoint(ckpt).metrics
     if src.exists():
         for line in src.read_text().splitlines():
             try:
@@ -206,9 +204,10 @@ def prepare_run_dir(*, ckpt: Path, run_dir: Path) -> int:
             except (ValueError, KeyError, TypeError):
                 continue  # a half-written last line of a killed run
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "metrics.jsonl.tmp"
+    dest = RunDir(run_dir).metrics
+    tmp = dest.with_suffix(dest.suffix + ".tmp")
     tmp.write_text("".join(rows))
-    os.replace(tmp, run_dir / "metrics.jsonl")
+    os.replace(tmp, dest)
     for later, path in checkpoints(run_dir):
         if later > step:
             shutil.rmtree(path, ignore_errors=True)

@@ -23,6 +23,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from sdp.rankenv import external_launcher
+from sdp.rundir import RunDir
+from sdp.summary import Summary
 
 
 class RankFailure(RuntimeError):
@@ -42,7 +44,7 @@ FAILURE_GRACE_S = 3.0  # how long a rank whose report is alone waits for an earl
 ATTEMPT_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
 
 
-def run_external(*, config: dict[str, Any], run_dir: Path, budget: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def run_external(*, config: dict[str, Any], run_dir: Path, budget: dict[str, Any] | None = None) -> Summary | None:
     """Run this process's rank; if it fails, raise the failure of the rank that failed first.
 
     When one rank raises, its peers only see a closed connection once it has exited; each failing
@@ -58,7 +60,7 @@ def run_external(*, config: dict[str, Any], run_dir: Path, budget: dict[str, Any
         return run_rank(config, str(run_dir), budget)
     except Exception:
         rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
-        folder = run_dir / "failures" / "-".join(os.environ.get(k, "") for k in ATTEMPT_ENV)
+        folder = RunDir(run_dir).failures("-".join(os.environ.get(k, "") for k in ATTEMPT_ENV))
         folder.mkdir(parents=True, exist_ok=True)
         mine = {"rank": int(rank), "time": time.time(), "traceback": traceback.format_exc()}
         write_json(folder / f"rank{rank}.json", mine)
@@ -100,7 +102,7 @@ def root_cause(failures: dict[int, Any]) -> tuple[int, Any, str]:
     return rank, failures[rank], text(failures[rank])
 
 
-def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = None) -> Summary | None:
     """Run the job's ranks and return rank 0's summary (None on other ranks of an external job).
 
     ``budget``: what the driver counted to resolve ``train.steps``; rank 0 puts it in summary.json."""
@@ -124,7 +126,7 @@ def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = No
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "rank_logs")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(RunDir(run_dir).rank_logs)),
     )
     try:
         outputs = elastic_launch(launch_cfg, run_rank)(config, str(run_dir), budget)

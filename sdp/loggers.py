@@ -19,11 +19,11 @@ from typing import Any, Protocol
 
 from hydra.experimental.callback import Callback
 
+from sdp.rundir import RunDir, checkpoint_meta
+
 # Set by SweepProgress in the driver for each job of a multirun, read by rank 0's ProgressBar (the
 # ranks are spawned below the driver and inherit its environment): "1/3 runs done · parallelism=sdp".
 SWEEP_PROGRESS_ENV = "SDP_SWEEP_PROGRESS"
-
-RUN_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run id every attempt of the job logs to
 
 
 def wandb_run_id(*, run_dir: Path, ckpt: Path | None) -> str:
@@ -34,17 +34,17 @@ def wandb_run_id(*, run_dir: Path, ckpt: Path | None) -> str:
     if found:
         return found
     run_id = None
-    if ckpt is not None and (ckpt / "meta.json").exists():
-        run_id = json.loads((ckpt / "meta.json").read_text()).get("wandb_run_id")
+    if ckpt is not None and checkpoint_meta(ckpt).exists():
+        run_id = json.loads(checkpoint_meta(ckpt).read_text()).get("wandb_run_id")
     run_id = run_id or uuid.uuid4().hex[:16]
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RUN_ID_FILE).write_text(run_id + "\n")
+    RunDir(run_dir).wandb_run_id.write_text(run_id + "\n")
     return run_id
 
 
 def stored_run_id(run_dir: Path) -> str | None:
     """The id in ``run_dir/wandb_run_id``, or None when the job has none (W&B disabled)."""
-    path = run_dir / RUN_ID_FILE
+    path = RunDir(run_dir).wandb_run_id
     return (path.read_text().strip() or None) if path.exists() else None
 
 

@@ -13,19 +13,22 @@ commit a run was made at and whether the working tree differed from it (``git_di
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from sdp.rundir import RunDir
+from sdp.summary import read_summary
 
 
 def rerun_argv(*, run_dir: Path, out: Path, overrides: list[str]) -> list[str]:
     """The ``sdp-train`` argument list that re-runs ``run_dir`` into ``out``."""
     run_dir = run_dir.resolve()
-    if not (run_dir / "config.yaml").is_file():
+    paths = RunDir(run_dir)
+    if not paths.config.is_file():
         raise FileNotFoundError(f"{run_dir} has no config.yaml (not a run directory)")
     args = [f"--config-path={run_dir}", "--config-name=config", f"hydra.run.dir={out.resolve()}", "train.resume=null"]
-    summary = run_dir / "summary.json"
-    budget = json.loads(summary.read_text()).get("budget") if summary.is_file() else None
+    summary = read_summary(paths)
+    budget = summary.budget if summary is not None else None
     if budget and budget.get("base_steps") is not None and budget.get("budget") != "tokens":
         args.append(f"train.steps={int(budget['base_steps'])}")  # the budget re-derives the recorded steps
     return args + overrides

@@ -1,13 +1,15 @@
-"""The results contract: what every run writes into its Hydra output directory.
+"""The results contract: what every run writes into its run directory (Hydra's job output directory).
 
-- ``config.yaml``: the resolved config, secrets removed;
+- ``config.yaml``: the resolved config, secrets removed (:func:`write_config`);
 - ``metrics.jsonl``: one JSON row per logged step from rank 0 (``step``, ``loss``, ``lr``,
-  ``samples_per_s``; eval rows with ``eval_loss``, ``eval_accuracy``);
+  ``samples_per_s``; eval rows with ``eval_loss``, ``eval_accuracy``) (:func:`read_metrics`);
 - ``summary.json``: strategy, world size, steps, final losses, per-rank memory and communication,
-  time, versions and machine info, and per rank how it was launched (host, pid, SLURM_*/torchrun variables).
+  time, versions and machine info, and per rank how it was launched (host, pid, SLURM_*/torchrun
+  variables): the typed :class:`sdp.summary.Summary`, every field documented there.
 
-Reports read these files only (W&B is a mirror), so this module is the one place their shape is
-defined. Extend it, never break it.
+Every path of a run directory is named by :class:`sdp.rundir.RunDir`. Reports read these files only
+(W&B is a mirror), so these three modules are the one place their names and shape are defined.
+Extend them, never break them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import sdp
+from sdp.rundir import RunDir
 
 SECRET_KEYS = ("api_key", "apikey", "password", "token", "secret")
 # Config keys that say how a run was run, not what it computes (a resumed job records train.resume as
@@ -55,7 +58,7 @@ def write_config(*, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Write the resolved, scrubbed config as ``config.yaml``; returns it as a plain dict."""
     container = scrub(OmegaConf.to_container(cfg, resolve=True))
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(container)))
+    RunDir(run_dir).config.write_text(OmegaConf.to_yaml(OmegaConf.create(container)))
     return container
 
 
@@ -117,7 +120,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -18,7 +18,6 @@ Under ``cluster=slurm`` every task of a job makes the same decision from the sam
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 from sdp import checkpoint
 from sdp.errors import ConfigError
 from sdp.results import RUN_CONTROL_KEYS, scrub
+from sdp.rundir import FAILURE, METRICS, RunDir
+from sdp.summary import Summary, read_json
 
-LEFTOVERS = ("metrics.jsonl", "failure.json")
+LEFTOVERS = (METRICS, FAILURE)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -54,20 +55,16 @@ def first_difference(*, now: dict[str, Any], then: dict[str, Any]) -> tuple[str,
     return None
 
 
-def complete_summary(run_dir: Path) -> dict[str, Any] | None:
+def complete_summary(run_dir: Path) -> Summary | None:
     """The run's summary.json when it is complete (written atomically at the end of a run), else None."""
-    path = run_dir / "summary.json"
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) and "final" in summary else None
+    obj = read_json(RunDir(run_dir).summary)
+    return Summary.from_json(obj) if obj is not None and "final" in obj else None
 
 
-def job_plan(*, cfg: DictConfig, run_dir: Path) -> tuple[str, dict[str, Any] | None]:
+def job_plan(*, cfg: DictConfig, run_dir: Path) -> tuple[str, Summary | None]:
     """``("skip", summary)``, ``("resume", None)`` or ``("start", None)`` for this job under ``train.skip_done``;
     raises :class:`ConfigError` when ``run_dir`` holds another config."""
-    recorded = run_dir / "config.yaml"
+    recorded = RunDir(run_dir).config
     if recorded.exists():
         now = scrub(OmegaConf.to_container(cfg, resolve=True))
         then = OmegaConf.to_container(OmegaConf.load(recorded), resolve=False)

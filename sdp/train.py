@@ -31,7 +31,9 @@ from sdp.config import renamed_overrides, validate
 from sdp.launch import RankFailure, launch
 from sdp.rankenv import external_launcher
 from sdp.loggers import wandb_run_id
+from sdp.rundir import RunDir
 from sdp.slurm import slurm_environment
+from sdp.summary import Summary, format_summary
 
 # A per-process unique token for run directories: two jobs started in the same second never share
 # a directory (cached, so every interpolation in one process sees the same value).
@@ -45,52 +47,15 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 DEFAULT_JOB = ["experiment=compare"]  # what `sdp-train` alone runs (the first Quick start command of the README)
 
 
-def format_summary(summary: dict[str, Any]) -> str:
-    """A short human-readable digest of summary.json for the end of a run."""
-    f = summary["final"]
-    mem = summary["memory"]["per_rank"]
-    comm = summary["comm"]["per_rank"]
-    t = summary["time"]
-
-    def mib(b: float | None) -> str:
-        return "n/a" if b is None else f"{b / 2**20:.2f} MiB"
-
-    acc = f["eval_accuracy"]
-    lines = [
-        f"strategy={summary['strategy']} model={summary['model']} dataset={summary['dataset']} "
-        f"world_size={summary['world_size']} steps={summary['steps']} global_batch={summary['global_batch']}",
-        f"final train_loss={f['train_loss']:.4f} eval_loss={f['eval_loss']:.4f} "
-        f"eval_accuracy={'n/a' if acc is None else f'{acc:.4f}'}",
-        f"time step_s_median={t['step_s_median']:.4f} samples_per_s={t['samples_per_s']:.1f} "
-        f"straggler_spread={t['straggler_spread']:.3f}"
-        + (f" tokens_per_s={t['tokens_per_s']:.0f}" if t.get("tokens_per_s") else "")
-        + (f" mfu={t['mfu']:.3f}" if t.get("mfu") is not None else ""),
-    ]
-    for m, c in zip(mem, comm):
-        lines.append(
-            f"rank {m['rank']}: params {mib(m['param_bytes'])} grads {mib(m['grad_bytes'])} "
-            f"optim {mib(m['optim_bytes'])} activations {mib(m.get('activation_bytes'))} "
-            f"peaks setup/train/eval {mib(m.get('setup_peak_bytes'))}/{mib(m.get('train_peak_bytes'))}/"
-            f"{mib(m.get('eval_peak_bytes'))} peak_rss_delta {mib(m['peak_rss_delta_bytes'])} | "
-            f"comm {mib(c['bytes_per_step'])}/step in {c['collectives_per_step']:.1f} collectives"
-        )
-    b = summary.get("budget") or {}
-    if b:
-        flops = b.get("total_flops")
-        lines.append(f"budget={b['budget']} steps={b['steps']} (base {b['base_steps']}, ratio {b['step_ratio']:.3g}) "
-                     f"total_flops={'n/a' if flops is None else f'{flops:.3e}'}")
-    lines.extend(f"note: {n}" for n in summary.get("dataset_notes", []))
-    lines.append(f"results: {summary.get('run_dir')}")
-    return "\n".join(lines)
-
-
-def run(cfg: DictConfig) -> dict[str, Any] | None:
+def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
     """Validate, resolve the budget, record the config, launch the ranks, print and return rank 0's summary.
 
     The budget (``train.budget``) is resolved here, once, so ``config.yaml`` and every rank see the
-    final ``train.steps``; what was counted is added to ``summary.json`` as ``budget``.
+    final ``train.steps``; what was counted is added to ``summary.json`` as ``budget``. ``run_dir`` is
+    where the job writes (the Hydra entry point passes its job's output directory): nothing here reads
+    Hydra's global state, so a caller can run a composed config into any directory.
     """
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir = Path(run_dir)
     slurm_environment(cluster=cfg.cluster)  # a Slurm task becomes a rank (RANK, WORLD_SIZE, ...) before validation
     validate(cfg)
     cfg.train.steps, budget = resolve_steps(cfg)
@@ -121,7 +86,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         summary = launch(cfg=cfg, run_dir=run_dir, budget=budget)
     except RankFailure as exc:
         # The job-level verdict, next to whatever metrics.jsonl already holds.
-        results.write_json(run_dir / "failure.json", {"rank": exc.rank, "exitcode": exc.exitcode,
+        results.write_json(RunDir(run_dir).failure, {"rank": exc.rank, "exitcode": exc.exitcode,
                                                       "seconds_after_start": time.time() - started, "message": str(exc)})
         raise
     if summary is not None:
@@ -131,12 +96,11 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> Any:
-    summary = run(cfg)
+    summary = run(cfg, run_dir=Path(HydraConfig.get().runtime.output_dir))  # this job's output directory
     if summary is None:
         return None
-    f = summary["final"]
     # A small JSON-safe return value (the Hydra callback on multirun end and tests use it).
-    return json.loads(json.dumps({"run_dir": summary["run_dir"], "final": f}))
+    return json.loads(json.dumps({"run_dir": summary.run_dir, "final": summary.final.to_json()}))
 
 
 def main() -> None:

@@ -23,6 +23,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from sdp import evaluation, results, rng
 from sdp.data.base import DataBundle
 from sdp.rankenv import format_layout, launcher_identity, nodes_of, world_layout
+from sdp.rundir import RunDir
+from sdp.summary import Final, Summary
 from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
 from sdp.metrics.flops import throughput
 from sdp.metrics.groups import device_memory, process_groups
@@ -79,14 +81,14 @@ def make_logger(*, cfg: DictConfig, ctx: DistContext, run_dir: Path, config: dic
         return NullLogger()
     group = run_dir.parent.name if run_dir.name.isdigit() else run_dir.name
     return MultiLogger(
-        JsonlLogger(path=run_dir / "metrics.jsonl"),
+        JsonlLogger(path=RunDir(run_dir).metrics),
         WandbLogger(cfg=cfg.logger.wandb, run_dir=run_dir, config=config, group=group,
                     job_type=str(cfg.parallelism.name), name=run_dir.name),
     )
 
 
 @record
-def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None = None) -> Summary | None:
     """Entry point of every rank; returns the summary on rank 0 and None elsewhere.
 
     ``budget`` (the driver's step count resolution, :mod:`sdp.budget`) goes into summary.json with the
@@ -135,19 +137,17 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         state = trainer.fit()
         summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state)
         if rank == 0:
-            summary["run_dir"] = str(out)
-            summary["budget"] = budget
-            summary["nodes"] = nodes_of(layout)
-            summary["time"].update(throughput(summary=summary, flops_per_step=(budget or {}).get("flops_per_step")))
-            results.write_json(out / "summary.json", summary)
+            summary.run_dir, summary.budget, summary.nodes = str(out), budget, nodes_of(layout)
+            summary.time.update(throughput(summary=summary.to_json(), flops_per_step=(budget or {}).get("flops_per_step")))
+            summary.write(RunDir(out))
             if isinstance(logger, MultiLogger):
                 for lg in logger.loggers:
                     if isinstance(lg, WandbLogger):
-                        lg.summary({"final": summary["final"], "time": summary["time"]})
+                        lg.summary({"final": summary.final.to_json(), "time": summary.time})
         return summary if rank == 0 else None
     except Exception as exc:
         # This rank's own account (the launcher's failure.json names the job's first failure).
-        results.write_json(out / f"failure_rank{rank}.json", {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
+        results.write_json(RunDir(out).failure_rank(rank), {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
         raise
     finally:
         peak.stop()
@@ -182,8 +182,8 @@ def data_used(trainer: Trainer) -> dict[str, Any]:
 
 def collect_summary(
     *, cfg: DictConfig, ctx: DistContext, strategy: Strategy, trainer: Trainer, peak: PeakTracker, timer: PhaseTimer, state: Any
-) -> dict[str, Any]:
-    """Gather every rank's measurements and assemble summary.json (meaningful on rank 0)."""
+) -> Summary:
+    """Gather every rank's measurements and fill the run's :class:`Summary` (meaningful on rank 0)."""
     warmup = int(cfg.train.warmup_steps)
     extra = strategy.summary_extra()
     mine = {
@@ -201,32 +201,28 @@ def collect_summary(
     per_rank_time = [g["time"] for g in gathered]
     medians = [t["step_s_median"] for t in per_rank_time if t["step_s_median"]]
     step_s = max(medians) if medians else None
-    return {
-        "strategy": str(cfg.parallelism.name),
-        "model": str(cfg.model.get("name", "")),
-        "dataset": str(cfg.dataset.get("name", "")),
-        "world_size": ctx.world_size,
-        "steps": state.step,
-        "skipped_steps": state.skipped_steps,
-        "global_batch": trainer.global_batch,
-        "seed": int(cfg.seed),
-        "precision": strategy.precision,  # train.precision: fp32 | bf16 (autocast forward, fp32 master weights)
-        "dataset_notes": list(trainer.data.notes),  # e.g. files loaded without their checksum check
-        "data": data_used(trainer),  # how much data the run had: samples (and tokens) of each split
-        "final": {
-            "train_loss": state.last_loss,
-            "eval_loss": state.last_eval.get("eval_loss"),
-            "eval_accuracy": state.last_eval.get("eval_accuracy"),
-            # eval.subnetworks (forward-masked SDP): each worker's own subnetwork, mean over workers
-            "eval_loss_workers": state.last_eval.get("eval_loss_workers"),
-            "eval_accuracy_workers": state.last_eval.get("eval_accuracy_workers"),
-            "assembly_gap": state.last_eval.get("assembly_gap"),
-        },
-        "eval_protocol": evaluation.protocol(cfg),  # how final.eval_* were obtained (sdp.evaluation)
-        "memory": {"per_rank": [g["memory"] for g in gathered]},
-        "comm": {"per_rank": [g["comm"] for g in gathered]},
-        "process_groups": {"per_rank": [g["process_groups"] for g in gathered]},  # this rank's groups, default included
-        "time": {
+    return Summary(
+        strategy=str(cfg.parallelism.name),
+        model=str(cfg.model.get("name", "")),
+        dataset=str(cfg.dataset.get("name", "")),
+        world_size=ctx.world_size,
+        steps=state.step,
+        skipped_steps=state.skipped_steps,
+        global_batch=trainer.global_batch,
+        seed=int(cfg.seed),
+        precision=strategy.precision,
+        dataset_notes=list(trainer.data.notes),
+        data=data_used(trainer),
+        final=Final(train_loss=state.last_loss, eval_loss=state.last_eval.get("eval_loss"),
+                    eval_accuracy=state.last_eval.get("eval_accuracy"),
+                    eval_loss_workers=state.last_eval.get("eval_loss_workers"),
+                    eval_accuracy_workers=state.last_eval.get("eval_accuracy_workers"),
+                    assembly_gap=state.last_eval.get("assembly_gap")),
+        eval_protocol=evaluation.protocol(cfg),
+        memory_per_rank=[g["memory"] for g in gathered],
+        comm_per_rank=[g["comm"] for g in gathered],
+        process_groups_per_rank=[g["process_groups"] for g in gathered],
+        time={
             "step_s_median": step_s,
             "samples_per_s": trainer.global_batch / step_s if step_s else None,
             "straggler_spread": (max(medians) / min(medians)) if medians else None,
@@ -236,8 +232,8 @@ def collect_summary(
             "warmup_steps": warmup,
             "median_of_rank_medians": statistics.median(medians) if medians else None,
         },
-        "launcher": {"per_rank": [g["launcher"] for g in gathered]},  # which process/task each rank was
-        "strategy_info": extra,
-        "versions": results.versions(),
-        "machine": results.machine(),
-    }
+        launcher_per_rank=[g["launcher"] for g in gathered],
+        strategy_info=extra,
+        versions=results.versions(),
+        machine=results.machine(),
+    )

@@ -30,6 +30,7 @@ from sdp.errors import ConfigError, boolean, one_of, positive_float, positive_in
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
+from sdp.rundir import RunDir
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, partwise_names, set_branch_scales, tensor_map
@@ -277,7 +278,7 @@ class SDPStrategy(Strategy):
         }
 
     def save_artifacts(self, *, run_dir: Path) -> None:
-        self.plan.save(Path(run_dir) / "plan.json")
+        self.plan.save(RunDir(run_dir).plan)
 
     # ---- checkpoint / resume ------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict[str, Any]]:

@@ -18,6 +18,7 @@ from typing import Any
 from sdp.report.render import Column, layout, markdown_grid
 from sdp.report.runs import run_figures
 from sdp.report.tables import Row, Table
+from sdp.summary import Summary
 
 REFERENCE = "DDP"
 PEAK_KINDS = {  # run_figures' peak_kind -> (name, what it measures)
@@ -39,7 +40,7 @@ class Comparison:
     files: list[Path]
 
 
-def _first_summary(row: Row) -> dict[str, Any] | None:
+def _first_summary(row: Row) -> Summary | None:
     return next((r.summary for r in row.runs if r.ok), None)
 
 
@@ -55,7 +56,7 @@ def peak_kind(table: Table) -> str:
 def holders(row: Row) -> str:
     """k, the workers holding each unit, from the run's plan (``summary.json`` strategy_info.plan)."""
     s = _first_summary(row)
-    k = ((s or {}).get("strategy_info") or {}).get("plan", {}).get("k")
+    k = ((s.strategy_info or {}) if s is not None else {}).get("plan", {}).get("k")
     return "" if k is None else str(k)
 
 

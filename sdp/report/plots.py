@@ -24,20 +24,20 @@ def plot_row(label: str, run_dir: Path) -> dict[str, Any]:
     s = load_run(run_dir).summary
     assert s is not None, f"{run_dir} has no summary.json"
     fig = run_figures(s)
-    mem = s["memory"]["per_rank"]
+    mem = s.memory_per_rank
     full = max(mem, key=lambda m: sum(m.get(c) or 0 for c in CATEGORIES))
-    slow = max(s["time"]["per_rank"], key=lambda t: t["step_s_median"] or 0)
-    busy = max(s["comm"]["per_rank"], key=lambda c: c["bytes_per_step"])
+    slow = max(s.time["per_rank"], key=lambda t: t["step_s_median"] or 0)
+    busy = max(s.comm_per_rank, key=lambda c: c["bytes_per_step"])
     metrics = [r for r in read_metrics(run_dir) if "loss" in r]
     wall, curve = 0.0, []
     for r in metrics:
         wall += r.get("step_s", 0.0)
         curve.append((r["step"], wall, r["loss"]))
-    return {"run": label, "strategy": s["strategy"], "run_dir": str(run_dir), **fig,
+    return {"run": label, "strategy": s.strategy, "run_dir": str(run_dir), **fig,
             "memory_by_category": {c: full.get(c) or 0 for c in CATEGORIES}, "memory_rank": full["rank"],
             "phases_s": {p: v for p, v in slow.get("phases_s_median", {}).items()}, "phase_rank": slow["rank"],
             "comm_by_kind": {k: v["bytes"] for k, v in busy.get("by_kind", {}).items()}, "comm_rank": busy["rank"],
-            "loss_curve": curve, "memory_per_rank": mem, "per_rank_step_s": [t["step_s_median"] for t in s["time"]["per_rank"]]}
+            "loss_curve": curve, "memory_per_rank": mem, "per_rank_step_s": [t["step_s_median"] for t in s.time["per_rank"]]}
 
 
 def plots(rows: list[dict[str, Any]], *, out: Path, title: str) -> list[Path]:

@@ -10,7 +10,6 @@ measurement report.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,10 @@ from typing import Any
 import yaml
 
 from sdp.results import read_metrics
+from sdp.rundir import CONFIG, RANK_LOGS, RunDir
+from sdp.summary import Summary, read_summary
 
-SKIP_DIRS = ("rank_logs", "wandb", "report")
+SKIP_DIRS = (RANK_LOGS, "wandb", "report")  # "report": sdp-report's default output below a sweep
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -45,7 +46,7 @@ class Run:
     path: Path
     config: dict[str, Any]
     overrides: list[str]
-    summary: dict[str, Any] | None
+    summary: Summary | None
     flat: dict[str, Any] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -80,18 +81,11 @@ class Run:
 
 def load_run(path: Path) -> Run:
     """Read one run directory; a malformed summary.json counts as missing (and says so)."""
-    path = Path(path)
-    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    overrides_file = path / ".hydra" / "overrides.yaml"
+    paths = RunDir(Path(path))
+    config = yaml.safe_load(paths.config.read_text()) or {}
+    overrides_file = paths.hydra_overrides
     overrides = list(yaml.safe_load(overrides_file.read_text()) or []) if overrides_file.exists() else []
-    summary = None
-    summary_file = path / "summary.json"
-    if summary_file.exists():
-        try:
-            summary = json.loads(summary_file.read_text())
-        except json.JSONDecodeError:
-            summary = None
-    return Run(path=path, config=config, overrides=overrides, summary=summary)
+    return Run(path=paths.root, config=config, overrides=overrides, summary=read_summary(paths))
 
 
 def find_runs(sweep_dir: Path) -> list[Run]:
@@ -100,7 +94,7 @@ def find_runs(sweep_dir: Path) -> list[Run]:
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"sweep directory {sweep_dir} does not exist")
     found = []
-    for cfg_file in sweep_dir.rglob("config.yaml"):
+    for cfg_file in sweep_dir.rglob(CONFIG):
         rel = cfg_file.parent.relative_to(sweep_dir).parts
         if any(p.startswith(".") or p in SKIP_DIRS for p in rel):
             continue
@@ -117,25 +111,25 @@ def _mean(values: list[float]) -> float | None:
     return float(sum(values) / len(values)) if values else None
 
 
-def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
+def run_figures(summary: Summary) -> dict[str, float | None]:
     """The per-run numbers reports aggregate; every per-rank figure is taken on the rank where it is
     largest (the memory that decides whether a job fits is the fullest rank's)."""
-    mem = summary.get("memory", {}).get("per_rank", [])
-    comm = summary.get("comm", {}).get("per_rank", [])
-    final = summary.get("final", {})
-    t = summary.get("time", {})
-    budget = summary.get("budget") or {}
+    mem, comm, final, t = summary.memory_per_rank, summary.comm_per_rank, summary.final, summary.time
+    budget = summary.budget or {}
     state = [sum(r.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes")) for r in mem]
+    grad_optim = [sum(r.get(k) or 0 for k in ("grad_bytes", "optim_bytes")) for r in mem]
     cuda_peak = _max_over_ranks(mem, "cuda_max_allocated_bytes")
     train_peak = _max_over_ranks(mem, "train_peak_bytes")
-    acc = final.get("eval_accuracy")
+    acc = final.eval_accuracy
     return {
-        "eval_loss": final.get("eval_loss"),
+        "eval_loss": final.eval_loss,
         "eval_accuracy": None if acc is None else 100.0 * acc,
-        "train_loss": final.get("train_loss"),
-        "eval_loss_workers": final.get("eval_loss_workers"),  # eval.subnetworks: each worker's own subnetwork
-        "assembly_gap": final.get("assembly_gap"),
+        "train_loss": final.train_loss,
+        "eval_loss_workers": final.eval_loss_workers,  # eval.subnetworks: each worker's own subnetwork
+        "assembly_gap": final.assembly_gap,
         "model_state_bytes": float(max(state)) if state else None,
+        "param_bytes": _max_over_ranks(mem, "param_bytes"),
+        "grad_optim_bytes": float(max(grad_optim)) if grad_optim else None,  # what SDP's masking shrinks
         "model_state_mean_bytes": _mean(state),  # the fullest rank's floor under any assignment
         "train_peak_bytes": train_peak,  # the measured steps' peak per rank, where the run records it
         # The measured steps' peak (live tensors on CPU, the allocator on CUDA); older runs: CUDA max or RSS.
@@ -145,8 +139,10 @@ def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
             "cuda_max_allocated" if cuda_peak is not None else "peak_rss_delta"),
         "setup_peak_bytes": _max_over_ranks(mem, "setup_peak_bytes"),
         "eval_peak_bytes": _max_over_ranks(mem, "eval_peak_bytes"),
+        "peak_rss_delta_bytes": _max_over_ranks(mem, "peak_rss_delta_bytes"),
         "comm_bytes_per_step": _max_over_ranks(comm, "bytes_per_step"),
         "wire_bytes_per_step": _max_over_ranks(comm, "wire_bytes_per_step"),
+        "collectives_per_step": _max_over_ranks(comm, "collectives_per_step"),
         "activation_bytes": _max_over_ranks(mem, "activation_bytes"),
         "activation_mean_bytes": _mean([r["activation_bytes"] for r in mem if r.get("activation_bytes") is not None]),
         "cuda_max_reserved_bytes": _max_over_ranks(mem, "cuda_max_reserved_bytes"),
@@ -156,6 +152,6 @@ def run_figures(summary: dict[str, Any]) -> dict[str, float | None]:
         "step_s": t.get("step_s_median"),
         "samples_per_s": t.get("samples_per_s"),
         "straggler_spread": t.get("straggler_spread"),
-        "steps": summary.get("steps"),
+        "steps": summary.steps,
         "total_flops": budget.get("total_flops"),
     }

@@ -59,6 +59,12 @@ def paired_difference(ours: dict[Any, float | None], reference: dict[Any, float 
     return Paired(statistics.fmean(diffs), t_half_width(diffs), len(diffs))
 
 
+def ratio(value: float | None, reference: float | None) -> float | None:
+    """``value / reference``: every "x DDP" figure of the reports (tables, the study, the benchmarks).
+    None when either is missing or the reference is 0: a ratio to nothing measured is absent, not 0."""
+    return None if value is None or not reference else value / reference
+
+
 def time_to_target(rows: list[dict[str, Any]], *, target: float) -> tuple[int | None, float | None]:
     """(step, wall seconds) of the first evaluation with ``eval_loss <= target`` in metrics rows."""
     seconds, last_step = 0.0, 0

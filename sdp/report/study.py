@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sdp.report.runs import Run, find_runs, run_figures
-from sdp.report.stats import TARGET_FACTOR, Paired, paired_difference, t_half_width, time_to_target
+from sdp.report.stats import TARGET_FACTOR, Paired, paired_difference, ratio, t_half_width, time_to_target
 from sdp.report.tables import method_label, row_coverage
 from sdp.results import read_metrics
 
@@ -81,7 +81,7 @@ def by_method(rows: dict[str, Row]) -> dict[str, Row]:
 
 def curve(run: Run, *, ddp_flops: float) -> list[tuple[float, float]]:
     """(fraction of DDP's total FLOPs, eval loss) at each evaluation of ``run``."""
-    per_step = (run.summary.get("budget") or {}).get("flops_per_step") or 0.0
+    per_step = (run.summary.budget or {}).get("flops_per_step") or 0.0
     return [(r["step"] * per_step / ddp_flops, r["eval_loss"]) for r in read_metrics(run.path)
             if r.get("eval_loss") is not None]
 
@@ -145,8 +145,7 @@ class Study:
         ref = "DDP"
         if name not in rows or ref not in rows:
             return None
-        a, b = rows[name].mean_std(key)[0], rows[ref].mean_std(key)[0]
-        return None if a is None or not b else a / b
+        return ratio(rows[name].mean_std(key)[0], rows[ref].mean_std(key)[0])
 
     def step_s(self, name: str) -> float | None:
         """The method's median step time from its quiet timing run (None without one)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdp.report.runs import Run, run_figures
-from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR, Paired, paired_difference, run_time_to_target
+from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR, Paired, paired_difference, ratio, run_time_to_target
 from sdp.results import RUN_CONTROL_KEYS
 
 DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir",
@@ -188,9 +188,7 @@ def build_tables(runs: list[Run], *, exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
             table.notes.append(f"no {reference} row in this table: ratios are empty")
         for row in rows:
             for metric, name in RATIOS.items():
-                ours = row.stats[metric].mean
-                base = refs[0].stats[metric].mean if refs else None
-                row.ratios[name] = ours / base if ours is not None and base else None
+                row.ratios[name] = ratio(row.stats[metric].mean, refs[0].stats[metric].mean if refs else None)
         if refs:
             compare_to_reference(rows, reference=refs[0])
         out.append(table)

@@ -120,7 +120,7 @@ def plot(st: Study) -> list[Path]:
         curves = []
         for seed, run in sorted(row.runs.items()):
             ddp = st.ddp.runs.get(seed) or next(iter(st.ddp.runs.values()))
-            curves.append(curve(run, ddp_flops=ddp.summary["budget"]["total_flops"]))
+            curves.append(curve(run, ddp_flops=ddp.summary.budget["total_flops"]))
         n = min(len(c) for c in curves)
         xs = [statistics.fmean(c[i][0] for c in curves) for i in range(n)]
         ys = [statistics.fmean(c[i][1] for c in curves) for i in range(n)]
@@ -152,11 +152,11 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
         writer.writerows(records)
     ddp = st.ddp.runs[min(st.ddp.runs)].summary
     every = [r for rows in (st.rows, st.peaks, st.timing) for row in rows.values() for r in row.runs.values()]
-    commits = sorted({str(r.summary.get("versions", {}).get("git_commit"))[:12] for r in every})
-    dirty = any(r.summary.get("versions", {}).get("git_dirty") for r in every)
+    commits = sorted({str(r.summary.versions.get("git_commit"))[:12] for r in every})
+    dirty = any(r.summary.versions.get("git_dirty") for r in every)
     md = [f"# CPU study: {study}", "", header,
-          f"{len(st.runs)} runs ({sum(len(r.runs) for r in st.rows.values())} with results), DDP {ddp['steps']} steps, "
-          f"{ddp['world_size']} ranks, model {ddp['model']}; code at commit(s) {', '.join(commits)} (main runs, peaks, timing)"
+          f"{len(st.runs)} runs ({sum(len(r.runs) for r in st.rows.values())} with results), DDP {ddp.steps} steps, "
+          f"{ddp.world_size} ranks, model {ddp.model}; code at commit(s) {', '.join(commits)} (main runs, peaks, timing)"
           f"{' (dirty working tree)' if dirty else ''}. Every method of one seed shares the initial weights and the "
           f"data order; Δ columns are per-seed differences to DDP with the 95 % Student t interval (n − 1 d.f.); "
           f"'not resolved' = the interval contains 0. Time to target: first evaluation at or below DDP's mean final "
