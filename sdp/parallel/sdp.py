@@ -29,7 +29,7 @@ from sdp.errors import ConfigError, boolean, one_of, positive_float, positive_in
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
-from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
+from sdp.parallel.base import OptimizerFactory, Strategy, register
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import assemble, set_branch_scales, tensor_map
 from sdp.subnet.carry import carry_state
@@ -165,32 +165,21 @@ class SDPStrategy(Strategy):
         return list(M.held_parameters(self.layout, self.pieces, self.ctx.rank))
 
     # ---- one step ---------------------------------------------------------------------------------
-    def forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
-        assert self.module is not None
-        loss = self.forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
-        with timer.phase("backward"):
-            loss.backward()
-        self.note_grads()
-        return loss
-
-    def train_step(
-        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
-    ) -> StepResult:
-        assert self.optimizer is not None
+    # train_step: the base template with these hooks.
+    def before_step(self, *, step: int, timer: PhaseTimer) -> None:
         every = self.cfg.resample_every
         if every and step > 0 and step % int(every) == 0:
             with timer.phase("resample"):
                 self._redraw(draw=step // int(every))
-        loss = self.forward_backward(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
-        with timer.phase("comm"):
+
+    def sync_grads(self, *, timer: PhaseTimer) -> None:
+        with timer.phase("comm"):  # with overlap: only the wait for the launched buckets (exposed comm)
             self.sync.reduce_grads()
-        with timer.phase("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)
+
+    def after_step(self, *, timer: PhaseTimer) -> None:
         if self.mode == "backward":
             with timer.phase("comm"):
                 self.sync.refresh()
-        return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
 
     def _redraw(self, *, draw: int) -> None:
         """Re-draw the plan (ResIST style): assemble the full model, prune it to the new plan, and carry
