@@ -34,14 +34,14 @@ DEFAULT_COMMON = ["model=resnet18_cifar", "model.width=64", "dataset=synthetic",
                   "train.eval_every=0", "logger.wandb.mode=disabled", "logger.progress=false"]
 
 
-def run_one(*, label: str, spec: str, common: list[str], out: Path) -> Summary:
-    """Run one ``sdp-train`` job into ``out/label`` and return its summary."""
+def run_one(*, label: str, spec: str, common: list[str], out: Path, root: Path = ROOT) -> Summary:
+    """One ``sdp-train`` job into ``out/label``, its summary; ``root``: the source tree it runs (another checkout: an earlier commit)."""
     preset, *extra = spec.split(",")
-    run_dir = out / label
+    run_dir = Path(out).resolve() / label
     cmd = [sys.executable, "-m", "sdp.train", f"parallelism={preset}", *common, *extra, f"hydra.run.dir={run_dir}"]
     print("$", " ".join(cmd), flush=True)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": f"{root}:{os.environ.get('PYTHONPATH', '')}", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"run {label} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     summary = read_summary(run_dir)

@@ -9,7 +9,18 @@ loop spawns the same number of gloo ranks, builds the model with the suite's own
 bucket settings and runs forward, backward, SGD step, timing each step with ``perf_counter`` only.
 Both report the max over ranks of each rank's median step time over the steps after warm-up; the
 minimal loop also uses one thread per rank as the suite does on this machine (cores / ranks).
-The ordering (suite, minimal, suite, minimal, ...) alternates ``--repeats`` times.
+The ordering (suite, suite without tracker, minimal, ...) alternates ``--repeats`` times.
+
+Two minimal arms: ``minimal`` makes the host allocator setting the suite's trainer makes on CPU
+(:func:`sdp.hostmem.retain_freed_memory`; the ratio's denominator, so the suite gains nothing the loop
+lacks), ``minimal_default_malloc`` runs with glibc's defaults, for the record.
+
+Two suite arms: the default config (``memory.tracker=true``: the live-tensor tracker, a dispatch mode
+that sees every op, counts the CPU peaks) and ``memory.tracker=false``, which is how the suite's timing
+runs are configured (``conf/experiment/cpu_study_*.yaml``: the peaks come from separate short runs). The
+tracker is a measurement tool, not part of the step; the ratio without it is the harness's cost to a
+timing run, the one with it what a default run pays for its memory figures. Both are reported, with
+each side's phase medians (forward, backward, optimizer), so a gap can be told apart by phase.
 
     flock /tmp/sdp-cpu.lock env PYTHONPATH=$PWD python benchmarks/harness_overhead.py
 """
@@ -37,7 +48,7 @@ COMMON = ["model=resnet18_cifar", "model.width=32", "dataset=synthetic", "datase
           "logger.wandb.mode=disabled", "logger.progress=false", "optim=sgd"]
 
 
-def _minimal_rank(rank: int, world: int, port: int, config: dict, out: str) -> None:
+def _minimal_rank(rank: int, world: int, port: int, config: dict, out: str, retain: bool) -> None:
     from omegaconf import OmegaConf
     from torch.nn.functional import cross_entropy
     from torch.nn.parallel import DistributedDataParallel
@@ -57,28 +68,48 @@ def _minimal_rank(rank: int, world: int, port: int, config: dict, out: str) -> N
                           nesterov=bool(oc.get("nesterov", False)), weight_decay=float(oc.get("weight_decay", 0.0)))
     sampler = GlobalBatchSampler(num_samples=len(data.train), global_batch=int(cfg.train.batch_size) * world, seed=int(cfg.seed))
     x_all, y_all = data.train.tensors
-    times = []
+    if retain:  # the host allocator setting the suite's trainer makes on CPU (sdp/hostmem.py)
+        from sdp.hostmem import retain_freed_memory
+
+        retain_freed_memory()
+    times: list[list[float]] = []  # per step: total, forward, backward, optimizer
     for step in range(int(cfg.train.steps)):
         t0 = time.perf_counter()
         idx = sampler.shard(step, replica=rank, replicas=world)
         x, y = x_all[idx], y_all[idx]
+        t1 = time.perf_counter()
         loss = cross_entropy(ddp(x), y)
+        t2 = time.perf_counter()
         loss.backward()
+        t3 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        times.append(time.perf_counter() - t0)
-    median = statistics.median(times[int(cfg.train.warmup_steps):])
+        t4 = time.perf_counter()
+        times.append([t4 - t0, t2 - t1, t3 - t2, t4 - t3])
+    kept = times[int(cfg.train.warmup_steps):]
+    mine = {"step": statistics.median(t[0] for t in kept),
+            "phases": {k: statistics.median(t[i] for t in kept) for i, k in enumerate(PHASES, start=1)}}
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, median)
+    dist.all_gather_object(gathered, mine)
     if rank == 0:
-        Path(out).write_text(json.dumps({"step_s_median": max(gathered), "per_rank": gathered, "last_loss": float(loss.detach())}))
+        Path(out).write_text(json.dumps({"step_s_median": max(g["step"] for g in gathered), "per_rank": gathered,
+                                         "phases_s_median": _mean_phases([g["phases"] for g in gathered]),
+                                         "last_loss": float(loss.detach())}))
     dist.destroy_process_group()
 
 
-def minimal(config: dict, *, world: int, out: Path) -> dict[str, Any]:
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _mean_phases(ranks: list[dict[str, float]]) -> dict[str, float]:
+    """Mean over ranks of each rank's phase median (as benchmarks/overlap.py reads summary.json)."""
+    return {k: statistics.mean(r.get(k, 0.0) for r in ranks) for k in PHASES}
+
+
+def minimal(config: dict, *, world: int, out: Path, retain: bool) -> dict[str, Any]:
     from tests.dist_helpers import free_port
 
-    mp.spawn(_minimal_rank, args=(world, free_port(), config, str(out)), nprocs=world, join=True)
+    mp.spawn(_minimal_rank, args=(world, free_port(), config, str(out), retain), nprocs=world, join=True)
     return json.loads(out.read_text())
 
 
@@ -99,18 +130,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)
     world = int(cfg.cluster.world_size)
     args.out.mkdir(parents=True, exist_ok=True)
-    suite, mini = [], []
+    arms: dict[str, list[dict[str, Any]]] = {"suite": [], "suite_no_tracker": [], "minimal": [], "minimal_default_malloc": []}
     for i in range(args.repeats):
-        s = run_one(label=f"suite{i}", spec="ddp", common=common, out=args.out)
-        suite.append(s.time["step_s_median"])
-        mini.append(minimal(config, world=world, out=args.out / f"minimal{i}.json")["step_s_median"])
-        print(f"repeat {i}: suite {suite[-1]:.4f} s, minimal {mini[-1]:.4f} s", flush=True)
-    result = {"suite_step_s": statistics.median(suite), "minimal_step_s": statistics.median(mini),
-              "runs": {"suite": suite, "minimal": mini}, "loadavg": os.getloadavg(), "common": common}
-    result["ratio"] = result["suite_step_s"] / result["minimal_step_s"]
+        for arm, extra in (("suite", []), ("suite_no_tracker", ["memory.tracker=false"])):
+            s = run_one(label=f"{arm}{i}", spec="ddp", common=[*common, *extra], out=args.out)
+            arms[arm].append({"step_s": s.time["step_s_median"],
+                              "phases": _mean_phases([r["phases_s_median"] for r in s.time["per_rank"]])})
+        for arm, retain in (("minimal", True), ("minimal_default_malloc", False)):
+            m = minimal(config, world=world, out=args.out / f"{arm}{i}.json", retain=retain)
+            arms[arm].append({"step_s": m["step_s_median"], "phases": m["phases_s_median"]})
+        print(f"repeat {i}: " + ", ".join(f"{a} {v[-1]['step_s']:.4f} s" for a, v in arms.items()), flush=True)
+    med = {a: {"step_s": statistics.median(r["step_s"] for r in v),
+               "phases": {k: statistics.median(r["phases"][k] for r in v) for k in PHASES}} for a, v in arms.items()}
+    result = {"median": med, "runs": arms, "loadavg": os.getloadavg(), "common": common,
+              "ratio": med["suite"]["step_s"] / med["minimal"]["step_s"],
+              "ratio_no_tracker": med["suite_no_tracker"]["step_s"] / med["minimal"]["step_s"],
+              "ratio_no_tracker_vs_default_malloc": med["suite_no_tracker"]["step_s"] / med["minimal_default_malloc"]["step_s"]}
     (args.out / "harness.json").write_text(json.dumps(result, indent=2))
-    print(f"suite DDP step {result['suite_step_s']:.4f} s vs minimal DDP loop {result['minimal_step_s']:.4f} s: "
-          f"ratio {result['ratio']:.3f} (target <= 1.05); loadavg {result['loadavg']}")
+    print("| arm | step s | forward s | backward s | optimizer s |\n|---|---|---|---|---|")
+    for a, m in med.items():
+        print(f"| {a} | {m['step_s']:.4f} | " + " | ".join(f"{m['phases'][k]:.4f}" for k in PHASES) + " |")
+    print(f"suite DDP step / minimal DDP loop: {result['ratio']:.3f} with the live-tensor tracker (default), "
+          f"{result['ratio_no_tracker']:.3f} without (memory.tracker=false, as timing runs; target <= 1.05); "
+          f"without tracker vs the loop on glibc defaults {result['ratio_no_tracker_vs_default_malloc']:.3f}; "
+          f"loadavg {result['loadavg']}")
     return result
 
 

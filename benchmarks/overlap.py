@@ -9,6 +9,13 @@ wait before the optimizer step, i.e. the *exposed* communication). Per run: the 
 over ranks of the rank medians). Targets: exposed comm <= 0.5 x the non-overlapped comm time, step
 time with overlap <= step time without.
 
+``--base-root DIR`` adds a third arm, ``base``: the blocking path of another source tree (an earlier
+commit, e.g. ``git archive <commit> | tar -x -C DIR``), alternated with the other two. Why: the overlap
+path's buckets are runs of consecutive tensors of one holder set (``sdp.subnet.sync.holder_runs``),
+shared with ``overlap=false`` so that both give bit-identical gradients; before that change a bucket
+packed a holder set's tensors from all over the model, with fewer collectives. "Today's non-overlapped
+comm time" of the issue is the earlier tree's, so the result also gives both ratios against ``base``.
+
 Default = the issue's case: SDP C=0.5 (block level, forward masking), 4 CPU ranks, ResNet-18 width
 64, synthetic 32x32, batch 32 per rank. Run it under the machine's CPU lock and report ``uptime``:
 
@@ -49,30 +56,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--extra", nargs="*", default=[], help="overrides appended to --common")
     ap.add_argument("--repeats", type=int, default=2, help="off/on pairs, alternated")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "overlap")
+    ap.add_argument("--base-root", type=Path, default=None, help="source tree of the 'base' arm (blocking path)")
+    ap.add_argument("--base-label", default=None, help="what --base-root is (e.g. its commit), for the record")
     args = ap.parse_args(argv)
     common = [*args.common, *args.extra]
-    runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    arms = {"off": (ROOT, "false"), "on": (ROOT, "true")}
+    if args.base_root is not None:
+        arms["base"] = (args.base_root.resolve(), "false")
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in arms}
     for i in range(args.repeats):
-        for label in ("off", "on"):
-            spec = f"{args.preset},parallelism.overlap={'true' if label == 'on' else 'false'}"
-            s = run_one(label=f"{label}{i}", spec=spec, common=common, out=args.out)
+        for label, (root, overlap) in arms.items():
+            s = run_one(label=f"{label}{i}", spec=f"{args.preset},parallelism.overlap={overlap}", common=common,
+                        out=args.out, root=root)
             runs[label].append(figures(s))
             print(label, i, runs[label][-1], flush=True)
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
+    ratio = lambda a, b, f: med[a][f] / med[b][f] if med[b][f] else None  # noqa: E731
     result = {
         "runs": runs, "median": med,
-        "exposed_comm_ratio": med["on"]["comm_s"] / med["off"]["comm_s"] if med["off"]["comm_s"] else None,
-        "step_ratio": med["on"]["step_s"] / med["off"]["step_s"],
+        "exposed_comm_ratio": ratio("on", "off", "comm_s"), "step_ratio": ratio("on", "off", "step_s"),
         "loadavg": os.getloadavg(), "common": common, "preset": args.preset,
     }
+    if "base" in arms:
+        result.update(base_root=str(args.base_root), base_label=args.base_label,
+                      exposed_comm_ratio_vs_base=ratio("on", "base", "comm_s"), step_ratio_vs_base=ratio("on", "base", "step_s"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overlap.json").write_text(json.dumps(result, indent=2))
     print("| path | step s | comm s (exposed) | backward s | forward s |\n|---|---|---|---|---|")
-    for k in ("off", "on"):
-        m = med[k]
-        print(f"| overlap={k} | {m['step_s']:.3f} | {m['comm_s']:.3f} | {m['backward_s']:.3f} | {m['forward_s']:.3f} |")
+    for k, m in med.items():
+        name = f"base ({args.base_label or args.base_root}), overlap=false" if k == "base" else f"overlap={k}"
+        print(f"| {name} | {m['step_s']:.3f} | {m['comm_s']:.3f} | {m['backward_s']:.3f} | {m['forward_s']:.3f} |")
     print(f"exposed comm (on) / comm (off) = {result['exposed_comm_ratio']:.3f} (target <= 0.5); "
           f"step on / off = {result['step_ratio']:.3f} (target <= 1); loadavg at end {result['loadavg']}")
+    if "base" in arms:
+        print(f"against base: exposed comm (on) / comm (base) = {result['exposed_comm_ratio_vs_base']:.3f}; "
+              f"step on / base = {result['step_ratio_vs_base']:.3f}")
     return result
 
 

@@ -143,11 +143,8 @@ def applied(model: nn.Module, *, bn: str, batches: Iterable[torch.Tensor], ctx: 
         yield model
         return
     kept = [{k: v.clone() for k, v in m.named_buffers(recurse=False)} for m in norms]
-    prev, ctx.comm.phase = ctx.comm.phase, "eval"
-    try:
+    with ctx.comm.phase_as("eval"):
         reestimate_bn(model, batches=batches, ctx=ctx, average=average)
-    finally:
-        ctx.comm.phase = prev
     try:
         yield model
     finally:
@@ -200,16 +197,13 @@ def partwise_totals(model: Partwise, *, bn: str, bn_batches: Callable[[], Iterab
     statistics carried from pass to pass, then one flat mean over the world), so the numbers equal the
     assembled model's (``tests/test_partwise_eval.py``). Every rank runs the same number of passes (a
     rank whose shard is done runs empty ones), because building a part is collective."""
-    prev, ctx.comm.phase = ctx.comm.phase, "eval"  # building parts, statistics and pass counts: evaluation traffic
-    try:
+    with ctx.comm.phase_as("eval"):  # building parts, statistics and pass counts: evaluation traffic
         stats = _reestimated(model, batches=bn_batches(), ctx=ctx, part_batches=part_batches) if bn == "reestimate" and model.has_batch_norm else None
         out = torch.zeros(3, dtype=torch.float64, device=ctx.device)
         val = ((x.to(ctx.device), y.to(ctx.device)) for x, y in
                val_batches(data, rank=rank, world_size=world_size, batch_size=batch_size, num_workers=num_workers))
         for chunk in _passes(val, size=part_batches, ctx=ctx):
             _add_pass(out, model=model, chunk=chunk, stats=stats)
-    finally:
-        ctx.comm.phase = prev
     return out
 
 

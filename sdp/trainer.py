@@ -19,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
-from sdp import checkpoint, evaluation, guards
+from sdp import checkpoint, evaluation, guards, hostmem
 from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches
 from sdp.faults import Faults
 from sdp.loggers import Logger, ProgressBar
@@ -148,6 +148,8 @@ class Trainer:
         )
         comm = self.ctx.comm
         ckpt_every = int(tc.checkpoint_every)
+        if self.ctx.device.type == "cpu":
+            hostmem.retain_freed_memory()  # steps reuse freed activation pages instead of faulting them in anew
         if self.peak is not None:
             self.peak.set_phase("warmup")  # the set-up peak ends where the first step begins
         try:

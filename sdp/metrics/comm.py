@@ -10,7 +10,9 @@ the ring-model wire bytes (2(k-1)/k x payload for an all-reduce over k ranks) fo
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
 
@@ -52,6 +54,16 @@ class CommCounter:
             self._step.append((kind, int(payload), int(group_size)))
         else:
             self._other[self.phase].append((kind, int(payload), int(group_size)))
+
+    @contextmanager
+    def phase_as(self, name: str) -> Iterator[None]:
+        """Record under phase ``name`` inside the block, then restore the phase it had (also on error):
+        the one save/restore every strategy's evaluation, checkpoint priming and re-draw use."""
+        prev, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self.phase = prev
 
     def end_step(self) -> None:
         if self.measuring:

@@ -9,7 +9,7 @@ these methods, so it never names a strategy.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -55,7 +55,8 @@ class StepResult:
 
 
 class Strategy(ABC):
-    """Base class: subclasses implement ``setup`` and ``train_step``; the rest has defaults."""
+    """Base class: subclasses implement ``setup``; ``train_step`` is one template with hooks (a strategy
+    whose step is another shape overrides it); the rest has defaults."""
 
     name: str = ""
     # True: ``setup`` receives the model on the meta device and materialises what this rank holds
@@ -85,11 +86,48 @@ class Strategy(ABC):
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         """Wrap/cut ``model`` (built identically on every rank) and build ``self.optimizer``."""
 
-    @abstractmethod
     def train_step(
         self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
     ) -> StepResult:
-        """Forward, backward, gradient sync and optimizer update for this rank's batch slice."""
+        """Forward, backward, gradient sync and optimizer update for this rank's batch slice.
+
+        The one step of every data-parallel strategy, written once; what differs comes from the hooks
+        :meth:`step_context` (FSDP: intercept its collectives), :meth:`before_step` (SDP: re-draw the
+        plan), :meth:`sync_grads` (SDP: holder-set all-reduces; DDP's happen inside backward) and
+        :meth:`after_step` (SDP backward masking: refresh). A strategy whose step is another shape
+        (pipeline: one schedule for forward and backward) overrides this method."""
+        assert self.optimizer is not None, f"strategy {self.name!r} used before setup()"
+        with self.step_context():
+            self.before_step(step=step, timer=timer)
+            loss = self.forward_backward(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
+            self.sync_grads(timer=timer)
+            with timer.phase("optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)
+            self.after_step(timer=timer)
+        return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
+
+    def forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
+        """:meth:`forward_loss`, then backward timed as the ``backward`` phase and the gradient bytes noted."""
+        loss = self.forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
+        with timer.phase("backward"):
+            loss.backward()
+        self.note_grads()
+        return loss
+
+    # ---- hooks of the template step (defaults: nothing) -------------------------------------------
+    def step_context(self) -> Any:
+        """A context around the whole step (default: none)."""
+        return nullcontext()
+
+    def before_step(self, *, step: int, timer: PhaseTimer) -> None:
+        """Runs before the forward (0-based ``step``)."""
+
+    def sync_grads(self, *, timer: PhaseTimer) -> None:
+        """Gradient synchronisation between backward and the optimizer step, where not inside backward."""
+
+    def after_step(self, *, timer: PhaseTimer) -> None:
+        """Runs after the optimizer step."""
 
     # ---- the forward, in the run's precision ------------------------------------------------------
     def autocast(self) -> Any:
@@ -118,12 +156,8 @@ class Strategy(ABC):
         with the statistics training accumulated, averaged over the ranks that ran each layer; the
         trainer then applies the one evaluation protocol of every strategy (:mod:`sdp.evaluation`)."""
         model = self.unwrapped()
-        prev = self.ctx.comm.phase
-        self.ctx.comm.phase = "eval"
-        try:
+        with self.ctx.comm.phase_as("eval"):
             average_buffers(model, ctx=self.ctx)
-        finally:
-            self.ctx.comm.phase = prev
         model.eval()
         try:
             yield model

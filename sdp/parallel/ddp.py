@@ -12,9 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from sdp.metrics.comm import CommCounter
-from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
-from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
+from sdp.parallel.base import OptimizerFactory, Strategy, register
 
 
 class _CountingState:
@@ -68,13 +67,10 @@ def prime_buckets(ddp: DistributedDataParallel, *, example: torch.Tensor, comm: 
     curve drifts in the last bits. Call before the checkpoint is loaded (the forward touches BatchNorm
     statistics and RNG streams, which the load then overwrites); its all-reduce is counted as
     ``checkpoint`` traffic, not training."""
-    prev, comm.phase = comm.phase, "checkpoint"
-    try:
+    with comm.phase_as("checkpoint"):
         out = ddp(example)
         (out.float().sum() * 0).backward()
         ddp.zero_grad(set_to_none=False)
-    finally:
-        comm.phase = prev
 
 
 @register("ddp")
@@ -86,18 +82,7 @@ class DDPStrategy(Strategy):
         self.module = wrap_ddp(model, cfg=self.cfg, comm=self.ctx.comm, device=self.ctx.device)
         self.optimizer = optimizer_factory(self.module.parameters())
 
-    def train_step(
-        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
-    ) -> StepResult:
-        assert self.module is not None and self.optimizer is not None
-        loss = self.forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
-        with timer.phase("backward"):
-            loss.backward()  # DDP's all-reduce overlaps with this
-        self.note_grads()
-        with timer.phase("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)
-        return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
+    # train_step: the base template; DDP's all-reduce overlaps with the backward phase (no sync_grads).
 
     def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
         assert isinstance(self.module, DistributedDataParallel)

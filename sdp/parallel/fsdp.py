@@ -31,10 +31,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from sdp.errors import positive_int, require
 from sdp.metrics.collectives import count_collectives
-from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
 from sdp.precision import fsdp_policies
-from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers, register
+from sdp.parallel.base import OptimizerFactory, Strategy, average_buffers, register
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -80,20 +79,11 @@ class FSDPStrategy(Strategy):
         self.module = model
         self.optimizer = optimizer_factory(model.parameters())  # after sharding: holds the DTensor shards
 
-    def train_step(
-        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
-    ) -> StepResult:
-        assert self.module is not None and self.optimizer is not None
-        with count_collectives(self.ctx.comm):
-            # the forward phase includes each block's parameter all-gather
-            loss = self.forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
-            with timer.phase("backward"):  # includes re-gathers and the gradient reduce-scatters
-                loss.backward()
-            self.note_grads()
-            with timer.phase("optimizer"):  # local: every rank updates its own shards
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=False)
-        return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
+    def step_context(self) -> Any:
+        """The base template step with FSDP's collectives intercepted and counted: the forward phase
+        includes each block's parameter all-gather, the backward phase the re-gathers and the gradient
+        reduce-scatters, the optimizer phase is local (every rank updates its own shards)."""
+        return count_collectives(self.ctx.comm)
 
     @contextmanager
     def eval_module(self) -> Iterator[nn.Module]:
@@ -107,20 +97,17 @@ class FSDPStrategy(Strategy):
         assert self.module is not None
         model = self.module
         comm = self.ctx.comm
-        prev = comm.phase
-        comm.phase = "eval"
         modules = fsdp_modules(model)
         try:
-            with count_collectives(comm):
-                model.set_reshard_after_forward(False)  # type: ignore[operator]
-                for m in modules:
-                    m.unshard()
-            average_buffers(model, ctx=self.ctx)  # records its own all-reduce (not intercepted twice)
-            comm.phase = prev
+            with comm.phase_as("eval"):
+                with count_collectives(comm):
+                    model.set_reshard_after_forward(False)  # type: ignore[operator]
+                    for m in modules:
+                        m.unshard()
+                average_buffers(model, ctx=self.ctx)  # records its own all-reduce (not intercepted twice)
             model.eval()
             yield model
         finally:
-            comm.phase = prev
             model.train()
             for m in modules:
                 m.reshard()

@@ -180,14 +180,11 @@ class PipelineStrategy(Strategy):
     @contextmanager
     def eval_module(self) -> Iterator[nn.Module]:
         """The whole model, assembled on every rank from the stage owners (see module docstring)."""
-        comm, prev = self.ctx.comm, self.ctx.comm.phase
-        comm.phase = "eval"
-        try:
+        comm = self.ctx.comm
+        with comm.phase_as("eval"):
             with count_collectives(comm):
                 full = self._assemble()
             average_buffers(full, ctx=self.ctx)  # records its own all-reduce
-        finally:
-            comm.phase = prev
         full.eval()
         yield full
 

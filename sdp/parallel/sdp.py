@@ -31,7 +31,7 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.rundir import RunDir
-from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, register
+from sdp.parallel.base import OptimizerFactory, Strategy, register
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, partwise_names, set_branch_scales, tensor_map
 from sdp.subnet.carry import carry_state
@@ -167,40 +167,28 @@ class SDPStrategy(Strategy):
         return list(M.held_parameters(self.layout, self.pieces, self.ctx.rank))
 
     # ---- one step ---------------------------------------------------------------------------------
-    def forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
-        assert self.module is not None
-        loss = self.forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
-        with timer.phase("backward"):
-            loss.backward()
-        self.note_grads()
-        return loss
-
-    def train_step(
-        self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
-    ) -> StepResult:
-        assert self.optimizer is not None
+    # train_step: the base template with these hooks.
+    def before_step(self, *, step: int, timer: PhaseTimer) -> None:
         every = self.cfg.resample_every
         if every and step > 0 and step % int(every) == 0:
             with timer.phase("resample"):
                 self._redraw(draw=step // int(every))
-        loss = self.forward_backward(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
-        with timer.phase("comm"):
+
+    def sync_grads(self, *, timer: PhaseTimer) -> None:
+        with timer.phase("comm"):  # with overlap: only the wait for the launched buckets (exposed comm)
             self.sync.reduce_grads()
-        with timer.phase("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)
+
+    def after_step(self, *, timer: PhaseTimer) -> None:
         if self.mode == "backward":
             with timer.phase("comm"):
                 self.sync.refresh()
-        return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
 
     def _redraw(self, *, draw: int) -> None:
         """Re-draw the plan (ResIST style): assemble the full model, prune it to the new plan, and carry
         every piece's optimizer state from its old holders to its new ones (:mod:`sdp.subnet.carry`), so
         all holders of a unit keep bit-identical parameters and state. Traffic: comm phase "resample"."""
         assert self.optimizer is not None
-        prev, self.ctx.comm.phase = self.ctx.comm.phase, "resample"
-        try:
+        with self.ctx.comm.phase_as("resample"):
             old_pieces, old_layout = self.pieces, self.layout
             full = self._assemble()
             self._mask(full, plan=plan_for(model=full, cfg=self.cfg, world_size=self.ctx.world_size, draw=draw))
@@ -208,8 +196,6 @@ class SDPStrategy(Strategy):
             carried = carry_state(state=self.optimizer.state, old=old_pieces, old_layout=old_layout, new=self.pieces,
                                   new_layout=self.layout, params=params, every_rank=self.mode == "global",
                                   shapes={k: t.shape for k, t in tensor_map(self.skeleton).items()}, ctx=self.ctx)
-        finally:
-            self.ctx.comm.phase = prev
         self.optimizer.state.clear()
         self.optimizer.state.update(carried)
         self.optimizer.param_groups[0]["params"] = params
@@ -239,13 +225,9 @@ class SDPStrategy(Strategy):
             finally:
                 self.eval_copy_bytes = max(self.eval_copy_bytes, parts.part_bytes)
             return
-        prev = self.ctx.comm.phase
-        self.ctx.comm.phase = "eval"
-        try:
+        with self.ctx.comm.phase_as("eval"):
             full = self._assemble()
             set_branch_scales(full, self.plan, scale=scale)
-        finally:
-            self.ctx.comm.phase = prev
         self.eval_copy_bytes = max(self.eval_copy_bytes, sum(t.numel() * t.element_size() for t in tensor_map(full).values()))
         full.eval()
         try:

@@ -16,7 +16,9 @@ first: backward reaches them first), each rank launching its own buckets in that
 prefix is ready; so each rank's sequence is still a subsequence of one total order. A bucket's
 contents, its group and its arithmetic (sum, then divide by its holder count) are those of the
 non-overlapped path, so gradients are bit-identical (``tests/test_sdp_overlap.py``); only the time of
-the launch moves. ``overlap=false`` is the blocking path after backward.
+the launch moves. ``overlap=false`` is the blocking path after backward. A bucket holds consecutive
+pieces of one holder set only (:func:`holder_runs`): a bucket spanning a holder set's blocks from the
+last to the first would be ready only at the end of backward (measured, benchmarks/overlap.py).
 
 Every call into torch.distributed is recorded with ``comm.record``. For a broadcast the source
 records the payload and the receivers record 0 bytes (nothing sent) for the same collective.
@@ -55,6 +57,25 @@ def buckets(items: list[Piece], *, cap_bytes: int) -> list[list[Piece]]:
         else:
             out.append([p])
             size = p.nbytes
+    return out
+
+
+def holder_runs(items: list[Piece], *, holders: tuple[int, ...]) -> list[list[Piece]]:
+    """The pieces of ``holders`` in maximal runs of consecutive pieces of ``items`` (the model's order):
+    a piece of another holder set in between ends a run. Why: a bucket is ready only once backward has
+    reached its earliest piece, so a bucket that joined a holder set's last block with its first would
+    wait for nearly the whole backward pass and leave its all-reduce nothing to overlap with. The runs
+    depend on the piece list only, so they are the same on every rank."""
+    out: list[list[Piece]] = []
+    prev_in = False
+    for p in items:
+        inside = p.holders == holders
+        if inside:
+            if prev_in:
+                out[-1].append(p)
+            else:
+                out.append([p])
+        prev_in = inside
     return out
 
 
@@ -131,7 +152,8 @@ class OwnerSetSync:
             for h in order:
                 mine = [p for p in self.params if p.holders == h]
                 if rank in h and len(h) > 1:
-                    self.grad_buckets += [(h, b) for b in buckets(mine, cap_bytes=cap)]
+                    self.grad_buckets += [(h, b) for run in holder_runs(self.params, holders=h)
+                                          for b in buckets(run, cap_bytes=cap)]
                 if mode == "backward" and len(h) < groups.n and rank in groups.refresh_set(h):
                     self.refresh_buckets += [(h, b) for b in buckets(mine, cap_bytes=cap)]
         self.overlap = overlap
