@@ -101,7 +101,9 @@ def validate(cfg: DictConfig) -> None:
     from sdp.rankenv import external_launcher
     from sdp.models.base import SDPModel
     from sdp.parallel import STRATEGIES
+    from sdp.registry import import_plugins
 
+    import_plugins(cfg)  # strategies defined outside sdp/ register themselves on import
     one_of("parallelism.name", cfg.parallelism.name, STRATEGIES.names())
     importable("model._target_", cfg.model.get("_target_"), base=SDPModel)
     importable("dataset._target_", cfg.dataset.get("_target_"))

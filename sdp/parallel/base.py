@@ -82,6 +82,7 @@ class Strategy(ABC):
 
     name: str = ""
     label: str = ""  # the report's name of the method (default: ``name``); see :meth:`method_label`
+    label_keys: tuple[str, ...] = ()  # parallelism keys the label already says (no table column of their own)
     plan_note: str = ""  # a caveat of this strategy's ``sdp-plan`` prediction, listed in the plan's notes
     # True: ``setup`` receives the model on the meta device and materialises what this rank holds
     # itself (sdp.models.init); False: the fully materialised model.

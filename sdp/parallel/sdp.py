@@ -66,6 +66,7 @@ class SDPStrategy(Strategy):
     """Forward or backward masking at block or neuron level, owner-set gradient averaging."""
 
     materialises_held = True  # forward masking materialises only the held units and the shared parts
+    label_keys = ("level", "masking")  # B-SDP, B_β-SDP, N-SDP, N_β-SDP
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
@@ -111,7 +112,8 @@ class SDPStrategy(Strategy):
     # ---- what the driver, the budget and the report ask (sdp_plan holds the bodies) ----------------
     @classmethod
     def method_label(cls, *, cfg: DictConfig) -> str:
-        return sdp_plan.LABELS.get((str(cfg.level), str(cfg.masking)), f"SDP ({cfg.level}, {cfg.masking})")
+        """The paper's name of the level and masking (a subclass's own ``label`` wins)."""
+        return cls.label or sdp_plan.LABELS.get((str(cfg.level), str(cfg.masking)), f"SDP ({cfg.level}, {cfg.masking})")
 
     @classmethod
     def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None) -> Coverage | None:
