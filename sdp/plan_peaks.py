@@ -155,7 +155,7 @@ def _fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eva
     state, the replica's activation transient, the root unsharded, and for the largest block its
     unsharded parameters twice (running + prefetched) and its unsharded gradients and reduce-scatter
     input; evaluation unshards every unit (the full parameters) with one all-gather buffer in flight."""
-    shards = world // int(cfg.parallelism.get("replicate", 1))
+    shards = world // int(cfg.parallelism.replicate)
     full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=batch, eval_batch=eval_batch,
                     cfg=cfg, example=model.example_input)
     block_ids = {id(p) for b in model.blocks for p in b.parameters()}

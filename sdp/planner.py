@@ -80,8 +80,7 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 def plan_options(cfg: DictConfig) -> tuple[str | None, bool]:
     """The ``plan:`` node (read by sdp-plan only, so checked here, not by sdp-train's validation)."""
-    node = cfg.get("plan") or {}
-    output, frontier = node.get("output"), node.get("frontier", False)
+    output, frontier = cfg.plan.output, cfg.plan.frontier
     require(output is None or (isinstance(output, str) and bool(output)), "plan.output", output, "null or a file path")
     boolean("plan.frontier", frontier)
     return output, frontier
