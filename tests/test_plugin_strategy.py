@@ -46,6 +46,7 @@ def _run(args: list[str], *, env: dict[str, str], timeout: float = 120) -> subpr
     return proc
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_strategy_defined_outside_sdp_trains_plans_reports_and_is_flop_matched(tmp_path: Path) -> None:
     (tmp_path / "plugin").mkdir()
