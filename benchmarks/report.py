@@ -100,7 +100,7 @@ def frontiers(rows: list[dict[str, Any]]) -> str:
     (``sdp-plan plan.frontier=true``): how far the measured fullest rank is from what any plan reaches."""
     from omegaconf import OmegaConf
 
-    from sdp.planner import sdp_frontier
+    from sdp.planner import frontier as sdp_frontier
 
     out = []
     for r in rows:

@@ -97,7 +97,7 @@ def check_schedule(*, ckpt: Path, cfg: DictConfig) -> None:
     then = meta.get("schedule")
     if then is None:
         return  # written before the schedule was recorded: nothing to compare with
-    now, step, extend = schedule_key(cfg), int(meta["step"]), bool(cfg.train.get("extend_steps", False))
+    now, step, extend = schedule_key(cfg), int(meta["step"]), bool(cfg.train.extend_steps)
     for key in SCHEDULE_KEYS:
         if key == "train.steps" and extend:
             if not (isinstance(now[key], int) and now[key] > step):

@@ -72,10 +72,10 @@ def validate_train(cfg: DictConfig) -> None:
     if tc.get("eval_points") is not None:
         positive_int("train.eval_points", tc.eval_points)
     one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
-    precision.check(tc.get("precision", "fp32"))
+    precision.check(tc.precision)
     boolean("train.deterministic", tc.deterministic)
-    boolean("train.extend_steps", tc.get("extend_steps", False))
-    boolean("train.skip_done", tc.get("skip_done", False))
+    boolean("train.extend_steps", tc.extend_steps)
+    boolean("train.skip_done", tc.skip_done)
     if tc.resume is not None and str(tc.resume) != "auto":
         checkpoint.resolve(resume=tc.resume, run_dir=None)  # raises ConfigError naming the path
     dbg = tc.debug
@@ -101,7 +101,9 @@ def validate(cfg: DictConfig) -> None:
     from sdp.rankenv import external_launcher
     from sdp.models.base import SDPModel
     from sdp.parallel import STRATEGIES
+    from sdp.registry import import_plugins
 
+    import_plugins(cfg)  # strategies defined outside sdp/ register themselves on import
     one_of("parallelism.name", cfg.parallelism.name, STRATEGIES.names())
     importable("model._target_", cfg.model.get("_target_"), base=SDPModel)
     importable("dataset._target_", cfg.dataset.get("_target_"))

@@ -40,3 +40,9 @@ def positive_float(key: str, value: Any, *, allow_zero: bool = False) -> None:
 
 def boolean(key: str, value: Any) -> None:
     require(isinstance(value, bool), key, value, "must be true or false")
+
+
+def unit_interval(key: str, value: Any) -> None:
+    """A fraction of the model (SDP's coverage C, a survival probability p): a number in (0, 1]."""
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1, key, value,
+            "must be a number in (0, 1]")

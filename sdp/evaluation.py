@@ -37,7 +37,7 @@ from torch.nn import functional as F
 
 from sdp.errors import boolean, one_of, positive_int
 from sdp.data.base import DataBundle, val_batches
-from sdp.parallel.base import DistContext, average_buffers, average_tensors
+from sdp.distctx import DistContext, average_buffers, average_tensors
 
 BN_PROTOCOLS = ("reestimate", "average")
 

@@ -33,8 +33,8 @@ class Faults:
 
     def __init__(self, *, debug: Any, rank: int) -> None:
         self.fault = None if debug is None else debug.get("fault")
-        self.armed = self.fault is not None and int(debug.get("fault_rank", 0)) == rank
-        self.at = int(debug.get("fault_step", 1)) if self.fault is not None else -1
+        self.armed = self.fault is not None and int(debug.fault_rank) == rank
+        self.at = int(debug.fault_step) if self.fault is not None else -1
         self.rank = rank
 
     def before_step(self, n: int) -> None:

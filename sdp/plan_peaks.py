@@ -36,7 +36,7 @@ from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
 from sdp.evaluation import loss_and_correct
 from sdp.subnet.assemble import partwise_names
-from sdp.trainer import loss_fn
+from sdp.loss import loss_fn
 from sdp.registry import build
 
 
@@ -137,33 +137,31 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def predict_peaks(*, cfg: DictConfig, model: SDPModel, world: int,
-                  state: list[dict[str, Any]]) -> list[dict[str, int]] | None:
-    """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` (None: a strategy
-    without a peak rehearsal: pipeline). ``state``: the planner's per-rank memory entries (the held
-    parameter, gradient and optimizer bytes that FSDP's rule starts from)."""
-    name = str(cfg.parallelism.name)
-    batch, eval_batch = int(cfg.train.batch_size), _eval_batch(cfg, world)
-    example = model.example_input
-    if name in ("ddp", "ddp_ac", "ddp_stochastic_depth", "ddp_layerdrop"):
-        mine = copy.deepcopy(model)
-        if name == "ddp_ac":
-            from sdp.parallel.ddp_ac import apply_checkpointing
+def predict_peaks(*, cfg: DictConfig, model: SDPModel, world: int, state: list[dict[str, Any]],
+                  strategy: Any) -> list[dict[str, int]] | None:
+    """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` from ``strategy``'s
+    :meth:`~sdp.parallel.base.Strategy.predict_peaks` (None: a strategy without a peak rehearsal:
+    pipeline). ``state``: the planner's per-rank memory entries (the held parameter, gradient and
+    optimizer bytes that FSDP's rule starts from)."""
+    return strategy.predict_peaks(cfg=cfg, model=model, world=world, batch=int(cfg.train.batch_size),
+                                  eval_batch=_eval_batch(cfg, world), state=state)
 
-            apply_checkpointing(mine, every=int(cfg.parallelism.get("ac_every", 1)))
-        r = rehearse(module=mine, trainable=list(mine.parameters()), batch=batch, eval_batch=eval_batch, cfg=cfg, example=example)
-        buckets = _nbytes(mine.parameters())
-        one = {"setup_peak_bytes": r["setup"] + buckets, "train_peak_bytes": r["train"], "eval_peak_bytes": r["eval"]}
-        return [dict(one) for _ in range(world)]
-    if name == "sdp":
-        return _sdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch)
-    if name == "fsdp":
-        return _fsdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch, state=state)
-    return None
+
+def _ddp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+               prepare: Callable[[SDPModel], Any]) -> list[dict[str, int]]:
+    """The DDP family: the replica's rehearsal (``prepare``: what the strategy's ``setup`` does to the
+    model before wrapping it, e.g. activation checkpointing); the reducer's buckets from the start."""
+    example = model.example_input
+    mine = copy.deepcopy(model)
+    prepare(mine)
+    r = rehearse(module=mine, trainable=list(mine.parameters()), batch=batch, eval_batch=eval_batch, cfg=cfg, example=example)
+    buckets = _nbytes(mine.parameters())
+    one = {"setup_peak_bytes": r["setup"] + buckets, "train_peak_bytes": r["train"], "eval_peak_bytes": r["eval"]}
+    return [dict(one) for _ in range(world)]
 
 
 def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int) -> list[dict[str, int]]:
-    from sdp.parallel.sdp import plan_for
+    from sdp.parallel.sdp_plan import plan_for
     from sdp.subnet import masking as M
     from sdp.metrics.comm import CommCounter
     from sdp.subnet.sync import GroupSet, OwnerSetSync
@@ -263,7 +261,7 @@ def _fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eva
     state, the replica's activation transient, the root unsharded, and for the largest block its
     unsharded parameters twice (running + prefetched) and its unsharded gradients and reduce-scatter
     input; evaluation unshards every unit (the full parameters) with one all-gather buffer in flight."""
-    shards = world // int(cfg.parallelism.get("replicate", 1))
+    shards = world // int(cfg.parallelism.replicate)
     full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=batch, eval_batch=eval_batch,
                     cfg=cfg, example=model.example_input)
     block_ids = {id(p) for b in model.blocks for p in b.parameters()}

@@ -7,6 +7,7 @@ a new strategy must be one new module, nothing else edited.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Generic, TypeVar
 
 from hydra.utils import instantiate
@@ -54,3 +55,16 @@ def build(node: DictConfig, **overrides: Any) -> Any:
     assert isinstance(resolved, dict), f"expected a config mapping with _target_, got {resolved!r}"
     kwargs = {k: v for k, v in resolved.items() if k not in META_KEYS}
     return instantiate(kwargs, **overrides, _convert_="all")
+
+
+def import_plugins(cfg: Any) -> None:
+    """Import the modules of the job config's ``plugins`` key: a strategy defined outside ``sdp``
+    registers itself (``@register``) on import, so the driver and every rank import it before looking a
+    name up. Absent from configs written before the key (``sdp-rerun`` of an old run): nothing to import."""
+    modules = [str(m) for m in (cfg.get("plugins") or ())]
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ImportError(f"plugins={modules!r}: {name!r} cannot be imported ({exc}); is its directory on "
+                              "PYTHONPATH?") from exc

@@ -17,21 +17,16 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.nn import functional as F
 
 from sdp import checkpoint, evaluation, guards, hostmem
 from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches
 from sdp.faults import Faults
 from sdp.loggers import Logger, ProgressBar
+from sdp.loss import loss_fn  # noqa: F401 (re-exported: sdp.trainer.loss_fn is used widely)
 from sdp.metrics.activations import measure_saved_tensors
 from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
 from sdp.parallel.base import Strategy
-
-
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; LM logits (B, T, V) and targets (B, T) are flattened."""
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 def global_batch_size(cfg: DictConfig) -> int:

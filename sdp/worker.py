@@ -32,7 +32,7 @@ from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
-from sdp.registry import build  # noqa: F401 (re-exported: sdp.worker.build is used widely)
+from sdp.registry import build, import_plugins  # noqa: F401 (build re-exported: sdp.worker.build is used widely)
 from sdp.parallel import STRATEGIES, DistContext, Strategy
 from sdp.trainer import Trainer
 
@@ -94,6 +94,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
     ``budget`` (the driver's step count resolution, :mod:`sdp.budget`) goes into summary.json with the
     throughput figures derived from it, so rank 0 writes the file once and complete."""
     cfg = OmegaConf.create(config)
+    import_plugins(cfg)  # a strategy defined outside sdp/ registers itself on import (as in the driver)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -203,6 +204,7 @@ def collect_summary(
     step_s = max(medians) if medians else None
     return Summary(
         strategy=str(cfg.parallelism.name),
+        **type(strategy).report_facts(cfg=cfg),  # label, coverage: the report's method and C columns
         model=str(cfg.model.get("name", "")),
         dataset=str(cfg.dataset.get("name", "")),
         world_size=ctx.world_size,

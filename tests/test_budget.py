@@ -12,7 +12,9 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 import sdp.train
-from sdp.budget import compute_fraction, masked_fraction, model_flops, resolve_steps
+from sdp.budget import model_flops, resolve_steps
+from sdp.metrics.flops import masked_fraction
+from sdp.parallel.sdp_plan import compute_fraction
 from sdp.config import ConfigError
 from sdp.models.base import forward_flop_counts
 from sdp.models.resnet import ResNetCIFAR

@@ -131,7 +131,7 @@ def test_plan_options_refuse_bad_values_naming_the_key() -> None:
 
 
 def test_frontier_of_a_config_and_its_refusal_for_backward_masking() -> None:
-    from sdp.planner import sdp_frontier
+    from sdp.planner import frontier as sdp_frontier
 
     base = ["model=resnet18_cifar", "model.width=16", "dataset=synthetic", "dataset.image_size=32", "cluster.world_size=4"]
     out = sdp_frontier(compose_cfg([*base, "parallelism=sdp"]))

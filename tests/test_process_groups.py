@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sdp.metrics.groups import process_groups
-from sdp.planner import plan_sdp
+from sdp.parallel.sdp_plan import predict as plan_sdp
 from sdp.subnet.assign import PlanError
 from sdp.subnet.capped import cap_holder_sets, groups_needed
 from tests.dist_helpers import compose_cfg, spawn

@@ -3,6 +3,8 @@ tiny sweep. Fixtures include a missing seed and a failed run: both reported, nev
 
 from __future__ import annotations
 
+from sdp.summary import Summary
+
 import csv
 import json
 import statistics
@@ -14,7 +16,7 @@ import yaml
 from sdp.report import make_report
 from sdp.report.paper import load_paper_values
 from sdp.report.tables import build_tables, group_keys, method_label
-from sdp.report.runs import find_runs
+from sdp.report.runs import Run, find_runs
 
 MIB = 2**20
 
@@ -143,11 +145,16 @@ def test_paper_values_file_cites_versions():
 
 
 @pytest.mark.parametrize("par,label", [({"name": "ddp"}, "DDP"), (BSDP, "B-SDP"),
-                                       ({"name": "sdp_block_bwd", "level": "block", "masking": "backward"}, "B_β-SDP"),
-                                       ({"name": "sdp_neuron_fwd", "level": "neuron", "masking": "forward"}, "N-SDP"),
-                                       ({"name": "fsdp"}, "FSDP")])
+                                       ({**BSDP, "masking": "backward"}, "B_β-SDP"),
+                                       ({**BSDP, "level": "neuron"}, "N-SDP"),
+                                       ({"name": "fsdp"}, "FSDP"), ({"name": "someone_elses"}, "someone_elses")])
 def test_method_labels(par: dict, label: str):
-    assert method_label({f"parallelism.{k}": v for k, v in par.items()}) == label
+    """Without a label in summary.json (runs written before it had one) the strategy names its method
+    from the run's config; summary.json's label wins when present; an unknown strategy keeps its name."""
+    run = Run(path=Path("run"), config={"parallelism": par, "cluster": {"world_size": 4}}, overrides=[], summary=None)
+    assert method_label(run) == label
+    run.summary = Summary(label="Recorded")
+    assert method_label(run) == "Recorded"
 
 
 def test_cli_on_empty_dir_fails_clearly(tmp_path: Path, capsys):

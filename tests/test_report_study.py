@@ -109,7 +109,7 @@ def test_verdicts_and_files(study: Path) -> None:
 def test_row_names_from_configs(tmp_path: Path) -> None:
     from sdp.report.runs import load_run
 
-    run_dir(tmp_path, 0, seed=0, par={"name": "ddp_stochastic_depth", "survival_prob": 0.5}, losses=[1.0], steps=10,
+    run_dir(tmp_path, 0, seed=0, par={"name": "ddp_stochastic_depth", "survival_prob": 0.5, "decay": "linear"}, losses=[1.0], steps=10,
             flops_per_step=1.0)
     run_dir(tmp_path, 1, seed=0, par={**BSDP, "rescale": "none"}, losses=[1.0], steps=10, flops_per_step=1.0)
     assert row_name(load_run(tmp_path / "0")) == "DDP+StochDepth p=0.5"

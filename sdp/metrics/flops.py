@@ -2,10 +2,11 @@
 
 Why FLOPs from the model's count rather than a profiler: ``flops_per_sample`` (forward + backward,
 ``torch.utils.flop_counter`` on the meta device) times the global batch times the fraction of the
-model the workers compute (:func:`sdp.budget.compute_fraction`: 1 for DDP/FSDP/pipeline, shared +
-C x masked under forward SDP) is the useful work of a step, the same for every strategy; activation
-recomputation (DDP+AC) is overhead, not useful work, as in the usual MFU definition. The budget
-module already counts it once per run in the driver (``summary.json["budget"]["flops_per_step"]``).
+model the workers compute (:meth:`sdp.parallel.base.Strategy.flops_fraction`: 1 for a strategy that
+runs the whole model) is the useful work of a step, the same for every strategy; activation
+recomputation is overhead, not useful work, as in the usual MFU definition. The budget module
+already counts it once per run in the driver (``summary.json["budget"]["flops_per_step"]``);
+:func:`masked_fraction` is the model's share that a strategy with a coverage scales.
 
 MFU = useful FLOPs per second / (dense peak of one device x distinct devices). Several gloo ranks
 sharing one GPU count that GPU once. Peaks are the vendors' dense (no sparsity) figures; on CPU
@@ -15,6 +16,23 @@ sharing one GPU count that GPU once. Peaks are the vendors' dense (no sparsity) 
 from __future__ import annotations
 
 from typing import Any
+
+def masked_fraction(*, counts: dict[str, int], model: Any) -> float:
+    """Share of the forward FLOPs spent in the residual branches of the model's units (``sdp_units``:
+    the part a worker that computes a fraction of the units skips); ``counts``: per-module FLOPs
+    (:func:`sdp.models.base.forward_flop_counts`)."""
+    prefix = type(model).__name__
+    total = counts["Global"]
+    if total <= 0:
+        return 0.0
+    masked = 0
+    for i, block in model.sdp_units():
+        name = f"{prefix}.blocks.{i}"
+        shared = sum(counts.get(f"{name}.{s}", 0) for s in block.shared_submodules())
+        masked += counts.get(name, 0) - shared
+    assert 0 <= masked <= total, f"masked FLOPs {masked} outside [0, total {total}]"
+    return masked / total
+
 
 # dense peak FLOP/s per device: bf16 / tf32 / fp32 tensor-core or CUDA-core figures from the data sheets
 PEAKS: dict[str, dict[str, float]] = {

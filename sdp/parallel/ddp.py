@@ -11,9 +11,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from omegaconf import DictConfig
+
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy, register
+from sdp.plan_entries import MIB, Entry, Record, activations, optim_bytes, rank_entry
+from sdp.plan_peaks import _ddp_peaks
+from sdp.subnet.sync import predicted_process_groups
 
 
 class _CountingState:
@@ -52,10 +57,10 @@ def _ddp(model: torch.nn.Module, *, cfg: Any, device: torch.device, process_grou
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=process_group,
-        broadcast_buffers=bool(cfg.get("broadcast_buffers", False)),
-        bucket_cap_mb=float(cfg.get("bucket_cap_mb", 25)),
+        broadcast_buffers=bool(cfg.broadcast_buffers),
+        bucket_cap_mb=float(cfg.bucket_cap_mb),
         gradient_as_bucket_view=True,
-        find_unused_parameters=bool(cfg.get("find_unused_parameters", False)),
+        find_unused_parameters=bool(cfg.find_unused_parameters),
     )
 
 
@@ -73,9 +78,47 @@ def prime_buckets(ddp: DistributedDataParallel, *, example: torch.Tensor, comm: 
         ddp.zero_grad(set_to_none=False)
 
 
+def ddp_buckets(sizes: list[int], *, cap_mb: float) -> int:
+    """Bucket count of DDP's greedy packing in reverse parameter order (first bucket 1 MiB)."""
+    count, used, cap = 0, 0, 1 * MIB
+    for s in reversed(sizes):
+        if used and used + s > cap:
+            count, used, cap = count + 1, 0, int(cap_mb * MIB)
+        used += s
+    return count + (1 if used else 0)
+
+
 @register("ddp")
 class DDPStrategy(Strategy):
     """Every rank holds the full model; gradients are averaged over the world each step."""
+
+    label = "DDP"
+
+    # ---- sdp-plan (the whole DDP family: a full replica on every rank) ------------------------------
+    @classmethod
+    def prepare_for_plan(cls, *, model: SDPModel, cfg: DictConfig) -> None:
+        """What ``setup`` does to the model before wrapping it, applied to the planner's meta model
+        (``cfg``: the parallelism node). Plain DDP: nothing."""
+
+    @classmethod
+    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
+        """DDP family: full replica on every rank; one all-reduce of every gradient per step."""
+        cls.prepare_for_plan(model=model, cfg=cfg.parallelism)
+        params = list(model.parameters())
+        acts = activations(model, model.example_input(int(cfg.train.batch_size)).to("meta"))
+        sizes = [t.numel() * t.element_size() for t in params]
+        n_buckets = ddp_buckets(sizes, cap_mb=float(cfg.parallelism.bucket_cap_mb))
+        total = sum(sizes)
+        records: list[Record] = [("all_reduce", total / n_buckets, world)] * n_buckets
+        optim = optim_bytes(held=total, tensors=len(params), optim=cfg.optim)
+        facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets=(), refresh=False)  # the default only
+        return [rank_entry(rank=r, params=total, grads=total, optim=optim, acts=acts, records=records) for r in range(world)]
+
+    @classmethod
+    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+                      state: list[dict[str, Any]]) -> list[dict[str, int]] | None:
+        return _ddp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch,
+                          prepare=lambda m: cls.prepare_for_plan(model=m, cfg=cfg.parallelism))
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         model.to(self.ctx.device)

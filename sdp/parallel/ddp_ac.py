@@ -72,12 +72,18 @@ def apply_checkpointing(model: SDPModel, *, every: int) -> list[int]:
 class DDPActivationCheckpointStrategy(DDPStrategy):
     """DDP whose blocks trade recomputation for activation memory."""
 
+    label = "DDP+AC"
+
     @classmethod
     def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-        positive_int("parallelism.ac_every", cfg.get("ac_every", 1))
+        positive_int("parallelism.ac_every", cfg.ac_every)
+
+    @classmethod
+    def prepare_for_plan(cls, *, model: SDPModel, cfg: DictConfig) -> None:
+        apply_checkpointing(model, every=int(cfg.ac_every))
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
-        self.checkpointed = apply_checkpointing(model, every=int(self.cfg.get("ac_every", 1)))
+        self.checkpointed = apply_checkpointing(model, every=int(self.cfg.ac_every))
         super().setup(model=model, optimizer_factory=optimizer_factory)
 
     def summary_extra(self) -> dict[str, Any]:

@@ -24,11 +24,12 @@ from typing import Any, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.errors import one_of, require
+from sdp.errors import one_of, require, unit_interval
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
-from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, register
+from sdp.parallel.base import Coverage, LossFn, OptimizerFactory, StepResult, register
 from sdp.parallel.ddp import DDPStrategy
+from sdp.parallel.sdp_plan import compute_fraction
 
 
 def survival_probs(*, n: int, p: float, decay: str) -> list[float]:
@@ -58,22 +59,40 @@ class _DropStrategy(DDPStrategy):
     """DDP plus a per-rank, per-batch block draw; the full model (all blocks, scale 1) at evaluation."""
 
     decays: tuple[str, ...] = ("uniform",)
+    plan_note = "stochastic depth / LayerDrop predicted with every block kept"
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-        p = cfg.get("survival_prob")
-        require(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1, "parallelism.survival_prob",
-                p, "must be a number in (0, 1]")
-        one_of("parallelism.decay", cfg.get("decay", "uniform"), cls.decays)
-        require(isinstance(cfg.get("rescale", True), bool), "parallelism.rescale", cfg.get("rescale"), "must be true or false")
+        unit_interval("parallelism.survival_prob", cfg.survival_prob)
+        one_of("parallelism.decay", cfg.decay, cls.decays)
+        require(isinstance(cfg.rescale, bool), "parallelism.rescale", cfg.rescale, "must be true or false")
+
+    @classmethod
+    def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None) -> Coverage | None:
+        """The mean of :func:`survival_probs`: ``p`` under ``decay=uniform``; the linear decay's mean needs
+        the block count ``n_units`` (fraction None without it)."""
+        p = cfg.survival_prob
+        unit_interval("parallelism.survival_prob", p)
+        fraction: float | None = float(p)
+        if str(cfg.decay) != "uniform":
+            probs = survival_probs(n=int(n_units), p=float(p), decay=str(cfg.decay)) if n_units else None
+            fraction = sum(probs) / len(probs) if probs else None
+        return Coverage(key="parallelism.survival_prob", symbol="p", value=p, fraction=fraction)
+
+    @classmethod
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: float) -> float:
+        """A dropped block skips its forward and backward, like SDP's forward masking at C = the mean
+        survival probability, so a drop baseline at ``p`` is FLOP-matched exactly like SDP at C = p."""
+        assert coverage.fraction is not None, f"{cls.name}: no block count for decay={cfg.decay!r}"
+        return compute_fraction(masked=masked, coverage=coverage.fraction, masking="forward")
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         units = model.sdp_units()
         require(len(units) > 0, "model", type(model).__name__, "declares no ResidualBlock to drop")
         self.blocks = [b for _, b in units]
-        self.probs = survival_probs(n=len(self.blocks), p=float(self.cfg.survival_prob), decay=str(self.cfg.get("decay", "uniform")))
-        self.rescale = bool(self.cfg.get("rescale", True))
-        self.generator = torch.Generator().manual_seed(int(self.full_cfg.get("seed", 0)) * 1_000_003 + 17 * self.ctx.rank + 1)
+        self.probs = survival_probs(n=len(self.blocks), p=float(self.cfg.survival_prob), decay=str(self.cfg.decay))
+        self.rescale = bool(self.cfg.rescale)
+        self.generator = torch.Generator().manual_seed(int(self.full_cfg.seed) * 1_000_003 + 17 * self.ctx.rank + 1)
         self.kept_counts = [0] * len(self.blocks)
         self.draws = 0
         self.cfg = OmegaConf.merge(self.cfg, {"find_unused_parameters": min(self.probs) < 1.0})
@@ -120,9 +139,13 @@ class _DropStrategy(DDPStrategy):
 class DDPStochasticDepthStrategy(_DropStrategy):
     """Stochastic depth (Huang et al. 2016): linear decay of survival with depth, or uniform."""
 
+    label = "DDP+StochDepth"
+
     decays = ("linear", "uniform")
 
 
 @register("ddp_layerdrop")
 class DDPLayerDropStrategy(_DropStrategy):
     """LayerDrop (Fan et al. 2019): the same drop rate for every block."""
+
+    label = "DDP+LayerDrop"

@@ -19,6 +19,7 @@ Why these choices:
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -34,6 +35,8 @@ from sdp.metrics.collectives import count_collectives
 from sdp.models.base import SDPModel
 from sdp.precision import fsdp_policies
 from sdp.parallel.base import OptimizerFactory, Strategy, average_buffers, register
+from sdp.plan_entries import Entry, Record, activations, optim_bytes, rank_entry
+from sdp.plan_peaks import _fsdp_peaks
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -41,23 +44,66 @@ def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+def shard_rows(rows: int, *, rank: int, shards: int) -> int:
+    """Rows of dim 0 rank ``rank`` holds under FSDP2's ``torch.chunk`` rule (the last ranks may hold none)."""
+    chunk = math.ceil(rows / shards)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
 @register("fsdp")
 class FSDPStrategy(Strategy):
     """Parameters, gradients and optimizer state sharded over the shard dimension of the mesh."""
 
+    label = "FSDP"
+
     @classmethod
     def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-        replicate = cfg.get("replicate", 1)
+        replicate = cfg.replicate
         positive_int("parallelism.replicate", replicate)
         require(world_size % replicate == 0, "parallelism.replicate", replicate,
                 f"must divide cluster.world_size={world_size} (HSDP mesh = replicate x shard)")
-        require(isinstance(cfg.get("reshard_after_forward", True), bool), "parallelism.reshard_after_forward",
-                cfg.get("reshard_after_forward"), "must be true or false")
+        require(isinstance(cfg.reshard_after_forward, bool), "parallelism.reshard_after_forward",
+                cfg.reshard_after_forward, "must be true or false")
+
+    @classmethod
+    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
+        """FSDP2: each block and the root (stem + head) is a unit; per step every unit is all-gathered
+        (blocks twice when resharded after forward, the root once), its gradients reduce-scattered
+        (padded to a multiple of the shard count), and under HSDP all-reduced across replicas."""
+        pc = cfg.parallelism
+        rep = int(pc.replicate)
+        shards = world // rep
+        block_ids = {id(p) for b in model.blocks for p in b.parameters()}
+        units = [(list(b.parameters()), 2 if bool(pc.reshard_after_forward) else 1) for b in model.blocks]
+        units.append(([p for p in model.parameters() if id(p) not in block_ids], 1))
+        acts = activations(model, model.example_input(int(cfg.train.batch_size)).to("meta"))
+        out = []
+        for r in range(world):
+            s = r % shards
+            local = [p.numel() // max(p.shape[0], 1) * shard_rows(p.shape[0], rank=s, shards=shards) * p.element_size()
+                     for p in model.parameters()]
+            records: list[Record] = []
+            for params, gathers in units:
+                if not params:
+                    continue
+                padded = sum(math.ceil(p.shape[0] / shards) * (p.numel() // max(p.shape[0], 1)) * p.element_size() for p in params)
+                records += [("all_gather", padded * shards, shards)] * gathers + [("reduce_scatter", padded * shards, shards)]
+                if rep > 1:
+                    records.append(("all_reduce", padded, rep))
+            held = sum(local)
+            optim = optim_bytes(held=held, tensors=len(local), optim=cfg.optim)
+            out.append(rank_entry(rank=r, params=held, grads=held, optim=optim, acts=acts, records=records))
+        return out
+
+    @classmethod
+    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+                      state: list[dict[str, Any]]) -> list[dict[str, int]] | None:
+        return _fsdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch, state=state)
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         ctx = self.ctx
-        replicate = int(self.cfg.get("replicate", 1))
-        self.reshard_after_forward = bool(self.cfg.get("reshard_after_forward", True))
+        replicate = int(self.cfg.replicate)
+        self.reshard_after_forward = bool(self.cfg.reshard_after_forward)
         if replicate > 1:
             shape, names = (replicate, ctx.world_size // replicate), ("replicate", "shard")
         else:

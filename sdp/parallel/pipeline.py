@@ -41,6 +41,7 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel, count_params
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers, register
 from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan
+from sdp.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.registry import build
 
 
@@ -89,6 +90,8 @@ def stage_of(model: SDPModel, plan: PipelinePlan, s: int, *, precision: Callable
 class PipelineStrategy(Strategy):
     """GPipe / 1F1B / interleaved 1F1B over ``world / dp`` ranks, optionally replicated dp times."""
 
+    label = "Pipeline"
+
     @classmethod
     def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
         check_layout(cfg=cfg, world_size=world_size)
@@ -97,6 +100,44 @@ class PipelineStrategy(Strategy):
             with torch.device("meta"):  # the real model's structure, no memory
                 model = build(OmegaConf.create(OmegaConf.to_container(root.model, resolve=True)))
             make_plan(cfg=cfg, world_size=world_size, model=model, batch_size=int(root.train.batch_size))
+
+    @classmethod
+    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
+        """Stage parameters of each rank (the strategy's own cut); per microbatch a stage receives its
+        input and sends its input's gradient, sends its output and receives that gradient; with dp > 1
+        one all-reduce of the stage gradients. Activations: one microbatch's saved bytes times the
+        microbatches in flight (1F1B: stages after this one + 1; GPipe: all)."""
+        pc, batch = cfg.parallelism, int(cfg.train.batch_size)
+        plan = make_plan(cfg=pc, world_size=world, model=model, batch_size=batch)
+        mbs = int(pc.microbatches)
+        mb_size = batch * plan.pp // mbs  # the replica's batch (batch x pp) split into microbatches
+        x = model.example_input(mb_size).to("meta")
+        boundary = [x]  # input of stage s, s = 0..num_stages
+        with torch.no_grad():
+            for s in range(plan.num_stages):
+                boundary.append(stage_of(model, plan, s)(boundary[-1]))
+        out = []
+        for r in range(world):
+            pp_rank = r % plan.pp
+            stages = plan.stages_of(pp_rank)
+            mods = [stage_of(model, plan, s) for s in stages]
+            params = [p for m in mods for p in m.parameters()]
+            records: list[Record] = []
+            acts = 0
+            for s, m in zip(stages, mods):
+                if s > 0:
+                    records += [("recv", nbytes([boundary[s]]), 2), ("send", nbytes([boundary[s]]), 2)] * mbs
+                if s < plan.num_stages - 1:
+                    records += [("send", nbytes([boundary[s + 1]]), 2), ("recv", nbytes([boundary[s + 1]]), 2)] * mbs
+                inp = boundary[s].detach().requires_grad_(boundary[s].is_floating_point())
+                in_flight = mbs if str(pc.schedule) == "gpipe" else min(mbs, plan.num_stages - s)
+                acts += in_flight * activations(m, inp, loss=s == plan.num_stages - 1)
+            if plan.dp > 1:
+                records.append(("all_reduce", nbytes(params), plan.dp))
+            out.append(rank_entry(rank=r, params=nbytes(params), grads=nbytes(params),
+                                  optim=optim_bytes(held=nbytes(params), tensors=len(params), optim=cfg.optim), acts=acts,
+                                  records=records))
+        return out
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         ctx = self.ctx
@@ -221,7 +262,7 @@ class PipelineStrategy(Strategy):
         assert self.module is not None and self.optimizer is not None
         local = state["local"]
         now = {"stages": list(self.stage_ids), "bounds": list(self.plan.bounds)}
-        require(local["extra"] == now, "parallelism.split_points", self.cfg.get("split_points"),
+        require(local["extra"] == now, "parallelism.split_points", self.cfg.split_points,
                 f"must cut the model as the checkpoint does to resume (saved {local['extra']}, now {now}; "
                 f"set parallelism.split_points={local['extra']['bounds'][1:-1]})")
         self.module.load_state_dict(local["model"])

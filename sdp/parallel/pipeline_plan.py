@@ -106,7 +106,7 @@ def make_plan(*, cfg: Any, world_size: int, model: SDPModel, batch_size: int) ->
     require(stages <= n, "parallelism.stages_per_rank" if spr > 1 else "parallelism.dp", spr if spr > 1 else dp,
             f"gives {stages} stages but the model has only {n} blocks to cut between")
     allowed = model.pipeline_split_points()
-    points = cfg.get("split_points")
+    points = cfg.split_points
     if points is None:
         return PipelinePlan(pp=pp, dp=dp, stages_per_rank=spr,
                             bounds=balanced_bounds(weights=stage_weights(model), allowed=allowed, stages=stages))

@@ -31,16 +31,19 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.rundir import RunDir
-from sdp.parallel.base import OptimizerFactory, Strategy, register
+from sdp.parallel.base import Coverage, OptimizerFactory, Strategy, register
+from sdp.parallel import sdp_plan
+from sdp.parallel.sdp_plan import BALANCE_KEYS, plan_for  # noqa: F401 (plan_for re-exported: used widely)
+from sdp.plan_entries import Entry
+from sdp.plan_peaks import _sdp_peaks
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, partwise_names, set_branch_scales, tensor_map
 from sdp.subnet.carry import carry_state
-from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError, build_plan
+from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError
 from sdp.subnet.sync import GroupSet, OwnerSetSync
 from sdp.registry import build
 
 
-BALANCE_KEYS = ("params", "flops", "activations")
 RESCALES = ("auto", "none", "eval", "train")
 
 
@@ -60,28 +63,18 @@ def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
     return "eval"
 
 
-def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0) -> Plan:
-    """The plan of ``cfg`` (the parallelism node) for ``model``; same on every rank and in the driver."""
-    return build_plan(
-        model=model, world_size=world_size, coverage=float(cfg.coverage), level=str(cfg.level),
-        assignment=str(cfg.assignment), groups=int(cfg.groups), drop_downsample=bool(cfg.drop_downsample),
-        seed=int(cfg.plan_seed), draw=draw, balance=tuple(float(cfg.balance[r]) for r in BALANCE_KEYS),
-        max_holder_sets=cfg.get("max_holder_sets"),  # absent from configs written before the key
-    )
-
-
 @register("sdp")
 class SDPStrategy(Strategy):
     """Forward or backward masking at block or neuron level, owner-set gradient averaging."""
 
     materialises_held = True  # forward masking materialises only the held units and the shared parts
+    label_keys = ("level", "masking")  # B-SDP, B_β-SDP, N-SDP, N_β-SDP
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
         one_of("parallelism.level", cfg.level, LEVELS)
-        one_of("parallelism.masking", cfg.masking, ("forward", "backward"))
-        c = cfg.coverage
-        require(isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c <= 1, "parallelism.coverage", c, "must lie in (0, 1]")
+        one_of("parallelism.masking", cfg.masking, sdp_plan.MASKINGS)
+        cls.coverage(cfg=cfg, world_size=world_size, n_units=None)
         one_of("parallelism.assignment", cfg.assignment, ASSIGNMENTS)
         positive_int("parallelism.groups", cfg.groups)
         require(cfg.resample_every is None or (isinstance(cfg.resample_every, int) and cfg.resample_every >= 1),
@@ -94,7 +87,7 @@ class SDPStrategy(Strategy):
                 "backward masking runs the full model in every forward, so only none (or auto) is meaningful")
         require(isinstance(cfg.drop_downsample, bool), "parallelism.drop_downsample", cfg.drop_downsample, "true or false")
         positive_float("parallelism.bucket_cap_mb", cfg.bucket_cap_mb)
-        boolean("parallelism.overlap", cfg.get("overlap", True))
+        boolean("parallelism.overlap", cfg.overlap)
         positive_int("parallelism.plan_seed", cfg.plan_seed, minimum=0)
         if cfg.get("max_holder_sets") is not None:
             positive_int("parallelism.max_holder_sets", cfg.max_holder_sets)
@@ -117,6 +110,39 @@ class SDPStrategy(Strategy):
                 warn_degenerate(plan_for(model=model, cfg=cfg, world_size=world_size))
             except PlanError as exc:
                 raise ConfigError(str(exc)) from None
+
+    # ---- what the driver, the budget and the report ask (sdp_plan holds the bodies) ----------------
+    @classmethod
+    def method_label(cls, *, cfg: DictConfig) -> str:
+        """The paper's name of the level and masking (a subclass's own ``label`` wins)."""
+        return cls.label or sdp_plan.LABELS.get((str(cfg.level), str(cfg.masking)), f"SDP ({cfg.level}, {cfg.masking})")
+
+    @classmethod
+    def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None) -> Coverage | None:
+        fraction = sdp_plan.realised_coverage(coverage=cfg.coverage, world_size=world_size)
+        return Coverage(key="parallelism.coverage", symbol="C", value=cfg.coverage, fraction=fraction)
+
+    @classmethod
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: float) -> float:
+        assert coverage.fraction is not None, f"SDP's coverage is always realised as k / n, got {coverage}"
+        return sdp_plan.compute_fraction(masked=masked, coverage=coverage.fraction, masking=str(cfg.masking))
+
+    @classmethod
+    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
+        return sdp_plan.predict(cfg=cfg, model=model, world=world, facts=facts)
+
+    @classmethod
+    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+                      state: list[dict[str, Any]]) -> list[dict[str, int]] | None:
+        return _sdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch)
+
+    @classmethod
+    def plan_frontier(cls, *, cfg: DictConfig) -> dict[str, Any]:
+        return sdp_plan.plan_frontier(cfg)
+
+    @classmethod
+    def format_facts(cls, facts: dict[str, Any]) -> list[str]:
+        return [sdp_plan.format_plan_summary(facts["plan"])]
 
     # ---- set-up ---------------------------------------------------------------------------------
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
@@ -158,7 +184,7 @@ class SDPStrategy(Strategy):
             self.sync.close()  # a re-draw: the old subnetwork's gradient hooks go
         self.sync = OwnerSetSync(rank=ctx.rank, pieces=self.pieces, layout=self.layout, groups=self.groups,
                                  comm=ctx.comm, mode=self.mode, bucket_cap_mb=float(self.cfg.bucket_cap_mb),
-                                 overlap=bool(self.cfg.get("overlap", True)))
+                                 overlap=bool(self.cfg.overlap))
 
     def _trainable(self) -> list[nn.Parameter]:
         assert self.module is not None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sdp.report.runs import Run, find_runs, run_figures
 from sdp.report.stats import TARGET_FACTOR, Paired, paired_difference, ratio, t_half_width, time_to_target
-from sdp.report.tables import method_label, row_coverage
+from sdp.report.tables import method_facts
 from sdp.results import read_metrics
 
 NOMINAL_RANGE = (0.40, 0.72)  # the paper's "28-60 % less memory per device" as a ratio to DDP
@@ -33,15 +33,14 @@ PAPER_COMMANDS = {
 def row_name(run: Run) -> str:
     """A method's row: its paper label, coverage (C) or survival probability (p), and what sets it apart."""
     f = run.flat
-    label = method_label(f)
-    cov = row_coverage(f)
+    label, cov = method_facts(run)
     name = label
     if cov is not None:
-        name += f" {'p' if label.startswith('DDP+') else 'C'}={cov:g}"  # drop baselines: survival probability
+        name += f" {cov['symbol']}={cov['value']:g}"  # C = coverage, p = a drop baseline's survival probability
     rescale = f.get("parallelism.rescale")
     if f.get("parallelism.masking") == "forward" and rescale not in (None, "auto"):  # backward: always none
         name += f" rescale={rescale}"
-    if f.get("train.budget") == "iterations" and label not in ("DDP", "FSDP"):
+    if f.get("train.budget") == "iterations" and cov is not None:  # a FLOP budget would have run it longer
         name += " (same iterations)"
     return name
 

@@ -19,6 +19,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from sdp.parallel import STRATEGIES
 from sdp.report.runs import Run, run_figures
 from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR, Paired, paired_difference, ratio, run_time_to_target
 from sdp.results import RUN_CONTROL_KEYS
@@ -26,14 +29,9 @@ from sdp.results import RUN_CONTROL_KEYS
 DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir",
                    *(p for key in RUN_CONTROL_KEYS for p in (key, f"{key}.*")))
 METHOD_KEYS = ("parallelism.*", "train.steps")
-COVERAGE_KEYS = ("parallelism.coverage", "parallelism.survival_prob")  # what the C column shows
 TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
               "train.budget": "budget", "scale.name": "scale", "eval.bn": "eval BN"}
 METHOD_ORDER = ("DDP", "B-SDP", "B_β-SDP", "N-SDP", "N_β-SDP")
-SDP_LABELS = {("block", "forward"): "B-SDP", ("block", "backward"): "B_β-SDP",
-              ("neuron", "forward"): "N-SDP", ("neuron", "backward"): "N_β-SDP"}
-OTHER_LABELS = {"ddp": "DDP", "fsdp": "FSDP", "pipeline": "Pipeline", "ddp_ac": "DDP+AC",
-                "ddp_stochastic_depth": "DDP+StochDepth", "ddp_layerdrop": "DDP+LayerDrop"}
 AGGREGATED = ("eval_accuracy", "eval_loss", "eval_loss_workers", "assembly_gap", "train_loss", "model_state_bytes",
               "train_peak_bytes", "peak_bytes",
               "comm_bytes_per_step", "step_s", "samples_per_s", "straggler_spread", "steps", "total_flops")
@@ -41,22 +39,29 @@ RATIOS = {"model_state_bytes": "state_mem_x_ddp", "train_peak_bytes": "train_pea
           "comm_bytes_per_step": "comm_x_ddp", "step_s": "step_time_x_ddp", "total_flops": "flops_x_ddp"}
 
 
-def method_label(flat: dict[str, Any]) -> str:
-    """The paper's name of a run's method: DDP, B-SDP, B_β-SDP, N-SDP (N_β-SDP), or the strategy name."""
-    name = str(flat.get("parallelism.name"))
-    if name.startswith("sdp"):
-        level = str(flat.get("parallelism.level") or "block")
-        masking = str(flat.get("parallelism.masking") or "forward")
-        return SDP_LABELS.get((level, masking), f"SDP ({level}, {masking})")
-    return OTHER_LABELS.get(name, name)
+def method_facts(run: Run) -> tuple[str, dict[str, Any] | None]:
+    """(label, coverage) of a run's method: as summary.json records them (the strategy's
+    ``report_facts``), else -- a run written before summary.json had them, or one without a summary --
+    asked of its strategy from the run's config; a strategy this process does not know: its name."""
+    if run.summary is not None and run.summary.label is not None:
+        return run.summary.label, run.summary.coverage
+    name = str(run.flat.get("parallelism.name"))
+    if name not in STRATEGIES:
+        return name, None
+    facts = STRATEGIES.get(name).report_facts(cfg=OmegaConf.create(run.config))
+    return facts["label"], facts["coverage"]
 
 
-def row_coverage(flat: dict[str, Any]) -> float | None:
-    """The C column: SDP's coverage, or a drop baseline's survival probability p (the reviewers' p = C)."""
-    for key in COVERAGE_KEYS:
-        if flat.get(key) is not None:
-            return flat[key]
-    return None
+def method_label(run: Run) -> str:
+    """The paper's name of a run's method (DDP, B-SDP, B_β-SDP, N-SDP, N_β-SDP, ...), from its strategy."""
+    return method_facts(run)[0]
+
+
+def row_coverage(run: Run) -> float | None:
+    """The C column: the value of the key the strategy states its coverage with (SDP's coverage, a drop
+    baseline's survival probability p: the reviewers' p = C); None for a method that runs the whole model."""
+    cov = method_facts(run)[1]
+    return None if cov is None else cov["value"]
 
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:
@@ -138,8 +143,7 @@ class Table:
 
 
 def _row(*, runs: list[Run], keys: dict[str, Any], expected: list[Any]) -> Row:
-    flat = runs[0].flat
-    row = Row(method=method_label(flat), coverage=row_coverage(flat), keys=keys, runs=runs,
+    row = Row(method=method_label(runs[0]), coverage=row_coverage(runs[0]), keys=keys, runs=runs,
               expected_seeds=expected)
     row.by_seed = {r.seed: run_figures(r.summary) for r in runs if r.ok}
     figures = list(row.by_seed.values())
@@ -174,7 +178,8 @@ def build_tables(runs: list[Run], *, exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
         ctx = tuple(_hashable(r.flat.get(k)) for k in context_keys)
         grp = tuple(_hashable(r.flat.get(k)) for k in row_keys)
         tables.setdefault(ctx, {}).setdefault(grp, []).append(r)
-    label_keys = ("parallelism.name", "parallelism.level", "parallelism.masking", *COVERAGE_KEYS, "train.steps")
+    label_keys = {"parallelism.name", "train.steps", *(c["key"] for r in runs if (c := method_facts(r)[1])),
+                  *(f"parallelism.{k}" for n in STRATEGIES.names() for k in STRATEGIES.get(n).label_keys)}  # shown already
     extra = [k for k in row_keys if k not in label_keys]
     out = []
     for ctx, groups in tables.items():

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp.models.base import ResidualBlock, SDPModel
-from sdp.parallel.base import DistContext, average_buffers
+from sdp.distctx import DistContext, average_buffers
 from sdp.subnet.masking import Local, Piece, locate, view
 from sdp.subnet.plan import Plan
 from sdp.subnet.sync import GroupSet, broadcast_pieces, flatten, unflatten

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdp.parallel.base import DistContext
+from sdp.distctx import DistContext
 from sdp.subnet.masking import Local, Piece, locate, view
 from sdp.subnet.sync import broadcast_pieces
 
