@@ -107,7 +107,7 @@ def _mean_phases(ranks: list[dict[str, float]]) -> dict[str, float]:
 
 
 def minimal(config: dict, *, world: int, out: Path, retain: bool) -> dict[str, Any]:
-    from tests.dist_helpers import free_port
+    from tests.helpers import free_port
 
     mp.spawn(_minimal_rank, args=(world, free_port(), config, str(out), retain), nprocs=world, join=True)
     return json.loads(out.read_text())

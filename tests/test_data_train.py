@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,20 +10,17 @@ import pytest
 
 from sdp.data import cifar
 from sdp.data.fineweb import write_shard
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import CORE, run_train
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "sdp.train", "cluster.world_size=2", "train.steps=4", "train.batch_size=4",
-           "train.warmup_steps=1", "logger.wandb.mode=disabled", f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((run_dir / "summary.json").read_text())
+    """A 4-step DDP job on 2 ranks through ``python -m sdp.train``; its summary.json."""
+    return run_train(run_dir, "cluster.world_size=2", "train.steps=4", "train.batch_size=4", "train.warmup_steps=1",
+                     *overrides).summary
 
 
 @pytest.mark.dist
+@CORE
 @pytest.mark.timeout(300)
 def test_llama_tiny_trains_on_shards_with_ddp(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from tests.helpers import CORE, REPO, run_train, sdp_env
+
 pytestmark = [pytest.mark.dist]
 
 FAST = ("model.width=8", "dataset.image_size=8", "train.steps=30", "train.eval_every=15", "train.warmup_steps=2")
@@ -37,7 +39,7 @@ def check_contract(job, *, world: int, steps: int) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=CORE), 4])
 def test_ddp_trains_and_follows_contract(train_job, world: int):
     job = train_job("parallelism=ddp", f"cluster.world_size={world}", *FAST)
     s = check_contract(job, world=world, steps=30)
@@ -52,10 +54,9 @@ def test_ddp_trains_and_follows_contract(train_job, world: int):
     assert s["final"]["eval_accuracy"] > 0.3
 
 
+@CORE
 @pytest.mark.timeout(300)
 def test_multirun_jobs_get_distinct_directories(tmp_path):
-    from conftest import run_train
-
     sweep = tmp_path / "sweep"
     job = run_train(sweep, "parallelism=ddp", "seed=0,1", "model=mlp", "train.steps=5", "train.eval_every=0",
                     multirun=True)
@@ -67,6 +68,7 @@ def test_multirun_jobs_get_distinct_directories(tmp_path):
     assert seeds == [0, 1]
 
 
+@CORE
 @pytest.mark.timeout(90)
 def test_rank_that_raises_ends_the_job_fast_with_its_traceback(train_job):
     t0 = time.monotonic()
@@ -81,14 +83,13 @@ def test_rank_that_raises_ends_the_job_fast_with_its_traceback(train_job):
     assert elapsed < 60, f"job took {elapsed:.1f}s to fail"
 
 
+@CORE
 @pytest.mark.timeout(180)
 def test_inside_torchrun_it_does_not_spawn_again(tmp_path):
     """Under an external launcher (RANK/WORLD_SIZE set) each process is one rank: no second spawn."""
     import json
     import subprocess
     import sys
-
-    from conftest import REPO, sdp_env
 
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sdp.train",

@@ -10,7 +10,7 @@ import torch
 
 from sdp.models.mlp import MLP
 from sdp.parallel.ddp_drop import draw_blocks, reset_blocks, survival_probs
-from tests.dist_helpers import run_job, train_losses
+from tests.helpers import CORE, run_job, train_losses
 
 COMMON = ["model=mlp", "dataset=digits", "train.batch_size=8", "train.eval_every=0", "train.warmup_steps=1"]
 
@@ -48,7 +48,7 @@ def ddp_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp_stochastic_depth", "ddp_layerdrop"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp_stochastic_depth", marks=CORE), "ddp_layerdrop"])
 def test_survival_one_is_ddp(tmp_path: Path, ddp_losses: list[float], strategy: str) -> None:
     summary, rows = run_job([f"parallelism={strategy}", "parallelism.survival_prob=1.0", "train.steps=5", *COMMON],
                             world=2, run_dir=tmp_path)

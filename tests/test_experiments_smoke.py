@@ -3,7 +3,7 @@ launcher and report callback, a couple of steps each, B-SDP at C = 0.5 on 2 gloo
 
 ``experiment`` is the swept key here, so each experiment's own ``hydra.sweeper.params`` are not
 expanded (the sweeper reads them from the config composed without the swept keys): one job per
-experiment. Slow (a job is 1-3 minutes on a loaded 2-core machine): ``pytest -m slow``.
+experiment. Slow (a job is 1-3 minutes on a loaded 2-core machine): ``pytest --runslow -m slow``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_train
+from tests.helpers import REPO, run_train
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 

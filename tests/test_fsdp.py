@@ -14,7 +14,7 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.parallel.base import DistContext
 from sdp.parallel.fsdp import FSDPStrategy, fsdp_modules
 from sdp.trainer import loss_fn
-from tests.dist_helpers import CapturingSGD, global_batch, small_mlp, reference_grads, run_job, spawn, train_losses
+from tests.helpers import CapturingSGD, core_cases, global_batch, reference_grads, run_job, small_mlp, spawn, train_losses
 
 CPU = torch.device("cpu")
 DEPTH, PER_RANK = 3, 6
@@ -40,10 +40,10 @@ def _grad_worker(rank: int, world: int, replicate: int, out: str) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)  # 4 spawned ranks re-import torch: minutes on a loaded 2-core box
-@pytest.mark.parametrize("world,replicate", [(2, 1), (4, 1), (4, 2)], ids=["fsdp2", "fsdp4", "hsdp2x2"])
+@pytest.mark.parametrize("world,replicate", core_cases([(2, 1), (4, 1), (4, 2)], ids=["fsdp2", "fsdp4", "hsdp2x2"], core={"fsdp2"}))
 def test_fsdp_grads_equal_single_process_reference(tmp_path: Path, world: int, replicate: int) -> None:
     out = str(tmp_path / "grads")
-    spawn(_grad_worker, world=world, args=(replicate, out))
+    spawn(_grad_worker, world=world, args=(replicate, out), timeout_s=540)
     x, y = global_batch(PER_RANK * world)
     ref = reference_grads(small_mlp(depth=DEPTH), x, y)
     full_bytes = sum(p.numel() * 4 for p in small_mlp(depth=DEPTH).parameters())
@@ -70,9 +70,9 @@ def test_fsdp_grads_equal_single_process_reference(tmp_path: Path, world: int, r
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "world,extra",
-    [(2, ["model=resnet18_cifar", "model.width=4", "dataset=synthetic", "dataset.image_size=8"]),
-     (4, ["model=mlp", "parallelism.replicate=2"])],
-    ids=["fsdp2-resnet", "hsdp2x2-mlp"],
+    core_cases([(2, ["model=resnet18_cifar", "model.width=4", "dataset=synthetic", "dataset.image_size=8"]),
+                (4, ["model=mlp", "parallelism.replicate=2"])],
+               ids=["fsdp2-resnet", "hsdp2x2-mlp"], core={"fsdp2-resnet"}),
 )
 def test_fsdp_losses_match_ddp(tmp_path: Path, world: int, extra: list[str]) -> None:
     common = ["train.steps=5", "train.batch_size=8", "train.eval_every=0", "train.warmup_steps=1", *extra]

@@ -70,12 +70,12 @@ def test_phases_hold_their_own_peaks() -> None:
 
 def test_memory_keys_are_validated() -> None:
     from sdp.config import ConfigError, validate
-    from tests.dist_helpers import compose_cfg
+    from tests.helpers import compose
 
     base = ["model=mlp", "dataset=digits", "parallelism=ddp", "cluster.world_size=1"]
     with pytest.raises(ConfigError, match="memory.budget_mb"):
-        validate(compose_cfg([*base, "memory.budget_mb=-1"]))
+        validate(compose([*base, "memory.budget_mb=-1"]))
     with pytest.raises(ConfigError, match="memory.tracker=true"):
-        validate(compose_cfg([*base, "memory.budget_mb=10", "memory.tracker=false"]))
+        validate(compose([*base, "memory.budget_mb=10", "memory.tracker=false"]))
     with pytest.raises(ConfigError, match="memory.tracker"):
-        validate(compose_cfg([*base, "memory.tracker=maybe"]))
+        validate(compose([*base, "memory.tracker=maybe"]))

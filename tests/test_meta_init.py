@@ -7,11 +7,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers_sdp import config_dict
 from sdp.models import init
 from sdp.parallel import STRATEGIES, DistContext
 from sdp.subnet import masking as M
 from sdp.worker import build, build_model
+from tests.helpers import config_dict
 
 MODELS = {
     "llama": ["model=llama_tiny", "dataset=synthetic_text", "model.n_layers=4"],

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_train, sdp_env
-from tests.dist_helpers import free_port
+from tests.helpers import CORE, REPO, free_port, run_train, sdp_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
@@ -50,7 +49,7 @@ def digests(summary: dict) -> list[str]:
     return [m["param_digest"] for m in summary["memory"]["per_rank"]]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "sdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("sdp", marks=CORE)])  # sdp: issue 19, part 3 (~30 s)
 def test_two_torchrun_agents_equal_one_node(tmp_path: Path, strategy: str) -> None:
     one = run_train(tmp_path / "one", *JOB, f"parallelism={strategy}")
     two_dir = tmp_path / "two"
@@ -69,6 +68,7 @@ def test_two_torchrun_agents_equal_one_node(tmp_path: Path, strategy: str) -> No
         assert two["strategy_info"] == one.summary["strategy_info"], "the same subnetworks, whichever node holds them"
 
 
+@CORE
 def test_a_node_in_a_world_of_its_own_fails_naming_the_variables(tmp_path: Path) -> None:
     """The silent-fallback case: an agent that forms a world of its own (``--nnodes=1``, as with a
     MASTER_ADDR that fell back to localhost) stops at once, saying what it saw."""

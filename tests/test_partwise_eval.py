@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers_sdp import batch, config_dict, make_strategy, spawn
+from tests.helpers import batch, config_dict, core_cases, make_strategy, spawn
 from sdp import evaluation
 from sdp.evaluation import Partwise
 from sdp.subnet.assemble import set_branch_scales, tensor_map
@@ -63,10 +63,10 @@ CASES = {
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", core_cases(list(CASES), ids=list(CASES), core={"block_fwd_reestimate"}))
 def test_partwise_evaluation_equals_the_whole_assembled_model(name: str) -> None:
     world = 4 if name != "llama_block_fwd" else 2
-    got = spawn(_both, world, config_dict(CASES[name] + [f"cluster.world_size={world}"]), [1, 3])
+    got = spawn(_both, world=world, args=(config_dict(CASES[name] + [f"cluster.world_size={world}"]), [1, 3]))
     counts = sorted({int(r["full"][2]) for r in got})
     if name.startswith("block_fwd"):
         assert len(counts) > 1, f"the val shards should differ in length to test empty passes: {counts}"

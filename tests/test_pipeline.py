@@ -20,7 +20,7 @@ from sdp.parallel.base import DistContext
 from sdp.parallel.pipeline import PipelineStrategy
 from sdp.parallel.pipeline_plan import balanced_bounds, make_plan
 from sdp.trainer import loss_fn
-from tests.dist_helpers import CapturingSGD, global_batch, small_mlp, compose_cfg, reference_grads, run_job, spawn, train_losses
+from tests.helpers import CORE, CapturingSGD, compose, core_cases, global_batch, reference_grads, run_job, small_mlp, spawn, train_losses
 
 CPU = torch.device("cpu")
 DEPTH, PER_RANK = 4, 8
@@ -64,7 +64,7 @@ def test_invalid_settings_name_the_key(kw: dict, world: int, message: str) -> No
 
 
 def test_validate_before_launch_sees_model_and_batch() -> None:
-    cfg = compose_cfg(["parallelism=pipeline", "model=mlp", "model.depth=2", "cluster.world_size=2",
+    cfg = compose(["parallelism=pipeline", "model=mlp", "model.depth=2", "cluster.world_size=2",
                        "parallelism.schedule=interleaved_1f1b", "parallelism.stages_per_rank=2"])
     with pytest.raises(ConfigError, match="only 2 blocks"):
         validate(cfg)
@@ -95,13 +95,13 @@ def _grad_worker(rank: int, world: int, kw: dict, out: str) -> None:
 @pytest.mark.timeout(600)  # 4 spawned ranks re-import torch: minutes on a loaded 2-core box
 @pytest.mark.parametrize(
     "world,kw",
-    [(2, {"schedule": "gpipe"}), (2, {"schedule": "1f1b"}),
-     (2, {"schedule": "interleaved_1f1b", "stages_per_rank": 2}), (4, {"schedule": "1f1b", "dp": 2})],
-    ids=["gpipe", "1f1b", "interleaved2x2", "1f1b-pp2-dp2"],
+    core_cases([(2, {"schedule": "gpipe"}), (2, {"schedule": "1f1b"}),
+                (2, {"schedule": "interleaved_1f1b", "stages_per_rank": 2}), (4, {"schedule": "1f1b", "dp": 2})],
+               ids=["gpipe", "1f1b", "interleaved2x2", "1f1b-pp2-dp2"], core={"1f1b"}),
 )
 def test_stage_grads_equal_unsplit_reference(tmp_path: Path, world: int, kw: dict) -> None:
     out = str(tmp_path / "pp")
-    spawn(_grad_worker, world=world, args=(kw, out))
+    spawn(_grad_worker, world=world, args=(kw, out), timeout_s=540)
     x, y = global_batch(PER_RANK * world)
     ref = reference_grads(small_mlp(depth=DEPTH), x, y)
     per_rank = [torch.load(f"{out}.{r}") for r in range(world)]
@@ -150,7 +150,7 @@ def test_batchnorm_pipeline_matches_ddp_when_microbatch_is_the_rank_batch(tmp_pa
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=CORE), "1f1b"])
 def test_pipeline_losses_match_ddp(tmp_path: Path, ddp_run: tuple[dict, list[float]], schedule: str) -> None:
     ddp, ddp_losses = ddp_run
     pp, rows = run_job(["parallelism=pipeline", f"parallelism.schedule={schedule}", *COMMON], world=2, run_dir=tmp_path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_helpers import compose_cfg, run_job
+from tests.helpers import CORE, REPO, compose, run_job, run_train, sdp_env
 
 SMALL = ["model=resnet18_cifar", "model.width=8", "dataset=synthetic", "dataset.image_size=8", "train.batch_size=4",
          "train.steps=3", "train.warmup_steps=1", "train.eval_every=0"]
@@ -42,7 +42,7 @@ def test_plan_predicts_llama_fsdp_and_sdp_on_meta_at_paper_scale() -> None:
     from sdp.planner import predict
 
     for par in ("parallelism=fsdp", "parallelism=sdp"):
-        cfg = compose_cfg(["model=llama_1b", "dataset=synthetic_text", "dataset.seq_len=256", "dataset.vocab_size=32000",
+        cfg = compose(["model=llama_1b", "dataset=synthetic_text", "dataset.seq_len=256", "dataset.vocab_size=32000",
                            "cluster.world_size=8", "optim=adamw", "train.batch_size=1", par])
         plan = predict(cfg)
         mem = plan["memory"]["per_rank"]
@@ -59,7 +59,7 @@ def test_sdp_plan_command_prints_and_writes_the_prediction_and_frontier(tmp_path
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "sdp.planner", "parallelism=sdp", "cluster.world_size=4",
                            "plan.frontier=true", f"plan.output={out}"], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=REPO, env=sdp_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| rank | params MiB" in proc.stdout and "| floor (mean over workers" in proc.stdout, proc.stdout
     assert "overlap graph connected" in proc.stdout and "PlanWarning" not in proc.stderr, (proc.stdout, proc.stderr)
@@ -90,14 +90,14 @@ def test_degenerate_plans_warn_once_in_sdp_train_and_sdp_plan(monkeypatch: pytes
     from sdp.config import validate
     from sdp.planner import predict
 
-    degenerate = compose_cfg(["parallelism=sdp", "cluster.world_size=2"])  # C = 0.5 on 2 workers: k = 1
+    degenerate = compose(["parallelism=sdp", "cluster.world_size=2"])  # C = 0.5 on 2 workers: k = 1
     for fn in (validate, predict):
         found = _plan_warnings(fn, degenerate)
         assert len(found) == 2, found
         assert "k=round(1)=1 holder per unit: no unit's gradient is ever averaged" in found[0], found
         assert "worker-overlap graph is disconnected: worker groups {0} {1} share no unit" in found[1], found
-    assert _plan_warnings(validate, compose_cfg(["parallelism=sdp", "cluster.world_size=4"])) == []
-    cyclic = _plan_warnings(validate, compose_cfg(["model=mlp", "model.depth=3", "parallelism=sdp", "cluster.world_size=8",
+    assert _plan_warnings(validate, compose(["parallelism=sdp", "cluster.world_size=4"])) == []
+    cyclic = _plan_warnings(validate, compose(["model=mlp", "model.depth=3", "parallelism=sdp", "cluster.world_size=8",
                                                    "parallelism.assignment=cyclic"]))
     assert len(cyclic) == 1 and "assignment='cyclic' does not keep it connected" in cyclic[0], cyclic
     monkeypatch.setenv("RANK", "1")
@@ -108,14 +108,7 @@ def test_degenerate_plans_warn_once_in_sdp_train_and_sdp_plan(monkeypatch: pytes
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_sdp_train_prints_the_plan_warnings_once_not_per_rank(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "sdp.train", "model=mlp", "cluster.world_size=2", "train.steps=2",
-                           "train.eval_every=0", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
-                          timeout=280, cwd=Path(__file__).resolve().parent.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout + proc.stderr
+    out = run_train(tmp_path, "model=mlp", "cluster.world_size=2", "train.steps=2", "train.eval_every=0", timeout=280).output
     assert out.count("PlanWarning") == 2 and out.count("is ever averaged") == 1, out[-3000:]
 
 
@@ -123,28 +116,29 @@ def test_plan_options_refuse_bad_values_naming_the_key() -> None:
     from sdp.config import ConfigError
     from sdp.planner import plan_options
 
-    assert plan_options(compose_cfg(["plan.frontier=true", "plan.output=p.json"])) == ("p.json", True)
+    assert plan_options(compose(["plan.frontier=true", "plan.output=p.json"])) == ("p.json", True)
     with pytest.raises(ConfigError, match=r"plan.frontier='maybe' is invalid: must be true or false"):
-        plan_options(compose_cfg(["plan.frontier=maybe"]))
+        plan_options(compose(["plan.frontier=maybe"]))
     with pytest.raises(ConfigError, match=r"plan.output=3 is invalid: null or a file path"):
-        plan_options(compose_cfg(["plan.output=3"]))
+        plan_options(compose(["plan.output=3"]))
 
 
 def test_frontier_of_a_config_and_its_refusal_for_backward_masking() -> None:
     from sdp.planner import frontier as sdp_frontier
 
     base = ["model=resnet18_cifar", "model.width=16", "dataset=synthetic", "dataset.image_size=32", "cluster.world_size=4"]
-    out = sdp_frontier(compose_cfg([*base, "parallelism=sdp"]))
+    out = sdp_frontier(compose([*base, "parallelism=sdp"]))
     floor, own, points = out["floor"], out["plan"], out["frontier"]
     assert out["assignments"] == 6**7 and points, out["assignments"]
     assert floor["state"] <= own["state"] and floor["activations"] <= own["activations"], (floor, own)
     assert min(p["activations"] for p in points) <= own["activations"] <= max(p["activations"] for p in points)
     assert "this config's plan" in out["text"] and "balance={'params': 1.0" in out["text"]
     with pytest.raises(ValueError, match="masking='backward'"):
-        sdp_frontier(compose_cfg([*base, "parallelism=sdp_block_bwd"]))
+        sdp_frontier(compose([*base, "parallelism=sdp_block_bwd"]))
 
 
 @pytest.mark.dist
+@CORE  # every strategy (~5 s each): a done-when of issue 5
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_prediction_matches_measurement(name: str, tmp_path: Path) -> None:
@@ -152,7 +146,7 @@ def test_prediction_matches_measurement(name: str, tmp_path: Path) -> None:
 
     overrides = [*STRATEGIES[name], *SMALL]
     summary, _ = run_job(overrides, world=2, run_dir=tmp_path)
-    plan = predict(compose_cfg([*overrides, "cluster.world_size=2"]))
+    plan = predict(compose([*overrides, "cluster.world_size=2"]))
     errors = []
     for pm, mm, pc, mc in zip(plan["memory"]["per_rank"], summary["memory"]["per_rank"],
                               plan["comm"]["per_rank"], summary["comm"]["per_rank"]):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_helpers import compose_cfg, run_job
+from tests.helpers import compose as compose_cfg, run_job
 
 SMALL = ["model=resnet18_cifar", "model.width=8", "dataset=synthetic", "dataset.image_size=8", "train.batch_size=4",
          "train.steps=4", "train.warmup_steps=2", "train.eval_every=0", "train.eval_batch_size=8"]

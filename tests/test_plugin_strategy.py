@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, sdp_env
+from tests.helpers import CORE, REPO, sdp_env
 
 MODULE = '''
 from sdp.parallel import register
@@ -46,6 +46,7 @@ def _run(args: list[str], *, env: dict[str, str], timeout: float = 120) -> subpr
     return proc
 
 
+@CORE
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_strategy_defined_outside_sdp_trains_plans_reports_and_is_flop_matched(tmp_path: Path) -> None:

@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers_sdp import config_dict, make_strategy, spawn
 from sdp.data.base import GlobalBatchSampler
 from sdp.metrics.timing import PhaseTimer
 from sdp.trainer import loss_fn
+from tests.helpers import CORE, config_dict, make_strategy, spawn
 
 COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "cluster.world_size=2", "train.batch_size=16",
           "optim=sgd", "optim.optimizer.lr=0.01"]
@@ -71,11 +71,12 @@ def _curves(rank: int, world: int, configs: dict) -> dict:
 
 
 @pytest.mark.dist
+@CORE  # ~26 s, 22 runs
 @pytest.mark.timeout(600)
 def test_bf16_tracks_fp32_for_every_strategy_and_sdp_c1_equals_ddp() -> None:
     configs = {(name, prec): config_dict(COMMON + over + [f"train.precision={prec}"])
                for name, over in STRATEGIES.items() for prec in ("fp32", "bf16")}
-    got = spawn(_curves, 2, configs, timeout_s=540)[0]
+    got = spawn(_curves, world=2, args=(configs,), timeout_s=540)[0]
     for key, val in got.items():
         print(key, [round(x, 4) for x in val["losses"]])
     worst = {}

@@ -14,7 +14,7 @@ from sdp.metrics.groups import process_groups
 from sdp.parallel.sdp_plan import predict as plan_sdp
 from sdp.subnet.assign import PlanError
 from sdp.subnet.capped import cap_holder_sets, groups_needed
-from tests.dist_helpers import compose_cfg, spawn
+from tests.helpers import compose, spawn
 
 PRESETS = ("sdp", "sdp_block_bwd", "sdp_neuron_fwd", "sdp_neuron_bwd")
 MODELS = (["model=resnet18_cifar", "model.width=8"], ["model=llama_tiny", "dataset=synthetic_text"])
@@ -69,7 +69,7 @@ def test_predicted_process_groups_equal_created(world: int, tmp_path: Path) -> N
 
     from sdp.worker import build
 
-    cfgs = {name: compose_cfg(o) for name, o in cases(world)}
+    cfgs = {name: compose(o) for name, o in cases(world)}
     predicted = {}
     for name, cfg in cfgs.items():  # sdp-plan's SDP path (predict() minus validation and the peaks)
         facts: dict = {}
@@ -106,6 +106,6 @@ def test_cap_needs_balanced_assignment() -> None:
     from sdp.config import ConfigError, validate
 
     with pytest.raises(ConfigError, match=r"parallelism.max_holder_sets=3.*assignment=balanced"):
-        validate(compose_cfg(["parallelism.max_holder_sets=3", "parallelism.assignment=cyclic"]))
+        validate(compose(["parallelism.max_holder_sets=3", "parallelism.assignment=cyclic"]))
     with pytest.raises(ConfigError, match=r"parallelism.max_holder_sets=0.*integer >= 1"):
-        validate(compose_cfg(["parallelism.max_holder_sets=0"]))
+        validate(compose(["parallelism.max_holder_sets=0"]))

@@ -9,21 +9,15 @@ process of the job still alive after it ended, wherever it was re-parented.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from sdp.parallel import STRATEGIES
+from tests.helpers import CORE, core_cases, run_train as run_sdp_train, survivors
 
-ROOT = Path(__file__).resolve().parent.parent
 BASE = ["experiment=smoke", "cluster.world_size=2", "train.steps=12", "train.eval_every=5", "logger.progress=false"]
 KILL = ["train.checkpoint_every=3", "train.debug.fault=kill", "train.debug.fault_rank=1", "train.debug.fault_step=8"]
 # (id, strategy, overrides): one case per checkpoint layout (shared, local, sharded) and strategy family.
@@ -50,25 +44,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 
 def run_train(run_dir: Path, overrides: list[str], *, timeout: float = 300) -> dict[str, Any]:
-    """One job; returns rc, output, wall end time, and the processes of the job still alive after it."""
-    token = uuid.uuid4().hex
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "SDP_TEST_TOKEN": token}
-    proc = subprocess.run([sys.executable, "-m", "sdp.train", *BASE, *overrides, f"hydra.run.dir={run_dir}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    ended = time.time()
-    return {"rc": proc.returncode, "out": proc.stdout + proc.stderr, "ended": ended, "orphans": survivors(token)}
-
-
-def survivors(token: str) -> list[str]:
-    time.sleep(1.0)  # the agent reaps asynchronously; give a killed tree a moment to vanish
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.environ().get("SDP_TEST_TOKEN") == token:
-                found.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+    """One job (``BASE`` + ``overrides``); returns rc, output, wall end time, and the processes of the job
+    still alive after it."""
+    job = run_sdp_train(run_dir, *BASE, *overrides, timeout=timeout, check=False)
+    return {"rc": job.proc.returncode, "out": job.output, "ended": job.ended, "orphans": survivors(job.token)}
 
 
 def rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -96,7 +75,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-@pytest.mark.parametrize(("case", "strategy", "sel"), RESUME, ids=[r[0] for r in RESUME])
+@pytest.mark.parametrize(("case", "strategy", "sel"), core_cases(RESUME, ids=[r[0] for r in RESUME], core={"ddp", "sdp"}))
 def test_resume_after_sigkill_is_bit_identical(jobs, case: str, strategy: str, sel: list[str]) -> None:
     assert strategy in STRATEGIES, f"strategy {strategy!r} is not registered"
     full = jobs(f"{case}-full", sel)
@@ -114,6 +93,7 @@ def test_resume_after_sigkill_is_bit_identical(jobs, case: str, strategy: str, s
     assert curve(run_dir) == curve(full["dir"]), "resumed curve differs from the uninterrupted run"
 
 
+@CORE
 def test_killed_rank_ends_the_job_fast_naming_the_rank(jobs) -> None:
     killed = jobs("ddp-killed", KILL)
     assert killed["rc"] != 0
@@ -140,6 +120,7 @@ def test_hung_rank_hits_the_process_group_timeout_naming_the_step(tmp_path: Path
     assert job["orphans"] == [], f"processes left behind: {job['orphans']}"
 
 
+@CORE
 def test_nan_loss_stops_the_run_naming_step_and_rank(tmp_path: Path) -> None:
     run_dir = tmp_path / "nan"
     job = run_train(run_dir, ["train.debug.fault=nan_loss", "train.debug.fault_rank=1", "train.debug.fault_step=4"])

@@ -16,6 +16,7 @@ import yaml
 from sdp.report import make_report
 from sdp.report.paper import load_paper_values
 from sdp.report.tables import build_tables, group_keys, method_label
+from tests.helpers import CORE, run_train
 from sdp.report.runs import Run, find_runs
 
 MIB = 2**20
@@ -165,10 +166,9 @@ def test_cli_on_empty_dir_fails_clearly(tmp_path: Path, capsys):
 
 
 @pytest.mark.dist
+@CORE
 @pytest.mark.timeout(420)
 def test_multirun_ends_by_printing_the_table(tmp_path: Path):
-    from conftest import run_train
-
     sweep = tmp_path / "sweep"
     job = run_train(sweep, "parallelism=ddp", "seed=0,1", "model=mlp", "train.steps=5", "train.warmup_steps=1",
                     "train.eval_every=0", multirun=True, timeout=360)

@@ -6,7 +6,6 @@ benchmarks/results/cpu-4ranks/llama``)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +14,9 @@ import pytest
 import yaml
 
 from sdp.rerun import rerun_argv
+from tests.helpers import CORE, REPO, sdp_env
 
-ROOT = Path(__file__).resolve().parent.parent
-COMMITTED = ROOT / "benchmarks" / "results" / "cpu-4ranks" / "llama" / "runs" / "ddp"
+COMMITTED = REPO / "benchmarks" / "results" / "cpu-4ranks" / "llama" / "runs" / "ddp"
 
 
 def test_rerun_puts_the_budget_base_back(tmp_path: Path) -> None:
@@ -33,14 +32,14 @@ def test_rerun_puts_the_budget_base_back(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
+@CORE  # committed results match the code (issue 17)
 @pytest.mark.timeout(300)
 def test_committed_run_reruns_bit_for_bit(tmp_path: Path) -> None:
     recorded = json.loads((COMMITTED / "summary.json").read_text())
     out = tmp_path / "rerun"
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "sdp.rerun", str(COMMITTED), "--out", str(out),
                            "logger.wandb.mode=disabled", "logger.progress=false"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+                          cwd=REPO, env=sdp_env(), capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     again = json.loads((out / "summary.json").read_text())
     assert again["final"] == recorded["final"], (again["final"], recorded["final"], recorded["versions"])

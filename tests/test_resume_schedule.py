@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sdp.trainer import lr_lambda
-from tests.conftest import run_train
+from tests.helpers import CORE, core_cases, run_train
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -29,12 +29,12 @@ def six(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize(("override", "key", "then"), [
+@pytest.mark.parametrize(("override", "key", "then"), core_cases([
     ("train.steps=12", "train.steps=12", "train.steps=6"),
     ("optim.optimizer.lr=0.1", "optim.optimizer.lr=0.1", "optim.optimizer.lr=0.05"),
     ("optim.schedule=linear", "optim.schedule='linear'", "optim.schedule='cosine'"),
     ("optim.warmup_steps=2", "optim.warmup_steps=2", "optim.warmup_steps=0"),
-], ids=["steps", "peak-lr", "schedule", "warmup"])
+], ids=["steps", "peak-lr", "schedule", "warmup"], core={"steps"}))  # steps: issue 19, part 4
 def test_changed_schedule_is_refused_naming_the_key(six: Path, tmp_path: Path, override: str, key: str, then: str) -> None:
     job = run_train(tmp_path / "r", *BASE, "train.steps=6", override, f"train.resume={six}", check=False)
     assert job.proc.returncode != 0, "a resume with a changed schedule must fail"
@@ -43,6 +43,7 @@ def test_changed_schedule_is_refused_naming_the_key(six: Path, tmp_path: Path, o
     assert not (tmp_path / "r" / "rank_logs").exists(), "refused in the driver: no rank may start"
 
 
+@CORE
 def test_extend_steps_continues_on_the_new_schedule(six: Path, tmp_path: Path) -> None:
     job = run_train(tmp_path / "r", *BASE, "train.steps=12", "train.extend_steps=true", f"train.resume={six}")
     assert "resuming from" in job.output and "step_00000006" in job.output

@@ -6,22 +6,23 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_sdp import run_job
+from tests.helpers import CORE, run_job
 
 COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "cluster.world_size=2", "train.steps=5",
           "train.batch_size=16", "train.eval_every=0", "train.warmup_steps=1"]
 
 
 @pytest.mark.dist
+@CORE
 @pytest.mark.timeout(600)
 def test_coverage_one_matches_ddp_every_step(tmp_path) -> None:  # noqa: ANN001
-    ddp_summary, ddp = run_job(COMMON + ["parallelism=ddp"], tmp_path / "ddp")
+    ddp_summary, ddp = run_job(COMMON + ["parallelism=ddp"], run_dir=tmp_path / "ddp")
     ref = [r["loss"] for r in ddp if "loss" in r]
     ref_eval = ddp_summary["final"]
     assert ddp_summary["eval_protocol"]["bn"] == "reestimate", ddp_summary["eval_protocol"]
     assert len(ref) == 5
     for preset in ("sdp", "sdp_block_bwd", "sdp_neuron_fwd", "sdp_neuron_bwd"):
-        summary, rows = run_job(COMMON + [f"parallelism={preset}", "parallelism.coverage=1.0"], tmp_path / preset)
+        summary, rows = run_job(COMMON + [f"parallelism={preset}", "parallelism.coverage=1.0"], run_dir=tmp_path / preset)
         losses = [r["loss"] for r in rows if "loss" in r]
         assert len(losses) == 5, preset
         for step, (a, b) in enumerate(zip(losses, ref), start=1):
@@ -34,6 +35,7 @@ def test_coverage_one_matches_ddp_every_step(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.dist
+@CORE
 @pytest.mark.timeout(300)
 def test_assembly_gap_is_zero_when_every_worker_holds_the_whole_model(tmp_path) -> None:  # noqa: ANN001
     """eval.subnetworks: at C = 1 (no BatchNorm, so no statistics to differ) each worker's own
@@ -41,10 +43,10 @@ def test_assembly_gap_is_zero_when_every_worker_holds_the_whole_model(tmp_path) 
     every worker and reports no subnetwork figures."""
     mlp = ["model=mlp", "dataset=digits", "cluster.world_size=2", "train.steps=3", "train.batch_size=8",
            "train.eval_every=0", "train.warmup_steps=1"]
-    full, _ = run_job(mlp + ["parallelism=sdp", "parallelism.coverage=1.0"], tmp_path / "c1")
+    full, _ = run_job(mlp + ["parallelism=sdp", "parallelism.coverage=1.0"], run_dir=tmp_path / "c1")
     f = full["final"]
     assert f["eval_loss_workers"] == pytest.approx(f["eval_loss"], abs=1e-6) and abs(f["assembly_gap"]) <= 1e-6, f
-    half, _ = run_job(mlp + ["parallelism=sdp", "parallelism.coverage=0.5"], tmp_path / "c05")
+    half, _ = run_job(mlp + ["parallelism=sdp", "parallelism.coverage=0.5"], run_dir=tmp_path / "c05")
     assert half["final"]["assembly_gap"] is not None and half["eval_protocol"]["subnetworks"] is True
-    bwd, _ = run_job(mlp + ["parallelism=sdp_block_bwd"], tmp_path / "bwd")
+    bwd, _ = run_job(mlp + ["parallelism=sdp_block_bwd"], run_dir=tmp_path / "bwd")
     assert bwd["final"]["eval_loss_workers"] is None and bwd["final"]["assembly_gap"] is None, bwd["final"]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_sdp import batch, config_dict, make_strategy, run_job, spawn
 from sdp.models.base import count_params
 from sdp.subnet.masking import locate, view
 from sdp.trainer import loss_fn
 from sdp.worker import build, build_model
+from tests.helpers import CORE, batch, compose, config_dict, make_strategy, run_job, spawn
 
 MLP = ["model=mlp", "dataset=digits", "model.hidden=64", "model.depth=4", "train.batch_size=8", "optim=sgd"]
 
@@ -38,12 +38,12 @@ def _held_grads(rank: int, world: int, config: dict) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("level", ["block", "neuron"])
+@pytest.mark.parametrize("level", [pytest.param("block", marks=CORE), "neuron"])
 def test_backward_masking_grad_is_mean_over_holders_of_reference(level: str) -> None:
     world = 4
     config = config_dict(MLP + ["parallelism=sdp_block_bwd", f"parallelism.level={level}", "parallelism.assignment=cyclic",
                                 "parallelism.groups=4", f"cluster.world_size={world}"])
-    got = spawn(_held_grads, world, config)
+    got = spawn(_held_grads, world=world, args=(config,))
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create(config)
@@ -86,12 +86,12 @@ def _forward_facts(rank: int, world: int, config: dict) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("level", ["block", "neuron"])
+@pytest.mark.parametrize("level", ["block", pytest.param("neuron", marks=CORE)])
 def test_forward_masking_skips_prunes_and_narrows(level: str) -> None:
     world = 4
     config = config_dict(MLP + ["parallelism=sdp", f"parallelism.level={level}", "parallelism.coverage=0.25",
                                 "parallelism.groups=4", f"cluster.world_size={world}"])
-    facts = spawn(_forward_facts, world, config)
+    facts = spawn(_forward_facts, world=world, args=(config,))
     for r, f in enumerate(facts):
         assert f["count"] == f["plan_count"], f"rank {r}: holds {f['count']} params, plan says {f['plan_count']}"
         for key, n in f["calls"].items():
@@ -124,11 +124,11 @@ def _values_after(rank: int, world: int, config: dict, steps: int) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("preset", ["sdp", "sdp_block_bwd", "sdp_neuron_bwd"])
+@pytest.mark.parametrize("preset", ["sdp", pytest.param("sdp_block_bwd", marks=CORE), "sdp_neuron_bwd"])
 def test_replicas_identical_after_10_steps(preset: str) -> None:
     world = 4
     config = config_dict(MLP + [f"parallelism={preset}", "parallelism.assignment=cyclic", f"cluster.world_size={world}"])
-    vals = spawn(_values_after, world, config, 10)
+    vals = spawn(_values_after, world=world, args=(config, 10))
     keys = set().union(*vals)
     non_held = 0
     for key in keys:
@@ -142,18 +142,17 @@ def test_replicas_identical_after_10_steps(preset: str) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world", "coverage"), [(4, 0.5), (2, 0.5)])
+@pytest.mark.parametrize(("world", "coverage"), [pytest.param(4, 0.5, marks=CORE), (2, 0.5)])
 def test_comm_bytes_equal_analytic_bucket_sum(tmp_path, world: int, coverage: float) -> None:  # noqa: ANN001
     import json
 
     overrides = MLP + ["parallelism=sdp", f"parallelism.coverage={coverage}", f"cluster.world_size={world}",
                        "train.steps=5", "train.warmup_steps=1", "train.eval_every=0"]
-    summary, _ = run_job(overrides, tmp_path)
+    summary, _ = run_job(overrides, run_dir=tmp_path)
     plan = json.loads((tmp_path / "plan.json").read_text())
     from sdp.planner import predict
-    from tests.dist_helpers import compose_cfg
 
-    predicted = predict(compose_cfg(overrides))["process_groups"]["per_rank"]  # sdp-plan's figure, before any rank
+    predicted = predict(compose(overrides))["process_groups"]["per_rank"]  # sdp-plan's figure, before any rank
     assert [(g["count"], g["sizes"]) for g in predicted] == \
         [(g["count"], g["sizes"]) for g in summary["process_groups"]["per_rank"]], (predicted, summary["process_groups"])
     k = plan["summary"]["k"]
@@ -179,7 +178,7 @@ def _shared_runs(overrides: list[str]) -> int:
     from sdp.registry import build
     from sdp.subnet.masking import pieces
     from sdp.subnet.sync import holder_runs
-    from tests.dist_helpers import compose_cfg
+    from tests.helpers import compose as compose_cfg
 
     cfg = compose_cfg(overrides)
     with torch.device("meta"):

@@ -15,16 +15,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers_sdp import batch, config_dict, make_strategy, spawn
-from holders import compare, differing, pieces_of
 from sdp.parallel.sdp import plan_for, plan_lists
 from sdp.trainer import loss_fn
 from sdp.worker import build
+from tests.helpers import batch, compose, config_dict, core_cases, make_strategy, run_job, spawn
+from tests.holders import compare, differing, pieces_of
 
 MLP = ["model=mlp", "dataset=digits", "model.hidden=64", "model.depth=4", "train.batch_size=8"]
 STEPS, EVERY = 5, 2  # re-draws before steps 2 and 4: two re-draws, the last one followed by an update
 # (id, overrides): each level, masking, refresh and optimizer, SGD with Nesterov momentum and AdamW
-# (the first two, which cover both levels, maskings and optimizers, are in the default tier: CORE_DIST)
+# (the first two, which cover both levels, maskings and optimizers, are in the default tier: CORE below)
 CASES = [
     ("block-fwd-sgd", ["parallelism=sdp", "optim=sgd"]),
     ("neuron-bwd-adamw", ["parallelism=sdp_neuron_bwd", "optim=adamw"]),
@@ -72,11 +72,11 @@ def _check(config: dict, got: list[tuple[dict, int, dict]], *, redraws: int) -> 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("case", "sel"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("case", "sel"), core_cases(CASES, ids=[c[0] for c in CASES], core={"block-fwd-sgd", "neuron-bwd-adamw"}))
 def test_redraws_keep_holders_identical(case: str, sel: list[str]) -> None:
     world = 4
     config = config_dict(MLP + sel + [f"parallelism.resample_every={EVERY}", f"cluster.world_size={world}"])
-    got = spawn(_train, world, config, False)
+    got = spawn(_train, world=world, args=(config, False))
     _check(config, got, redraws=2)
     # the history went on: every trainer of every piece has state from the first step, not since a re-draw
     for r, (local, _, _) in enumerate(got):
@@ -107,7 +107,7 @@ def test_redraw_without_optimizer_state() -> None:
     config = config_dict(MLP + ["parallelism=sdp_neuron_fwd", "optim=sgd", "optim.optimizer.momentum=0",
                                 "optim.optimizer.nesterov=false", f"parallelism.resample_every={EVERY}",
                                 f"cluster.world_size={world}"])
-    got = spawn(_train, world, config, True)
+    got = spawn(_train, world=world, args=(config, True))
     res = _check(config, got, redraws=3)
     assert all(not g[0]["optimizer"]["state"] for g in got), "SGD without momentum keeps no state"
     assert res["trained_by_several"] > 0
@@ -126,10 +126,8 @@ def test_holders_reader_sees_a_difference() -> None:
 @pytest.mark.timeout(300)
 def test_redraws_keep_holders_identical_in_checkpoint_files(tmp_path) -> None:  # noqa: ANN001
     """The issue's measurement on a whole job (worker, trainer, checkpoint files on disk)."""
-    from dist_helpers import compose_cfg, run_job
-
     sel = MLP + ["parallelism=sdp", "optim=sgd", f"parallelism.resample_every={EVERY}", f"train.steps={STEPS}",
                  f"train.checkpoint_every={STEPS}", "train.eval_every=0"]
     run_job(sel, world=4, run_dir=tmp_path)
-    res = differing(tmp_path / "checkpoints" / f"step_{STEPS:08d}", cfg=compose_cfg([*sel, "cluster.world_size=4"]))
+    res = differing(tmp_path / "checkpoints" / f"step_{STEPS:08d}", cfg=compose([*sel, "cluster.world_size=4"]))
     assert res["trained_by_several"] > 0 and not (res["params"] or res["state"] or res["missing_state"]), res

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_train, sdp_env
+from tests.helpers import REPO, run_train, sdp_env
 
 pytestmark = [pytest.mark.slurm]
 

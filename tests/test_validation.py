@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-import torch
 
 from sdp.config import ConfigError, validate
 from sdp.parallel import STRATEGIES
+from tests.helpers import run_if
 from tests.hydra_cfg import compose_config
 
 BASE = ["experiment=smoke", "model=mlp"]  # a small valid starting point every row modifies
@@ -24,6 +24,7 @@ class Bad(NamedTuple):
     id: str
     overrides: list[str]
     expect: list[str]  # substrings of the error message (key, value, what is allowed)
+    marks: tuple = ()  # where the row applies (run_if): a valid config on other machines
 
 
 CATALOGUE = [
@@ -109,18 +110,16 @@ CATALOGUE = [
         ["parallelism.replicate", "3"]),
     Bad("sdp-neuron-without-hidden-dims", ["parallelism=sdp_neuron_fwd", "model._target_=tests.opaque.OpaqueMLP"],
         ["parallelism.level='neuron'", "OpaqueMLP", "declares hidden dims", "allowed: block"]),
+    # On a machine with a GPU this is a valid config: the row runs where it can fail.
+    Bad("cuda-without-gpu", ["cluster.device=cuda"], ["cluster.device='cuda'", "no CUDA device"], marks=(run_if(no_cuda=True),)),
 ]
-
-# On a machine with a GPU the cuda row is a valid config; it is covered where it can fail.
-if not torch.cuda.is_available():
-    CATALOGUE.append(Bad("cuda-without-gpu", ["cluster.device=cuda"], ["cluster.device='cuda'", "no CUDA device"]))
 
 
 def compose_and_validate(overrides: list[str]) -> None:
     validate(compose_config(*BASE, *overrides))
 
 
-@pytest.mark.parametrize("row", CATALOGUE, ids=[r.id for r in CATALOGUE])
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.id, marks=r.marks) for r in CATALOGUE])
 def test_bad_input_is_refused_with_a_clear_message(row: Bad, tmp_path: Path) -> None:
     overrides = [o.replace("{tmp}", str(tmp_path)) for o in row.overrides]
     with pytest.raises(Exception) as info:
@@ -163,7 +162,7 @@ def test_strategy_validate_receives_the_full_config(monkeypatch: pytest.MonkeyPa
 def test_bad_model_value_fails_in_the_driver_in_one_line(tmp_path: Path) -> None:
     """End to end: ``sdp-train`` with a model too narrow for the data's labels (the bare ``IndexError: Target
     .. is out of bounds`` of every spawned rank before) stops in the driver, naming the node, no rank started."""
-    from tests.conftest import run_train
+    from tests.helpers import run_train
 
     job = run_train(tmp_path / "run", "experiment=smoke", "model.num_classes=5", check=False, timeout=120)
     assert job.proc.returncode != 0

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import REPO, sdp_env
+from tests.helpers import REPO, sdp_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 

@@ -1,46 +1,46 @@
-"""Generic multi-rank test harness (not SDP-specific, despite the name).
+"""Spawned gloo ranks for tests below the job level: a free port, the launcher variables, one thread,
+a process group with a timeout, every rank's return value (or its traceback) back in the test, and
+inside a rank the strategy and batches exactly as ``sdp.worker`` and the trainer make them.
 
-- ``compose(overrides)``: the job config exactly as ``sdp-train`` composes it (Hydra compose API).
-- ``run_job(overrides, run_dir)``: what ``sdp.train.run`` does (validate, write config, launch the
-  ranks with the real elastic launcher) into ``run_dir``; returns (summary, metrics rows).
-- ``spawn(fn, world_size, *args)``: runs ``fn(rank, world_size, *args)`` in ``world_size`` spawned
-  gloo ranks (free port, 60 s collective timeout) and returns the ranks' return values in rank order.
-- ``make_strategy(config, rank, world_size)``: inside a rank, the strategy set up as the worker does it.
+Why ``torch.multiprocessing`` spawn rather than a whole job: these tests drive a strategy step by
+step and look at its gradients, pieces and groups, which a job does not return.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import socket
 import traceback
-from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from sdp import results
-from tests.dist_helpers import free_port, rank_process_group
-from tests.hydra_cfg import compose_config
-
-FAST = ["logger.wandb.mode=disabled", "logger.progress=false"]
+from tests.helpers.jobs import PG_TIMEOUT_S
 
 
-def compose(overrides: list[str]) -> DictConfig:
-    return compose_config(*FAST, *overrides)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def run_job(overrides: list[str], run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    from sdp.config import validate
-    from sdp.launch import launch
-
-    cfg = compose(overrides)
-    validate(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    results.write_config(cfg=cfg, run_dir=run_dir)
-    summary = launch(cfg=cfg, run_dir=run_dir)
-    assert summary is not None, f"no summary from rank 0 for {overrides}"
-    return summary, results.read_metrics(run_dir)
+@contextmanager
+def rank_process_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """Inside a spawned test rank: its launcher variables, one thread, a gloo group with a timeout."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WANDB_MODE="disabled")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
@@ -53,16 +53,19 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: A
             queue.put((rank, None, traceback.format_exc()))
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240) -> list[Any]:
+def spawn(fn: Callable[..., Any], *, world: int, args: tuple = (), timeout_s: float = 240) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks (process group initialised) and
+    return the ranks' return values in rank order; the first failing rank's traceback is raised, and
+    a rank that answers nothing within ``timeout_s`` fails the test."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
     try:
-        for _ in range(world_size):
+        for _ in range(world):
             rank, value, err = queue.get(timeout=timeout_s)
             if err is not None:
                 raise AssertionError(f"rank {rank} failed:\n{err}")
@@ -72,13 +75,14 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240) -> 
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return [out[r] for r in range(world_size)]
+    return [out[r] for r in range(world)]
 
 
 def make_strategy(config: dict[str, Any], rank: int, world_size: int) -> tuple[Any, Any, DictConfig]:
     """(strategy after setup, data bundle, cfg) for this rank, built exactly as sdp.worker does."""
     from sdp.parallel import STRATEGIES, DistContext
-    from sdp.worker import build, build_model
+    from sdp.registry import build
+    from sdp.worker import build_model
 
     cfg = OmegaConf.create(config)
     data = build(cfg.dataset)
@@ -97,7 +101,3 @@ def batch(data: Any, cfg: DictConfig, *, step: int, rank: int, world_size: int) 
     sampler = GlobalBatchSampler(num_samples=len(data.train), global_batch=int(cfg.train.batch_size) * world_size, seed=int(cfg.seed))
     idx = sampler.shard(step, replica=rank, replicas=world_size)
     return x_all[idx], y_all[idx]
-
-
-def config_dict(overrides: list[str]) -> dict[str, Any]:
-    return OmegaConf.to_container(compose(overrides), resolve=True)  # type: ignore[return-value]
