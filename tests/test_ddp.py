@@ -54,8 +54,7 @@ def test_ddp_trains_and_follows_contract(train_job, world: int):
     assert s["final"]["eval_accuracy"] > 0.3
 
 
-@CORE
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # slow tier (CI time): tests/test_report.py runs a multirun in the default tier
 def test_multirun_jobs_get_distinct_directories(tmp_path):
     sweep = tmp_path / "sweep"
     job = run_train(sweep, "parallelism=ddp", "seed=0,1", "model=mlp", "train.steps=5", "train.eval_every=0",

@@ -38,6 +38,7 @@ def close(pred: float, meas: float, *, tol: float = 0.05) -> bool:
     return abs(pred - meas) <= tol * max(abs(meas), 1.0)
 
 
+@pytest.mark.slow  # ~30 s of meta rehearsal: slow tier (CI time)
 def test_plan_predicts_llama_fsdp_and_sdp_on_meta_at_paper_scale() -> None:
     from sdp.planner import predict
 

@@ -43,7 +43,7 @@ def test_changed_schedule_is_refused_naming_the_key(six: Path, tmp_path: Path, o
     assert not (tmp_path / "r" / "rank_logs").exists(), "refused in the driver: no rank may start"
 
 
-@CORE
+@pytest.mark.dist  # slow tier (CI time): the refused-schedule case stays in the default tier
 def test_extend_steps_continues_on_the_new_schedule(six: Path, tmp_path: Path) -> None:
     job = run_train(tmp_path / "r", *BASE, "train.steps=12", "train.extend_steps=true", f"train.resume={six}")
     assert "resuming from" in job.output and "step_00000006" in job.output
