@@ -85,8 +85,17 @@ def validate_train(cfg: DictConfig) -> None:
         require(dbg.fault_rank < cfg.cluster.world_size, "train.debug.fault_rank", dbg.fault_rank,
                 f"must be a rank of the job, < cluster.world_size={cfg.cluster.world_size}")
         positive_int("train.debug.fault_step", dbg.fault_step)
-        require(dbg.fault_step <= tc.steps, "train.debug.fault_step", dbg.fault_step,
-                f"must be a step of the run, <= train.steps={tc.steps}")
+        if str(tc.budget) == "iterations":  # other budgets set train.steps later: checked again once resolved
+            check_resolved(cfg)
+
+
+def check_resolved(cfg: DictConfig) -> None:
+    """What depends on the resolved ``train.steps`` (:func:`sdp.budget.resolve_steps` may change it under
+    ``train.budget=flops|tokens``): called by the driver once the budget is resolved, before any rank."""
+    dbg, steps = cfg.train.debug, cfg.train.steps
+    if dbg.fault is not None:
+        require(dbg.fault_step <= steps, "train.debug.fault_step", dbg.fault_step,
+                f"must be a step of the run, <= train.steps={steps}")
 
 
 def validate_strategy(cfg: DictConfig) -> None:

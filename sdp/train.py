@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdp import checkpoint, results, sweep
 from sdp.budget import resolve_steps
-from sdp.config import renamed_overrides, validate
+from sdp.config import check_resolved, renamed_overrides, validate
 from sdp.launch import RankFailure, launch
 from sdp.rankenv import external_launcher
 from sdp.loggers import wandb_run_id
@@ -59,6 +59,7 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
     slurm_environment(cluster=cfg.cluster)  # a Slurm task becomes a rank (RANK, WORLD_SIZE, ...) before validation
     validate(cfg)
     cfg.train.steps, budget = resolve_steps(cfg)
+    check_resolved(cfg)  # checks against train.steps come after the budget has set it
     driver = not external_launcher() or os.environ.get("RANK") == "0"
     if cfg.train.get("skip_done"):
         plan, done = sweep.job_plan(cfg=cfg, run_dir=run_dir)  # refuses a directory holding another config

@@ -183,3 +183,24 @@ def test_stale_override_on_the_command_line_names_the_new_key() -> None:
         assert message is not None and "moved to eval.bn" in message and repr(given) in message, message
     message = renamed_overrides(["parallelism=fsdp", "parallelism.mixed_precision=true"])
     assert message is not None and "moved to train.precision" in message, message
+
+
+def test_steps_are_checked_after_the_budget_has_set_them() -> None:
+    """Under a FLOP budget train.steps is DDP's count and SDP runs more: a fault step beyond the
+    configured steps but inside the resolved ones is accepted, one beyond both is refused, naming both."""
+    from sdp.budget import resolve_steps
+    from sdp.config import check_resolved
+
+    def resolved(fault_step: int):  # noqa: ANN202
+        cfg = compose_config(*BASE, "parallelism=sdp", "parallelism.coverage=0.5", "cluster.world_size=4",
+                             "train.budget=flops", "train.steps=10", "train.debug.fault=nan_loss", f"train.debug.fault_step={fault_step}")
+        validate(cfg)  # not refused before the budget is known
+        cfg.train.steps, _ = resolve_steps(cfg)
+        return cfg
+
+    cfg = resolved(15)
+    assert cfg.train.steps >= 15, cfg.train.steps
+    check_resolved(cfg)
+    cfg = resolved(99)
+    with pytest.raises(ConfigError, match=rf"train.debug.fault_step=99.*train.steps={cfg.train.steps}"):
+        check_resolved(cfg)
