@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
-from sdp.evaluation import loss_and_correct
+from sdp.evaluation import batch_norms, loss_and_correct
 from sdp.subnet.assemble import partwise_names
 from sdp.loss import loss_fn
 from sdp.registry import build
@@ -172,12 +172,12 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
     pieces = M.pieces(model, plan)
     partwise = bool(partwise_names(model))
     if partwise:  # evaluation part by part (SDPStrategy.eval_module)
-        reestimate = str(cfg.eval.bn) == "reestimate" and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        norms = batch_norms(model)
+        reestimate = str(cfg.eval.bn) == "reestimate" and bool(norms)
         eval_extra = rehearse_partwise(model=model, flats=_part_flats(pieces, n=world, forward=mode == "forward"),
                                        batches=[(eval_batch, False)] + ([(batch, True)] if reestimate else []),
                                        example=model.example_input)
-        eval_extra += _nbytes(b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                              for b in m.buffers()) if reestimate else 0  # the re-estimated statistics kept per part
+        eval_extra += _nbytes(b for m in norms for b in m.buffers()) if reestimate else 0  # re-estimated statistics kept per part
     else:  # a whole assembled copy next to the rank's state
         full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, cfg=cfg,
                              example=model.example_input)

@@ -37,7 +37,7 @@ from sdp.parallel.sdp_plan import BALANCE_KEYS, plan_for  # noqa: F401 (plan_for
 from sdp.plan_entries import Entry
 from sdp.plan_peaks import _sdp_peaks
 from sdp.subnet import masking as M
-from sdp.subnet.assemble import PartwiseAssembly, assemble, partwise_names, set_branch_scales, tensor_map
+from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, tensor_map
 from sdp.subnet.carry import carry_state
 from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError
 from sdp.subnet.sync import GroupSet, OwnerSetSync
@@ -242,10 +242,10 @@ class SDPStrategy(Strategy):
         holders, run and dropped), so no rank ever holds the full model; a model that cannot be cut
         into parts (tied weights, a custom forward) is assembled whole instead."""
         scale = self.plan.k / self.plan.world_size if self.rescale == "eval" else 1.0
-        if partwise_names(self.skeleton):
-            assert self.groups is not None
-            parts = PartwiseAssembly(skeleton=self.skeleton, pieces=self.pieces, layout=self.layout, plan=self.plan,
-                                     masking=self.mode, groups=self.groups, ctx=self.ctx, scale=scale)
+        assert self.groups is not None
+        parts = PartwiseAssembly(skeleton=self.skeleton, pieces=self.pieces, layout=self.layout, plan=self.plan,
+                                 masking=self.mode, groups=self.groups, ctx=self.ctx, scale=scale)
+        if len(parts):  # no parts: the model cannot be cut (partwise_names)
             try:
                 yield parts
             finally:

@@ -272,23 +272,16 @@ class OwnerSetSync:
         mine = [(h, items) for h, items in self.refresh_buckets if self.rank in self.groups.refresh_set(h)]
         if not mine:
             return
-        sizes = [sum(self._numel(p) for p in items) for _, items in mine]
-        dtypes = {self._dtype(p) for _, items in mine for p in items}
-        buffer = torch.empty(max(sizes), dtype=dtypes.pop(), device=self._device(mine[0][1][0])) if len(dtypes) == 1 else None
+        tensors = [self._tensor(p) for _, items in mine for p in items]
+        first = tensors[0]
+        buffer = None
+        if all(t.dtype == first.dtype for t in tensors):
+            largest = max(sum(p.nbytes for p in items) for _, items in mine)
+            buffer = torch.empty(largest // first.element_size(), dtype=first.dtype, device=first.device)
         for h, items in mine:
             broadcast_pieces(items, layout=self.layout, src=min(h), ranks=self.groups.refresh_set(h),
                              group=self.groups.get(self.groups.refresh_set(h)), rank=self.rank, comm=self.comm,
                              buffer=buffer)
-
-    def _numel(self, p: Piece) -> int:
-        t, dim, start, length = locate(p, self.layout)  # type: ignore[misc]
-        return view(t, dim, start, length).numel()
-
-    def _dtype(self, p: Piece) -> torch.dtype:
-        return locate(p, self.layout)[0].dtype  # type: ignore[index]
-
-    def _device(self, p: Piece) -> torch.device:
-        return locate(p, self.layout)[0].device  # type: ignore[index]
 
 
 def broadcast_pieces(items: list[Piece], *, layout: dict[str, Local], src: int, ranks: tuple[int, ...], group: Any,
