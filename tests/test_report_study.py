@@ -22,10 +22,11 @@ BBSDP = {"name": "sdp", "level": "block", "masking": "backward", "coverage": 0.5
 
 
 def run_dir(root: Path, job: int, *, seed: int, par: dict, losses: list[float], steps: int, flops_per_step: float,
-            peak_mib: float = 100.0, budget: str = "flops", gap: float | None = None, step_s: float = 0.1) -> None:
+            peak_mib: float = 100.0, budget: str = "flops", gap: float | None = None, step_s: float = 0.1,
+            n_layers: int = 8, commit: str = "abc") -> None:
     d = root / str(job)
     d.mkdir(parents=True)
-    cfg = {"seed": seed, "model": {"name": "llama"}, "parallelism": par, "cluster": {"world_size": 4},
+    cfg = {"seed": seed, "model": {"name": "llama", "n_layers": n_layers}, "parallelism": par, "cluster": {"world_size": 4},
            "train": {"steps": steps, "budget": budget}}
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     every = steps // len(losses)
@@ -39,7 +40,7 @@ def run_dir(root: Path, job: int, *, seed: int, par: dict, losses: list[float], 
                "final": {"eval_loss": losses[-1], "eval_accuracy": None, "assembly_gap": gap,
                          "eval_loss_workers": None if gap is None else losses[-1] - gap},
                "memory": {"per_rank": per_rank}, "comm": {"per_rank": [{"rank": 0, "bytes_per_step": MIB}]},
-               "time": {"step_s_median": step_s}, "versions": {"git_commit": "abc", "git_dirty": False},
+               "time": {"step_s_median": step_s}, "versions": {"git_commit": commit, "git_dirty": False},
                "budget": {"flops_per_step": flops_per_step, "total_flops": flops_per_step * steps}}
     (d / "summary.json").write_text(json.dumps(summary))
 
@@ -114,3 +115,27 @@ def test_row_names_from_configs(tmp_path: Path) -> None:
     run_dir(tmp_path, 1, seed=0, par={**BSDP, "rescale": "none"}, losses=[1.0], steps=10, flops_per_step=1.0)
     assert row_name(load_run(tmp_path / "0")) == "DDP+StochDepth p=0.5"
     assert row_name(load_run(tmp_path / "1")) == "B-SDP C=0.5 rescale=none"
+
+
+def test_rescale_rules_gap_against_depth_and_commits(study: Path) -> None:
+    """Issue 17, item 8: every rescale rule's gap and its paired difference to rescale=eval; the gap at each
+    depth of runs/depth beside the main sweep's; the header names which runs each commit made."""
+    extras, depth = study / "runs" / "extras" / "1", study / "runs" / "depth"
+    none_final = (2.15, 2.26, 2.09)  # rescale=none: +0.10 on every seed over rescale=eval (BSDP_FINAL)
+    for seed in range(3):
+        run_dir(extras, seed, seed=seed, par={**BSDP, "rescale": "none"}, losses=[3.0, none_final[seed]], steps=200,
+                flops_per_step=5.0, gap=0.3, commit="def")
+        run_dir(depth, seed, seed=seed, par=BSDP, losses=[3.0, 2.5], steps=200, flops_per_step=5.0,
+                gap=(0.10, 0.12, 0.11)[seed], n_layers=4, commit="def")
+    st = Study(study_dir=study, study="lm")
+    assert "B-SDP C=0.5 rescale=none" in st.rows and list(st.gap_by_depth("B-SDP C=0.5")) == [4, 8]
+    text = "\n".join(claims(st))
+    assert "- rescale=eval (auto): assembly gap +0.210 ± " in text
+    assert "- rescale=none: assembly gap +0.300 ± 0.000 nats (n = 3); assembled − DDP: higher by 0.150" in text
+    assert "assembled − rescale=eval: higher by 0.100 ± 0.000 nats (n = 3, resolved)" in text
+    assert "- 4 blocks: assembled 2.500 ± 0.000, workers' own 2.390 ± 0.010, gap +0.110 ± 0.025 nats (n = 3)" in text
+    assert "- 8 blocks: assembled" in text
+    write_report(study_dir=study, study="lm")
+    head = next(line for line in (study / "REPORT.md").read_text().splitlines() if "code at commit(s)" in line)
+    assert "abc (main seeds 0,1,2; peaks seeds 0; timing seeds 0)" in head, head
+    assert "def (depth seeds 0,1,2; extras seeds 0,1,2)" in head, head

@@ -2,8 +2,9 @@
 paired by seed with its 95 % interval, time to DDP's quality, measured training peaks, plots, and one
 verdict per claim of the paper, all computed from the run directories.
 
-Layout read: ``<study>/runs/main`` (the FLOP-matched and same-iteration rows, seeds 0-2),
-``<study>/runs/extras`` (FSDP's check, rescale rules), ``<study>/runs/peaks`` (one short run per method
+Layout read: ``<study>/runs/main`` (the FLOP-matched and same-iteration rows, seeds 0-2, and seeds 3-4 in
+``main/seeds-3-4``), ``<study>/runs/extras`` (FSDP's check, rescale rules), ``<study>/runs/depth`` (B-SDP
+C = 0.5 at other depths: the assembly gap against depth), ``<study>/runs/peaks`` (one short run per method
 with the live-tensor tracker: the training peak). Written: ``<study>/REPORT.md``, ``table.csv``,
 ``curves.png`` (evaluation loss against the fraction of DDP's FLOPs, mean and a band of +- one sample
 std over seeds), ``peak_vs_loss.png``.
@@ -74,6 +75,14 @@ def collect(runs: list[Run]) -> dict[str, Row]:
     return rows
 
 
+def collect_depths(runs: list[Run]) -> dict[int, dict[str, Row]]:
+    """Rows by the model's depth (``model.n_layers``), then by method."""
+    depths: dict[int, list[Run]] = {}
+    for run in runs:
+        depths.setdefault(int(run.flat["model.n_layers"]), []).append(run)
+    return {n: collect(rs) for n, rs in sorted(depths.items())}
+
+
 def by_method(rows: dict[str, Row]) -> dict[str, Row]:
     return {peak_name(name): row for name, row in rows.items()}
 
@@ -123,6 +132,8 @@ class Study:
         # one short run per method (under the iterations budget whatever the method's): keyed by the method
         self.peaks = by_method(collect(find_runs(runs_dir / "peaks"))) if (runs_dir / "peaks").is_dir() else {}
         self.timing = by_method(collect(find_runs(runs_dir / "timing"))) if (runs_dir / "timing").is_dir() else {}
+        # the same method at other depths (model.n_layers), kept out of the rows: its row name would collide
+        self.depth = collect_depths(find_runs(runs_dir / "depth")) if (runs_dir / "depth").is_dir() else {}
         assert "DDP" in self.rows, f"no DDP run with a summary below {runs_dir}: rows {sorted(self.rows)}"
         self.ddp = self.rows["DDP"]
         self.metric = "eval_accuracy" if self.ddp.mean_std("eval_accuracy")[0] is not None else None
@@ -137,6 +148,13 @@ class Study:
     def paired_workers(self, name: str) -> Paired:
         """The subnetworks that were trained (mean over workers of each one's own eval loss) minus DDP's model."""
         return self.paired(name, "eval_loss_workers", ref_key="eval_loss")
+
+    def gap_by_depth(self, name: str) -> dict[int, Row]:
+        """``name``'s row at every depth run: the main sweep's depth and each depth of ``runs/depth``."""
+        out = {n: rows[name] for n, rows in self.depth.items() if name in rows}
+        if name in self.rows:
+            out[int(next(iter(self.rows[name].runs.values())).flat["model.n_layers"])] = self.rows[name]
+        return dict(sorted(out.items()))
 
     def ratio(self, name: str, key: str, *, source: str = "main") -> float | None:
         rows = {"peaks": self.peaks, "timing": self.timing, "main": self.rows}[source]

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from scipy.stats import t as student_t
 
-from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired
-from sdp.report.study import NOMINAL_RANGE, PAPER_COMMANDS, Study, curve, markdown_table, peak_name, verdict
+from sdp.report.runs import Run
+from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, t_half_width
+from sdp.report.study import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, peak_name, pm,
+                              verdict)
 
 LM_TARGET_HW, IMAGE_TARGET_HW = 0.02, 1.5  # issue 17's interval targets (nats; accuracy points)
 
@@ -43,6 +45,38 @@ def memory_lines(st: Study) -> list[str]:
     return out
 
 
+def _gap(row: Row) -> str:
+    gaps = [v for v in row.values("assembly_gap").values() if v is not None]
+    hw = t_half_width(gaps)
+    return f"{statistics.fmean(gaps):+.3f}" + ("" if hw is None else f" ± {hw:.3f}") + f" nats (n = {len(gaps)})"
+
+
+def gap_lines(st: Study, *, unit: str) -> list[str]:
+    """The assembly gap (assembled eval loss minus the mean of the workers' own subnetworks) of B-SDP C = 0.5
+    under each rescale rule run (the main row's ``auto`` is ``eval``), each rule against ``eval`` paired by
+    seed, and, where ``runs/depth`` exists, the gap at every depth."""
+    main = "B-SDP C=0.5"
+    names = [n for n in st.rows if n.startswith(main) and "iterations" not in n]
+    out = ["Assembly gap = the assembled model's eval loss minus the mean over workers of each worker's own "
+           "subnetwork's eval loss (the model that was trained).", ""]
+    for name in sorted(names, key=len):
+        row = st.rows[name]
+        if not [v for v in row.values("assembly_gap").values() if v is not None]:
+            continue
+        rule = name[len(main):].strip() or "rescale=eval (auto)"
+        line = f"- {rule}: assembly gap {_gap(row)}; {verdict(st.paired(name), what='assembled − DDP', unit=unit)}"
+        if name != main:
+            line += f"; {verdict(st.paired(name, reference=main), what='assembled − rescale=eval', unit=unit)}"
+        out.append(line)
+    depths = st.gap_by_depth(main) if st.depth else {}
+    if len(depths) > 1:
+        out += ["", f"Gap against depth ({main}, FLOP-matched to DDP at the same depth; the 95 % t interval over seeds):", ""]
+        for n_layers, row in depths.items():
+            loss, workers = row.mean_std("eval_loss"), row.mean_std("eval_loss_workers")
+            out.append(f"- {n_layers} blocks: assembled {pm(*loss)}, workers' own {pm(*workers)}, gap {_gap(row)}")
+    return out if len(out) > 2 else ["- no B-SDP C=0.5 run with a subnetwork evaluation"]
+
+
 def claims(st: Study) -> list[str]:
     """One line per claim, computed from the rows present."""
     unit, acc = "nats", st.metric is not None
@@ -67,12 +101,7 @@ def claims(st: Study) -> list[str]:
     for name in ("B-SDP C=0.5 (same iterations)", "B_β-SDP C=0.5 (same iterations)"):
         lines.append(f"- {verdict(st.paired(name), what=f'{name} − DDP', unit=unit)}")
     lines += ["", "### The assembled model vs the subnetworks that were trained (B-SDP C = 0.5)", ""]
-    for name in [n for n in st.rows if n.startswith("B-SDP C=0.5") and "iterations" not in n]:
-        gaps = [v for v in st.rows[name].values("assembly_gap").values() if v is not None]
-        if gaps:
-            lines.append(f"- {name}: assembly gap {statistics.fmean(gaps):+.3f} nats over {len(gaps)} seeds "
-                         f"(assembled eval loss minus the mean of the workers' own subnetworks); "
-                         f"{verdict(st.paired(name), what='vs DDP', unit=unit)}")
+    lines += gap_lines(st, unit=unit)
     if "FSDP" in st.rows:
         lines += ["", "### Check: FSDP must equal DDP", "", f"- {verdict(st.paired('FSDP'), what='FSDP − DDP', unit=unit)}"]
     p = st.paired("B-SDP C=0.5")
@@ -142,6 +171,19 @@ def plot(st: Study) -> list[Path]:
     return files
 
 
+def commits_by_stage(runs: list[Run], *, root: Path) -> str:
+    """``<commit> (<stage>: seeds ..., ...)`` for every commit the runs were made at: which runs a commit made,
+    so that a reader can re-run any of them at its own commit (``sdp-rerun``)."""
+    found: dict[str, dict[str, set[int]]] = {}
+    for r in runs:
+        rel = Path(r.path).relative_to(root).parts
+        stage = "main seeds 3-4" if rel[:2] == ("main", "seeds-3-4") else rel[0]
+        commit = str(r.summary.versions.get("git_commit"))[:12]
+        found.setdefault(commit, {}).setdefault(stage, set()).add(int(r.seed))
+    return " and ".join(f"{c} ({'; '.join(f'{st} seeds ' + ','.join(map(str, sorted(s))) for st, s in sorted(stages.items()))})"
+                        for c, stages in sorted(found.items()))
+
+
 def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]:
     """Write REPORT.md, table.csv and the plots of one study; returns the files written."""
     st = Study(study_dir=study_dir, study=study)
@@ -152,11 +194,11 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
         writer.writerows(records)
     ddp = st.ddp.runs[min(st.ddp.runs)].summary
     every = [r for rows in (st.rows, st.peaks, st.timing) for row in rows.values() for r in row.runs.values()]
-    commits = sorted({str(r.summary.versions.get("git_commit"))[:12] for r in every})
+    every += [r for rows in st.depth.values() for row in rows.values() for r in row.runs.values()]
     dirty = any(r.summary.versions.get("git_dirty") for r in every)
     md = [f"# CPU study: {study}", "", header,
           f"{len(st.runs)} runs ({sum(len(r.runs) for r in st.rows.values())} with results), DDP {ddp.steps} steps, "
-          f"{ddp.world_size} ranks, model {ddp.model}; code at commit(s) {', '.join(commits)} (main runs, peaks, timing)"
+          f"{ddp.world_size} ranks, model {ddp.model}; code at commit(s) {commits_by_stage(every, root=st.dir / 'runs')}"
           f"{' (dirty working tree)' if dirty else ''}. Every method of one seed shares the initial weights and the "
           f"data order; Δ columns are per-seed differences to DDP with the 95 % Student t interval (n − 1 d.f.); "
           f"'not resolved' = the interval contains 0. Time to target: first evaluation at or below DDP's mean final "
