@@ -139,3 +139,10 @@ def test_rescale_rules_gap_against_depth_and_commits(study: Path) -> None:
     head = next(line for line in (study / "REPORT.md").read_text().splitlines() if "code at commit(s)" in line)
     assert "abc (main seeds 0,1,2; peaks seeds 0; timing seeds 0)" in head, head
     assert "def (depth seeds 0,1,2; extras seeds 0,1,2)" in head, head
+
+
+def test_fsdp_check_prints_the_differences(study: Path) -> None:
+    run_dir(study / "runs" / "extras" / "0", 0, seed=0, par={"name": "fsdp"}, losses=[3.0, DDP_FINAL[0] + 2e-6],
+            steps=100, flops_per_step=10.0)
+    text = "\n".join(claims(Study(study_dir=study, study="lm")))
+    assert "- seed 0, FSDP − DDP: eval_loss +2.00e-06 (2.00000 vs 2.00000)" in text, text
