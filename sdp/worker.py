@@ -123,6 +123,8 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         layout = world_layout(rank=rank, local_rank=local_rank, device=device, world_size=world, nodes=cfg.cluster.get("nodes"))
         if rank == 0:
             print(format_layout(layout), flush=True)
+        # the code that runs is the code imported now: a commit made while the run trains must not be recorded
+        started = results.versions() if rank == 0 else {}
         data: DataBundle = build(cfg.dataset)
         peak.ignore(dataset_tensors(data))  # the in-memory dataset is not the strategy's memory
         peak.start()  # the set-up peak: model build, masking, wrapping, optimizer
@@ -136,7 +138,8 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         timer = PhaseTimer(device=device)
         trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer, run_dir=out, peak=peak)
         state = trainer.fit()
-        summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state)
+        summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state,
+                                  versions=started)
         if rank == 0:
             summary.run_dir, summary.budget, summary.nodes = str(out), budget, nodes_of(layout)
             summary.time.update(throughput(summary=summary.to_json(), flops_per_step=(budget or {}).get("flops_per_step")))
@@ -182,9 +185,11 @@ def data_used(trainer: Trainer) -> dict[str, Any]:
 
 
 def collect_summary(
-    *, cfg: DictConfig, ctx: DistContext, strategy: Strategy, trainer: Trainer, peak: PeakTracker, timer: PhaseTimer, state: Any
+    *, cfg: DictConfig, ctx: DistContext, strategy: Strategy, trainer: Trainer, peak: PeakTracker, timer: PhaseTimer, state: Any,
+    versions: dict[str, Any]
 ) -> Summary:
-    """Gather every rank's measurements and fill the run's :class:`Summary` (meaningful on rank 0)."""
+    """Gather every rank's measurements and fill the run's :class:`Summary` (meaningful on rank 0); ``versions``:
+    the commit and tree state taken when the run started."""
     warmup = int(cfg.train.warmup_steps)
     extra = strategy.summary_extra()
     mine = {
@@ -236,6 +241,6 @@ def collect_summary(
         },
         launcher_per_rank=[g["launcher"] for g in gathered],
         strategy_info=extra,
-        versions=results.versions(),
+        versions=versions,
         machine=results.machine(),
     )
