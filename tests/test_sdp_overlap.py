@@ -77,3 +77,34 @@ def test_overlap_is_bit_identical_to_blocking_sync(preset: str) -> None:
                     f"{preset} rank {r} step {step} {key}: max |overlap - blocking| = {(a[key] - b[key]).abs().max().item():.3e}")
         for n, t in on["params"].items():
             assert torch.equal(t, off["params"][n]), f"{preset} rank {r}: parameter {n} differs after {STEPS} steps"
+
+
+def _holder_set_runs(overrides: list[str]) -> dict[tuple[int, ...], int]:
+    """Runs per holder set of a plan built on the meta device (one process: the piece list alone decides)."""
+    from omegaconf import OmegaConf
+
+    from sdp.parallel.sdp import plan_for
+    from sdp.registry import build
+    from sdp.subnet.masking import pieces
+    from sdp.subnet.sync import holder_runs
+    from tests.helpers import compose
+
+    cfg = compose(overrides)
+    with torch.device("meta"):
+        model = build(OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)))
+    params = [p for p in pieces(model, plan_for(model=model, cfg=cfg.parallelism, world_size=4)) if p.is_param]
+    return {h: len(holder_runs(params, holders=h)) for h in sorted({p.holders for p in params})}
+
+
+def test_buckets_follow_blocks_not_unit_slices() -> None:
+    """A run of one holder set ends only at a block (or a stretch outside the blocks) holding none of its
+    pieces: at neuron level every block holds slices of every holder set, so each holder set is one run (the
+    CPU study's N-SDP made 129 all-reduces a step when slices ended runs); at block level each holder set has
+    one run per stretch of consecutive blocks it holds, and the embedding and head (held by all) are two."""
+    llama = ["model=llama_tiny", "model.n_layers=8", "dataset=synthetic_text", "cluster.world_size=4",
+             "parallelism.coverage=0.5"]
+    neuron = _holder_set_runs([*llama, "parallelism=sdp_neuron_fwd"])
+    assert all(n == 1 for n in neuron.values()), neuron
+    block = _holder_set_runs([*llama, "parallelism=sdp"])
+    assert block[(0, 1, 2, 3)] == 2, block
+    assert sum(n for h, n in block.items() if len(h) < 4) <= 8 and all(n >= 1 for n in block.values()), block
