@@ -71,11 +71,18 @@ def git_commit() -> str | None:
         return None
 
 
+# Run data, not code: a study rewriting its REPORT.md or replacing committed runs between its stages must
+# not mark the next stage's runs as made by other code.
+DATA_PATHS = ("benchmarks/results", "outputs", "multirun")
+
+
 def git_dirty() -> bool | None:
-    """Whether tracked files differ from the commit (a run "at commit X" then ran other code)."""
+    """Whether tracked files other than run data (``DATA_PATHS``) differ from the commit (a run "at commit X"
+    then ran other code)."""
     try:
         here = Path(__file__).resolve().parent
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+        spec = [":(top)", *(f":(top,exclude){d}" for d in DATA_PATHS)]
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *spec], cwd=here,
                              capture_output=True, text=True, timeout=5)
         return bool(out.stdout.strip()) if out.returncode == 0 else None
     except Exception:  # noqa: BLE001
