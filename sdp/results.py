@@ -76,11 +76,11 @@ def git_commit() -> str | None:
 DATA_PATHS = ("benchmarks/results", "outputs", "multirun")
 
 
-def git_dirty() -> bool | None:
+def git_dirty(*, root: Path | None = None) -> bool | None:
     """Whether tracked files other than run data (``DATA_PATHS``) differ from the commit (a run "at commit X"
-    then ran other code)."""
+    then ran other code); ``root``: a directory of the checkout (default: this package's)."""
     try:
-        here = Path(__file__).resolve().parent
+        here = root or Path(__file__).resolve().parent
         spec = [":(top)", *(f":(top,exclude){d}" for d in DATA_PATHS)]
         out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *spec], cwd=here,
                              capture_output=True, text=True, timeout=5)
