@@ -187,15 +187,22 @@ def plot(st: Study) -> list[Path]:
 
 
 def commits_by_stage(runs: list[Run], *, root: Path) -> str:
-    """``<commit> (<stage>: seeds ..., ...)`` for every commit the runs were made at: which runs a commit made,
-    so that a reader can re-run any of them at its own commit (``sdp-rerun``)."""
+    """``<commit> (<stage> seeds ..., ...)`` for every commit the runs were made at: which runs a commit made,
+    so that a reader can re-run any of them at its own commit (``sdp-rerun``). A stage whose runs recorded a
+    working tree that differed from the commit (``git_dirty``) says so."""
     found: dict[str, dict[str, set[int]]] = {}
+    dirty: set[tuple[str, str]] = set()
     for r in runs:
         rel = Path(r.path).relative_to(root).parts
-        stage = "main seeds 3-4" if rel[:2] == ("main", "seeds-3-4") else rel[0]
+        stage = "main/seeds-3-4" if rel[:2] == ("main", "seeds-3-4") else rel[0]
         commit = str(r.summary.versions.get("git_commit"))[:12]
         found.setdefault(commit, {}).setdefault(stage, set()).add(int(r.seed))
-    return " and ".join(f"{c} ({'; '.join(f'{st} seeds ' + ','.join(map(str, sorted(s))) for st, s in sorted(stages.items()))})"
+        if r.summary.versions.get("git_dirty"):
+            dirty.add((commit, stage))
+
+    def stage_text(c: str, st: str, seeds: set[int]) -> str:
+        return f"{st} seeds {','.join(map(str, sorted(seeds)))}" + (" (tree differed from it)" if (c, st) in dirty else "")
+    return " and ".join(f"{c} ({'; '.join(stage_text(c, st, s) for st, s in sorted(stages.items()))})"
                         for c, stages in sorted(found.items()))
 
 
@@ -210,11 +217,9 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
     ddp = st.ddp.runs[min(st.ddp.runs)].summary
     every = [r for rows in (st.rows, st.peaks, st.timing) for row in rows.values() for r in row.runs.values()]
     every += [r for rows in st.depth.values() for row in rows.values() for r in row.runs.values()]
-    dirty = any(r.summary.versions.get("git_dirty") for r in every)
     md = [f"# CPU study: {study}", "", header,
           f"{len(st.runs)} runs ({sum(len(r.runs) for r in st.rows.values())} with results), DDP {ddp.steps} steps, "
-          f"{ddp.world_size} ranks, model {ddp.model}; code at commit(s) {commits_by_stage(every, root=st.dir / 'runs')}"
-          f"{' (dirty working tree)' if dirty else ''}. Every method of one seed shares the initial weights and the "
+          f"{ddp.world_size} ranks, model {ddp.model}; code at commit(s) {commits_by_stage(every, root=st.dir / 'runs')}. Every method of one seed shares the initial weights and the "
           f"data order; Δ columns are per-seed differences to DDP with the 95 % Student t interval (n − 1 d.f.); "
           f"'not resolved' = the interval contains 0. Time to target: first evaluation at or below DDP's mean final "
           f"eval loss x {TARGET_FACTOR} (mean steps over the seeds that reach it, of all seeds; seconds = those steps x "
