@@ -42,6 +42,13 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Keys added to the config after runs were recorded, with the value that computes what a run recorded without
+# the key computed (a recorded run without ``plugins`` imported none; evaluation part by part with one batch
+# per pass is the protocol ``eval.part_batches`` was introduced with, and the default): re-using such a run
+# under ``train.skip_done`` is the same job, not another config.
+ADDED_KEYS: dict[str, Any] = {"plugins": [], "eval.part_batches": 1}
+
+
 def first_difference(*, now: dict[str, Any], then: dict[str, Any]) -> tuple[str, Any, Any] | None:
     """(key, value now, value recorded) of the first key (in the current config's order) that differs."""
     def keep(key: str) -> bool:
@@ -50,6 +57,8 @@ def first_difference(*, now: dict[str, Any], then: dict[str, Any]) -> tuple[str,
     a, b = flatten(now), flatten(then)
     missing = object()
     for key in [k for k in a if keep(k)] + [k for k in b if keep(k) and k not in a]:
+        if key not in b and key in ADDED_KEYS and a[key] == ADDED_KEYS[key]:
+            continue  # a key added after the run was recorded, at the value that computes what the run computed
         if a.get(key, missing) != b.get(key, missing):
             return key, a.get(key, "<absent>"), b.get(key, "<absent>")
     return None

@@ -30,6 +30,10 @@ def test_first_difference_names_the_first_key_and_ignores_run_control() -> None:
     now["optim"]["optimizer"]["lr"] = 0.1
     assert sweep.first_difference(now=now, then=then) == ("optim.optimizer.lr", 0.1, 0.05)
     assert sweep.first_difference(now={**now, "extra": 1}, then={**now}) == ("extra", 1, "<absent>")
+    # a key added after the run was recorded, at the value that computes what the run did, is the same job
+    added = {**now, "plugins": [], "eval": {"part_batches": 1}}
+    assert sweep.first_difference(now=added, then=now) is None
+    assert sweep.first_difference(now={**added, "eval": {"part_batches": 3}}, then=now) == ("eval.part_batches", 3, "<absent>")
 
 
 @pytest.mark.dist
