@@ -245,7 +245,10 @@ class Trainer:
 
     def _val_totals(self, model: Any, *, bn: str, bn_batches: Any, rank: int, world_size: int,
                     average: bool = True) -> torch.Tensor:
-        return evaluation.totals(model, bn=bn, bn_batches=bn_batches, ctx=self.ctx, data=self.data, rank=rank,
-                                 world_size=world_size, batch_size=int(self.cfg.train.eval_batch_size),
-                                 num_workers=int(self.cfg.train.num_workers), average=average,
-                                 part_batches=int(evaluation.part_batches(self.cfg)))
+        # evaluation forwards in the run's precision, as training's: one protocol for every strategy (FSDP2's
+        # bf16 policy unshards bf16 parameters, which a float32 input outside autocast cannot meet)
+        with self.strategy.autocast():
+            return evaluation.totals(model, bn=bn, bn_batches=bn_batches, ctx=self.ctx, data=self.data, rank=rank,
+                                     world_size=world_size, batch_size=int(self.cfg.train.eval_batch_size),
+                                     num_workers=int(self.cfg.train.num_workers), average=average,
+                                     part_batches=int(evaluation.part_batches(self.cfg)))
