@@ -47,12 +47,12 @@ def validate_eval(cfg: DictConfig) -> None:
     one_of("eval.bn", cfg.eval.bn, BN_PROTOCOLS)
     positive_int("eval.bn_batches", cfg.eval.bn_batches)
     positive_int("eval.part_batches", part_batches(cfg))
+    boolean("eval.subnetworks", cfg.eval.subnetworks)
 
 
 def part_batches(cfg: DictConfig) -> Any:
     """``eval.part_batches``; 1 for configs written before the key (a re-run of a recorded run)."""
     return cfg.eval.get("part_batches", 1)
-    boolean("eval.subnetworks", cfg.eval.subnetworks)
 
 
 def protocol(cfg: DictConfig) -> dict[str, Any]:

@@ -89,6 +89,7 @@ CATALOGUE = [
     Bad("eval-bn-unknown", ["eval.bn=running"], ["eval.bn='running'", "reestimate, average"]),
     Bad("eval-bn-batches-zero", ["eval.bn_batches=0"], ["eval.bn_batches=0", "integer >= 1"]),
     Bad("eval-part-batches-zero", ["eval.part_batches=0"], ["eval.part_batches=0", "integer >= 1"]),
+    Bad("eval-subnetworks-not-bool", ["eval.subnetworks=maybe"], ["eval.subnetworks='maybe'", "true or false"]),
     Bad("stale-parallelism-bn", ["parallelism=sdp", "+parallelism.bn=average"], ["parallelism.bn='average'", "moved to eval.bn"]),
     Bad("sdp-coverage-zero", ["parallelism=sdp", "parallelism.coverage=0"], ["parallelism.coverage", "0"]),
     Bad("sdp-coverage-above-one", ["parallelism=sdp", "parallelism.coverage=1.5"], ["parallelism.coverage", "1.5"]),
