@@ -58,8 +58,12 @@ class Row:
     def values(self, key: str) -> dict[int, float | None]:
         return {s: run_figures(r.summary)[key] for s, r in self.runs.items()}
 
+    def present(self, key: str) -> list[float]:
+        """``key``'s values over the seeds that have one."""
+        return [v for v in self.values(key).values() if v is not None]
+
     def mean_std(self, key: str) -> tuple[float | None, float | None]:
-        vals = [v for v in self.values(key).values() if v is not None]
+        vals = self.present(key)
         if not vals:
             return None, None
         return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
@@ -107,6 +111,14 @@ def interval(p: Paired, spec: str = "+.3f") -> str:
         return "–"
     hw = "no interval (n = 1)" if p.half_width is None else f"± {p.half_width:.3f}"
     return f"{p.mean:{spec}} {hw}" + ("" if p.resolved else " · not resolved")
+
+
+def mean_interval(values: list[float]) -> str:
+    """``+mean ± 95 % t half-width`` of ``values`` (no interval from one value; "–" from none)."""
+    if not values:
+        return "–"
+    hw = t_half_width(values)
+    return f"{statistics.fmean(values):+.3f}" + ("" if hw is None else f" ± {hw:.3f}")
 
 
 def verdict(p: Paired, *, what: str, unit: str = "nats") -> str:
@@ -184,7 +196,6 @@ class Study:
     def table(self) -> list[dict[str, str]]:
         out = []
         for name, row in sorted(self.rows.items(), key=lambda kv: _order(kv[0])):
-            gap_vals = [v for v in row.values("assembly_gap").values() if v is not None]
             flops = self.ratio(name, "total_flops")
             rec = {
                 "method": name, "seeds": ",".join(str(s) for s in sorted(row.runs)),
@@ -198,8 +209,7 @@ class Study:
             rec["workers' own loss"] = pm(*row.mean_std("eval_loss_workers"))
             workers = self.paired_workers(name)
             rec["Δ workers' loss vs DDP"] = "–" if workers.mean is None else interval(workers)
-            rec["assembly gap"] = "–" if not gap_vals else (
-                f"{statistics.fmean(gap_vals):+.3f}" + (f" ± {t_half_width(gap_vals):.3f}" if len(gap_vals) > 1 else ""))
+            rec["assembly gap"] = mean_interval(row.present("assembly_gap"))
             rec[f"to DDP loss x {TARGET_FACTOR}"] = self.reach(row)
             rec["train peak x DDP"] = fmt(self.ratio(name, "train_peak_bytes", source="peaks"))
             rec["state x DDP (by construction)"] = fmt(self.ratio(name, "model_state_bytes", source="peaks"))

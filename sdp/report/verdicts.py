@@ -14,9 +14,9 @@ from pathlib import Path
 from scipy.stats import t as student_t
 
 from sdp.report.runs import Run, run_figures
-from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, t_half_width
-from sdp.report.study import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, peak_name, pm,
-                              verdict)
+from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired
+from sdp.report.study import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, mean_interval,
+                              peak_name, pm, verdict)
 
 LM_TARGET_HW, IMAGE_TARGET_HW = 0.02, 1.5  # issue 17's interval targets (nats; accuracy points)
 
@@ -46,9 +46,8 @@ def memory_lines(st: Study) -> list[str]:
 
 
 def _gap(row: Row) -> str:
-    gaps = [v for v in row.values("assembly_gap").values() if v is not None]
-    hw = t_half_width(gaps)
-    return f"{statistics.fmean(gaps):+.3f}" + ("" if hw is None else f" ± {hw:.3f}") + f" nats (n = {len(gaps)})"
+    gaps = row.present("assembly_gap")
+    return f"{mean_interval(gaps)} nats (n = {len(gaps)})"
 
 
 def gap_lines(st: Study, *, unit: str) -> list[str]:
@@ -61,7 +60,7 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
            "subnetwork's eval loss (the model that was trained).", ""]
     for name in sorted(names, key=len):
         row = st.rows[name]
-        if not [v for v in row.values("assembly_gap").values() if v is not None]:
+        if not row.present("assembly_gap"):
             continue
         rule = name[len(main):].strip() or "rescale=eval (auto)"
         line = f"- {rule}: assembly gap {_gap(row)}; {verdict(st.paired(name), what='assembled − DDP', unit=unit)}"
