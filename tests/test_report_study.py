@@ -97,7 +97,7 @@ def test_verdicts_and_files(study: Path) -> None:
     st = Study(study_dir=study, study="lm")
     text = "\n".join(claims(st))
     assert "B-SDP C=0.5 (assembled model) − DDP: higher by 0.050" in text and "(n = 3, resolved)" in text
-    assert "its workers own subnetworks − DDP: lower by 0.160" in text  # 0.2-0.22 gap: workers 1.85 vs 2.0
+    assert "its workers' own subnetworks − DDP: lower by 0.160" in text  # 0.2-0.22 gap: workers 1.85 vs 2.0
     assert "B_β-SDP C=0.5 (same iterations) − DDP: not resolved" in text
     assert "measured training peak 0.550x DDP's, inside the claimed" in text
     assert "by construction" in text
@@ -146,3 +146,13 @@ def test_fsdp_check_prints_the_differences(study: Path) -> None:
             steps=100, flops_per_step=10.0)
     text = "\n".join(claims(Study(study_dir=study, study="lm")))
     assert "- seed 0, FSDP − DDP: eval_loss +2.00e-06 (2.00000 vs 2.00000)" in text, text
+
+
+def test_only_forward_masked_rows_are_called_assembled(study: Path) -> None:
+    """Backward masking runs the full model in every worker: its verdict must not speak of an assembled model."""
+    for seed in range(3):
+        run_dir(study / "runs" / "main", 9 + seed, seed=seed, par=BBSDP, losses=[3.1, BB_FINAL[seed]], steps=140,
+                flops_per_step=7.0)
+    text = "\n".join(claims(Study(study_dir=study, study="lm")))
+    assert "B_β-SDP C=0.5 (the full model every worker ran) − DDP: not resolved" in text, text
+    assert "B_β-SDP C=0.5 (assembled model)" not in text and "B-SDP C=0.5 (assembled model) − DDP" in text

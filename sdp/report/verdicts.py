@@ -98,10 +98,13 @@ def claims(st: Study) -> list[str]:
     lines += memory_lines(st) or ["- no peak runs"]
     lines += ["", "### Quality parity above C ≈ 0.3 (FLOP-matched, final eval loss, paired by seed)", ""]
     for name in ("B-SDP C=0.25", "B-SDP C=0.5", "B-SDP C=0.75", "B_β-SDP C=0.5", "N-SDP C=0.5"):
-        if name in st.rows:
-            lines.append(f"- {verdict(st.paired(name), what=f'{name} (assembled model) − DDP', unit=unit)}")
-            if st.paired_workers(name).mean is not None:
-                lines.append(f"  - {verdict(st.paired_workers(name), what='its workers own subnetworks − DDP', unit=unit)}")
+        if name in st.rows:  # "assembled" only where workers trained different models (forward masking)
+            assembled = st.paired_workers(name).mean is not None
+            model = " (assembled model)" if assembled else " (the full model every worker ran)"
+            lines.append(f"- {verdict(st.paired(name), what=f'{name}{model} − DDP', unit=unit)}")
+            if assembled:
+                own = "its workers' own subnetworks − DDP"
+                lines.append(f"  - {verdict(st.paired_workers(name), what=own, unit=unit)}")
             if acc:
                 lines.append(f"  - accuracy: {verdict(st.paired(name, 'eval_accuracy'), what=f'{name} − DDP', unit='points')}")
     lines += ["", "### Block vs neuron level at C = 0.5", "",
@@ -111,7 +114,7 @@ def claims(st: Study) -> list[str]:
               "", "### The reviewers' stochastic-depth question (p = C = 0.5, FLOP-matched)", ""]
     for ref in ("DDP+StochDepth p=0.5", "DDP+LayerDrop p=0.5"):
         lines.append(f"- {verdict(st.paired('B-SDP C=0.5', reference=ref), what=f'B-SDP C=0.5 − {ref}', unit=unit)}")
-    lines += ["", "### The reviewers' same-iteration question (DDP's step count, half its FLOPs at C = 0.5)", ""]
+    lines += ["", "### The reviewers' same-iteration question (DDP's step count, so fewer FLOPs: the table's FLOPs x DDP)", ""]
     for name in ("B-SDP C=0.5 (same iterations)", "B_β-SDP C=0.5 (same iterations)"):
         lines.append(f"- {verdict(st.paired(name), what=f'{name} − DDP', unit=unit)}")
     lines += ["", "### The assembled model vs the subnetworks that were trained (B-SDP C = 0.5)", ""]
