@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sdp.results import machine, versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = {
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "capacity")
     args = ap.parse_args(argv)
+    at_start = {"versions": versions(), "machine": machine()}  # the tree the trials ran from
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / "capacity.json"
     with socket.socket() as s:
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mp.spawn(_rank, args=(args.world, port, args, str(raw)), nprocs=args.world, join=True)
     result = json.loads(raw.read_text())
     result["seconds"] = time.perf_counter() - t0
+    result.update(at_start)
     result["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     raw.write_text(json.dumps(result, indent=2))
     text = render(result, args=args, out=args.out)

@@ -43,6 +43,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import ROOT, run_one  # noqa: E402
 
+from sdp.results import machine, versions  # noqa: E402
+
 COMMON = ["model=resnet18_cifar", "model.width=32", "dataset=synthetic", "dataset.image_size=32", "train.batch_size=32",
           "cluster.world_size=2", "train.steps=16", "train.warmup_steps=4", "train.eval_every=0",
           "logger.wandb.mode=disabled", "logger.progress=false", "optim=sgd"]
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "harness")
     args = ap.parse_args(argv)
+    at_start = {"versions": versions(), "machine": machine()}  # the tree the runs start from
     common = [*args.common, *args.extra]
     sys.path.insert(0, str(ROOT))
     from omegaconf import OmegaConf
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"repeat {i}: " + ", ".join(f"{a} {v[-1]['step_s']:.4f} s" for a, v in arms.items()), flush=True)
     med = {a: {"step_s": statistics.median(r["step_s"] for r in v),
                "phases": {k: statistics.median(r["phases"][k] for r in v) for k in PHASES}} for a, v in arms.items()}
-    result = {"median": med, "runs": arms, "loadavg": os.getloadavg(), "common": common,
+    result = {"median": med, "runs": arms, "loadavg": os.getloadavg(), "common": common, **at_start,
               "ratio": med["suite"]["step_s"] / med["minimal"]["step_s"],
               "ratio_no_tracker": med["suite_no_tracker"]["step_s"] / med["minimal"]["step_s"],
               "ratio_no_tracker_vs_default_malloc": med["suite_no_tracker"]["step_s"] / med["minimal_default_malloc"]["step_s"]}

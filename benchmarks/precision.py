@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import ROOT, run_one  # noqa: E402  (the same job runner as the strategy comparison)
-from sdp.results import read_metrics  # noqa: E402
+from sdp.results import machine, read_metrics, versions  # noqa: E402
 
 COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "cluster.world_size=2", "train.batch_size=16",
           "optim=sgd", "optim.optimizer.lr=0.01", "train.steps=20", "train.warmup_steps=3", "train.eval_every=0",
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--common", nargs="*", default=COMMON)
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "precision")
     args = ap.parse_args(argv)
+    at_start = {"versions": versions(), "machine": machine()}  # the tree the runs start from
     rows: dict[str, dict[str, Any]] = {}
     for preset in args.presets:
         got = {}
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "fp32_first_last": (f32[0], f32[-1]), "eval_loss": (s32.final.eval_loss, s16.final.eval_loss),
                         "step_ratio": s16.time["step_s_median"] / s32.time["step_s_median"], "differs": b16 != f32}
         print(preset, rows[preset], flush=True)
-    result = {"rows": rows, "common": args.common, "loadavg": os.getloadavg()}
+    result = {"rows": rows, "common": args.common, "loadavg": os.getloadavg(), **at_start}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "precision.json").write_text(json.dumps(result, indent=2))
     print("| strategy | step-1 gap | late-mean gap | fp32 loss first -> last | eval loss fp32 / bf16 | step bf16 / fp32 |")
