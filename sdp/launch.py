@@ -102,6 +102,17 @@ def root_cause(failures: dict[int, Any]) -> tuple[int, Any, str]:
     return rank, failures[rank], text(failures[rank])
 
 
+def stopped(sig: int) -> BaseException:
+    """What a stop signal that reached the elastic agent becomes: the agent stops the ranks and raises
+    ``SignalException``, an ``Exception``, which Hydra's multirun records as one failed job before it
+    starts the next; so a Ctrl-C or ``kill`` of a local sweep only ended the current job (seen in the CPU
+    study). ``KeyboardInterrupt`` (SIGINT) or ``SystemExit(128 + signal)`` is not an ``Exception``: the
+    sweep ends, and the stopped job's checkpoint stays for ``train.skip_done`` / ``train.resume``."""
+    if sig == signal.SIGINT:
+        return KeyboardInterrupt()
+    return SystemExit(128 + int(sig))
+
+
 def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = None) -> Summary | None:
     """Run the job's ranks and return rank 0's summary (None on other ranks of an external job).
 
@@ -111,7 +122,7 @@ def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = No
     config = OmegaConf.to_container(cfg, resolve=True)
     if external_launcher():
         return run_external(config=config, run_dir=run_dir, budget=budget)
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -130,6 +141,8 @@ def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = No
     )
     try:
         outputs = elastic_launch(launch_cfg, run_rank)(config, str(run_dir), budget)
+    except SignalException as exc:
+        raise stopped(exc.sigval) from None
     except ChildFailedError as exc:
         rank, failure, message = root_cause(exc.failures)
         others = sorted(r for r in exc.failures if r != rank)
