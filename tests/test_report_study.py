@@ -135,6 +135,8 @@ def test_rescale_rules_gap_against_depth_and_commits(study: Path) -> None:
     assert "assembled − rescale=eval: higher by 0.100 ± 0.000 nats (n = 3, resolved)" in text
     assert "- 4 blocks: assembled 2.500 ± 0.000, workers' own 2.390 ± 0.010, gap +0.110 ± 0.025 nats (n = 3)" in text
     assert "- 8 blocks: assembled" in text
+    # the trend, paired by seed: 8-block gaps 0.20, 0.21, 0.22 minus 4-block gaps 0.10, 0.12, 0.11
+    assert "- gap at 8 blocks − gap at 4 blocks (paired by seed): higher by 0.100 ± 0.025 nats (n = 3, resolved)" in text, text
     write_report(study_dir=study, study="lm")
     head = next(line for line in (study / "REPORT.md").read_text().splitlines() if "code at commit(s)" in line)
     assert "abc (main seeds 0,1,2; peaks seeds 0; timing seeds 0)" in head, head

@@ -14,7 +14,7 @@ from pathlib import Path
 from scipy.stats import t as student_t
 
 from sdp.report.runs import Run, run_figures
-from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired
+from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, paired_difference
 from sdp.report.study import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, mean_interval,
                               peak_name, pm, verdict)
 
@@ -73,6 +73,9 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
         for n_layers, row in depths.items():
             loss, workers = row.mean_std("eval_loss"), row.mean_std("eval_loss_workers")
             out.append(f"- {n_layers} blocks: assembled {pm(*loss)}, workers' own {pm(*workers)}, gap {_gap(row)}")
+        (low, shallow), (high, deep) = next(iter(depths.items())), list(depths.items())[-1]
+        trend = paired_difference(deep.values("assembly_gap"), shallow.values("assembly_gap"))  # same seed, same data
+        out.append(f"- {verdict(trend, what=f'gap at {high} blocks − gap at {low} blocks (paired by seed)', unit=unit)}")
     return out if len(out) > 2 else ["- no B-SDP C=0.5 run with a subnetwork evaluation"]
 
 
