@@ -44,9 +44,10 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 # Keys added to the config after runs were recorded, with the value that computes what a run recorded without
 # the key computed (a recorded run without ``plugins`` imported none; evaluation part by part with one batch
-# per pass is the protocol ``eval.part_batches`` was introduced with, and the default): re-using such a run
+# per pass is the protocol ``eval.part_batches`` was introduced with, and the default; a run from before the
+# holder-set cap ran uncapped, ``parallelism.max_holder_sets=null``): re-using such a run
 # under ``train.skip_done`` is the same job, not another config.
-ADDED_KEYS: dict[str, Any] = {"plugins": [], "eval.part_batches": 1}
+ADDED_KEYS: dict[str, Any] = {"plugins": [], "eval.part_batches": 1, "parallelism.max_holder_sets": None}
 
 
 def first_difference(*, now: dict[str, Any], then: dict[str, Any]) -> tuple[str, Any, Any] | None:

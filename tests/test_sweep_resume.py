@@ -34,6 +34,10 @@ def test_first_difference_names_the_first_key_and_ignores_run_control() -> None:
     added = {**now, "plugins": [], "eval": {"part_batches": 1}}
     assert sweep.first_difference(now=added, then=now) is None
     assert sweep.first_difference(now={**added, "eval": {"part_batches": 3}}, then=now) == ("eval.part_batches", 3, "<absent>")
+    # the holder-set cap came after the CPU study's first LM sweep (d566c73): uncapped is what those runs did
+    assert sweep.first_difference(now={**now, "parallelism": {"max_holder_sets": None}}, then=now) is None
+    assert sweep.first_difference(now={**now, "parallelism": {"max_holder_sets": 4}}, then=now) == (
+        "parallelism.max_holder_sets", 4, "<absent>")
 
 
 @pytest.mark.dist
