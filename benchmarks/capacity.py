@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sdp.results import machine, versions  # noqa: E402
+from sdp.results import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = {
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "capacity")
     args = ap.parse_args(argv)
-    at_start = {"versions": versions(), "machine": machine()}  # the tree the trials ran from
+    at_start = provenance()  # the tree the trials ran from
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / "capacity.json"
     with socket.socket() as s:

@@ -93,8 +93,7 @@ def _rank(rank: int, world: int, port: int, jobs: list[tuple[str, int, dict[str,
                 print(f"{label} seed {seed}: {time.time() - started:.0f} s", flush=True)
         if rank == 0:
             Path(out).mkdir(parents=True, exist_ok=True)
-            results.write_json(Path(out) / "results.json", {"rows": rows, "versions": results.versions(),
-                                                             "machine": results.machine()})
+            results.write_json(Path(out) / "results.json", {"rows": rows, **results.provenance()})
     finally:
         dist.destroy_process_group()
 

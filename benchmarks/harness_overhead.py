@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import ROOT, run_one  # noqa: E402
 
-from sdp.results import machine, versions  # noqa: E402
+from sdp.results import provenance  # noqa: E402
 
 COMMON = ["model=resnet18_cifar", "model.width=32", "dataset=synthetic", "dataset.image_size=32", "train.batch_size=32",
           "cluster.world_size=2", "train.steps=16", "train.warmup_steps=4", "train.eval_every=0",
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "harness")
     args = ap.parse_args(argv)
-    at_start = {"versions": versions(), "machine": machine()}  # the tree the runs start from
+    at_start = provenance()  # the tree the runs start from
     common = [*args.common, *args.extra]
     sys.path.insert(0, str(ROOT))
     from omegaconf import OmegaConf

@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.compare import ROOT, run_one  # noqa: E402
-from sdp.results import machine, versions  # noqa: E402
+from sdp.results import provenance  # noqa: E402
 from sdp.summary import Summary  # noqa: E402
 
 BASE = ["logger.wandb.mode=disabled", "logger.progress=false", "train.eval_every=0", "train.warmup_steps=2",
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--extra", nargs="*", default=[], help="overrides appended to every run")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "memory")
     args = ap.parse_args(argv)
-    result: dict[str, Any] = {"versions": versions(), "machine": machine()}  # the tree the runs start from
+    result: dict[str, Any] = provenance()  # the tree the runs start from
     texts = []
     for suite in args.suite:
         rows: dict[str, dict[str, Any]] = {}

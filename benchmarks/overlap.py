@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import ROOT, run_one  # noqa: E402  (the same job runner as the strategy comparison)
-from sdp.results import machine, versions  # noqa: E402
+from sdp.results import provenance  # noqa: E402
 from sdp.summary import Summary  # noqa: E402
 
 COMMON = ["model=resnet18_cifar", "model.width=64", "dataset=synthetic", "dataset.image_size=32",
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--base-root", type=Path, default=None, help="source tree of the 'base' arm (blocking path)")
     ap.add_argument("--base-label", default=None, help="what --base-root is (e.g. its commit), for the record")
     args = ap.parse_args(argv)
-    at_start = {"versions": versions(), "machine": machine()}  # the tree the runs start from
+    at_start = provenance()  # the tree the runs start from
     common = [*args.common, *args.extra]
     arms = {"off": (ROOT, "false"), "on": (ROOT, "true")}
     if args.base_root is not None:

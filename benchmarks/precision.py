@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import ROOT, run_one  # noqa: E402  (the same job runner as the strategy comparison)
-from sdp.results import machine, read_metrics, versions  # noqa: E402
+from sdp.results import provenance, read_metrics  # noqa: E402
 
 COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "cluster.world_size=2", "train.batch_size=16",
           "optim=sgd", "optim.optimizer.lr=0.01", "train.steps=20", "train.warmup_steps=3", "train.eval_every=0",
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--common", nargs="*", default=COMMON)
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "precision")
     args = ap.parse_args(argv)
-    at_start = {"versions": versions(), "machine": machine()}  # the tree the runs start from
+    at_start = provenance()  # the tree the runs start from
     rows: dict[str, dict[str, Any]] = {}
     for preset in args.presets:
         got = {}

@@ -100,6 +100,12 @@ def versions() -> dict[str, Any]:
     }
 
 
+def provenance() -> dict[str, Any]:
+    """``versions`` and ``machine`` under those keys: what every benchmark's result file records (taken when
+    its runs start, so that the commit is the one they ran at)."""
+    return {"versions": versions(), "machine": machine()}
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "hostname": socket.gethostname(),

@@ -73,7 +73,8 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
         for n_layers, row in depths.items():
             loss, workers = row.mean_std("eval_loss"), row.mean_std("eval_loss_workers")
             out.append(f"- {n_layers} blocks: assembled {pm(*loss)}, workers' own {pm(*workers)}, gap {_gap(row)}")
-        (low, shallow), (high, deep) = next(iter(depths.items())), list(depths.items())[-1]
+        ordered = list(depths.items())  # by depth
+        (low, shallow), (high, deep) = ordered[0], ordered[-1]
         trend = paired_difference(deep.values("assembly_gap"), shallow.values("assembly_gap"))  # same seed, same data
         out.append(f"- {verdict(trend, what=f'gap at {high} blocks − gap at {low} blocks (paired by seed)', unit=unit)}")
     return out if len(out) > 2 else ["- no B-SDP C=0.5 run with a subnetwork evaluation"]
