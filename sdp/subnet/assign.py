@@ -74,8 +74,16 @@ def assign(*, costs: list[tuple[float, ...]], world_size: int, k: int, method: s
         holders = [list((u + j) % n for j in range(k)) for u in range(len(costs))]
     else:
         holders = _balanced(costs=costs, n=n, k=k, connected=connected)
-    # A re-draw relabels workers: the balance and the overlap graph's connectivity are kept.
-    perm = torch.randperm(n, generator=g).tolist() if draw > 0 else list(range(n))
+    return relabel(holders=holders, n=n, seed=seed, draw=draw)
+
+
+def relabel(*, holders: list[list[int]] | tuple[tuple[int, ...], ...], n: int, seed: int,
+            draw: int) -> tuple[tuple[int, ...], ...]:
+    """Draw ``draw``'s holder sets from draw 0's: a seeded permutation of the workers (none for draw 0).
+    Why a relabelling: it keeps the balance, the overlap graph's connectivity and the number of
+    distinct holder sets (:mod:`sdp.subnet.capped` caps draw 0 and relabels it for the others)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed) * 1_000_003 + draw)).tolist() \
+        if draw > 0 else list(range(n))
     return tuple(tuple(sorted(perm[r] for r in h)) for h in holders)
 
 

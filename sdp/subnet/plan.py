@@ -7,7 +7,8 @@ builds the very same plan on every rank from the same model declarations, so no 
 
 - Units come from the model's declarations: each :class:`ResidualBlock` is a unit at block level;
   at neuron level each (block, group) is one, a group being ``groups`` equal parts of every
-  :class:`HiddenDim` of the block. A downsampling block (one with shared sub-modules) is a unit
+  :class:`HiddenDim` of the block (a block with a tensor sliced by two hidden dims, a Bottleneck, is
+  refused there: :func:`cross_sliced`). A downsampling block (one with shared sub-modules) is a unit
   unless ``drop_downsample`` is false, then it is shared whole (ResIST style).
 - k = round(C * n) holders per unit ("uniform representation of each parameter", paper 1.2).
 - Assignment (:mod:`sdp.subnet.assign`): ``cyclic`` (unit u -> u..u+k-1 mod n), ``random``
@@ -42,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sdp.metrics.activations import forward_saved_bytes
 from sdp.models.base import ResidualBlock, SDPModel
-from sdp.subnet.assign import ASSIGNMENTS, PlanError, assign, components, connectable
+from sdp.subnet.assign import ASSIGNMENTS, PlanError, assign, components, connectable, relabel
 from sdp.subnet.capped import cap_holder_sets
 
 __all__ = ["ASSIGNMENTS", "LEVELS", "Plan", "PlanError", "PlanWarning", "Unit", "assign", "build_plan", "check",
@@ -220,6 +221,14 @@ def declare_units(model: SDPModel, *, level: str, groups: int, drop_downsample: 
         if block.shared_submodules() and not drop_downsample:
             continue  # ResIST: a downsampling block stays whole and shared
         dims = block.hidden_dims() if level == "neuron" else ()
+        if dims and (cross := cross_sliced(block)):
+            tensor, by = next(iter(cross.items()))
+            raise PlanError(
+                f"parallelism.level='neuron' is not supported for model {type(model).__name__}: blocks.{b} "
+                f"({type(block).__name__}) has {tensor} sliced by two hidden dims, {' and '.join(by)}; a piece of "
+                f"it would be held by the workers that hold both groups, which neuron-level masking, sync and "
+                f"assembly do not implement; allowed: parallelism.level=block"
+            )
         for d in dims:
             if groups < 1 or d.size % groups:
                 raise PlanError(
@@ -230,6 +239,17 @@ def declare_units(model: SDPModel, *, level: str, groups: int, drop_downsample: 
     if not out:
         raise PlanError(f"model {type(model).__name__} declares no SDP units (drop_downsample={drop_downsample})")
     return out
+
+
+def cross_sliced(block: ResidualBlock) -> dict[str, list[str]]:
+    """Tensor name -> the hidden dims slicing it ("name (dim d)"), for every tensor of ``block`` that
+    more than one slice indexes (a Bottleneck's 3x3 conv: its inputs are one hidden width, its outputs
+    another). Why refused at neuron level: a piece of such a tensor belongs to a pair of groups."""
+    by: dict[str, list[str]] = {}
+    for d in block.hidden_dims():
+        for s in d.slices:
+            by.setdefault(s.tensor, []).append(f"{d.name} (dim {s.dim})")
+    return {t: ds for t, ds in by.items() if len(ds) > 1}
 
 
 def sliced_names(block: ResidualBlock) -> dict[str, tuple[int, int]]:
@@ -292,7 +312,9 @@ def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str 
     activations whatever its parameters (``sdp-plan plan.frontier=true`` shows the trade-off).
     ``block_costs``: :func:`measure_block_costs` of this model, when already measured (it runs one meta-device
     forward per block, seconds for LLaMA-1B, and depends on the model alone, not on n, C or the draw).
-    ``max_holder_sets``: at most this many process groups for holder sets (:mod:`sdp.subnet.capped`)."""
+    ``max_holder_sets``: at most this many process groups for holder sets, every worker still holding a
+    unit and all connected where any plan can (:mod:`sdp.subnet.capped`; PlanError naming the smallest
+    cap that works otherwise)."""
     if len(balance) != 3 or any(w < 0 for w in balance) or not any(balance):
         raise PlanError(f"balance={tuple(balance)} is invalid: three weights >= 0 (params, FLOPs, activations), not all 0")
     k = num_holders(coverage=coverage, world_size=world_size)
@@ -318,11 +340,13 @@ def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str 
     tot = [max(sum(getattr(u, a) for u in units), 1e-30) for a in ("params", "flops", "act_bytes")]
     unit_costs = [tuple(w * getattr(u, a) / t for w, a, t in zip(balance, ("params", "flops", "act_bytes"), tot))
                   for u in units]
-    holders = assign(costs=unit_costs, world_size=world_size, k=k, method=assignment, seed=seed, draw=draw)
-    if max_holder_sets is not None:
+    capped = max_holder_sets is not None  # capped on draw 0, relabelled for the draw (sdp.subnet.capped)
+    holders = assign(costs=unit_costs, world_size=world_size, k=k, method=assignment, seed=seed, draw=0 if capped else draw)
+    if capped:
         unions = [[i for i, u in enumerate(units) if u.block == b] for b in remainder if remainder[b]]
         holders = cap_holder_sets(costs=unit_costs, holders=holders, n=world_size, k=k, cap=int(max_holder_sets),
                                   unions=unions)
+        holders = relabel(holders=holders, n=world_size, seed=seed, draw=draw)
     plan = Plan(world_size=world_size, coverage=coverage, k=k, level=level, assignment=assignment,
                 groups=groups if level == "neuron" else 1, units=tuple(units), holders=holders,
                 shared_params=shared, remainder=remainder, draw=draw)
