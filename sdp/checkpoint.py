@@ -7,14 +7,19 @@ Layout of ``<run_dir>/checkpoints/step_00000012/``:
 - ``rank00003.pt`` (every rank): the strategy's ``"local"`` state (rank-local buffers; SDP's held
   subnetwork; a pipeline stage) and the rank's RNG streams (torch CPU/CUDA, python, numpy);
 - ``sharded/`` (strategies with DTensor state, FSDP2): ``torch.distributed.checkpoint`` files;
-- ``meta.json``: step, world size, strategy, the data-order key and the LR schedule's keys
-  (:data:`SCHEDULE_KEYS`), so a resume can be checked before anything is loaded.
+- ``meta.json``: step, world size, strategy, the data-order key, the values of :data:`RESUME_KEYS`
+  (LR schedule, optimizer and model hyper-parameters) and every file's size and SHA-256
+  (:mod:`sdp.checkpoint_io`), so a resume can be checked, and the checkpoint found whole, before anything
+  is loaded.
 
 Why no data-loader state: a global batch is a pure function of (seed, step) (``sdp.data.base``), so
 the step *is* the data position; ``data_key`` records what that function depends on and a resume
 with a different seed, batch or dataset size is refused. Why atomic: everything is written into
 ``step_N.tmp/`` and renamed by rank 0 after a barrier, so a crash mid-write never leaves a directory
-that looks complete. Loading uses ``torch.load(weights_only=True)``: no arbitrary pickle.
+that looks complete; a file damaged afterwards is found by its checksum before a resume, and
+``train.resume=auto`` falls back to the previous whole checkpoint. Every wait of a save is on a gloo
+group of its own with ``train.checkpoint_timeout_s`` (:mod:`sdp.checkpoint_io` says why). Loading uses
+``torch.load(weights_only=True)``: no arbitrary pickle.
 """
 
 from __future__ import annotations
@@ -22,23 +27,31 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from sdp import rng
+from sdp import checkpoint_io, rng
 from omegaconf import DictConfig, OmegaConf
 
 from sdp.errors import ConfigError
 from sdp.parallel.base import Strategy
 from sdp.rundir import CHECKPOINT_PREFIX as PREFIX, CHECKPOINTS, RunDir, checkpoint_meta, run_of_checkpoint
 
-# What the LR of every step depends on (sdp.trainer.lr_lambda over the resolved train.steps, which the
-# budget sets): a resume with any of these changed would train on under a schedule it never started.
-SCHEDULE_KEYS = ("train.steps", "train.budget", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio",
-                 "optim.optimizer.lr")
+# What a resume must share with the checkpoint it continues, each with why: recorded in meta.json
+# (resume_key) and compared by the driver before any rank starts (check_resume), which names the first
+# key that differs. A node (model, optim.optimizer) stands for every key under it.
+_SCHEDULE = "the LR schedule depends on it (sdp.trainer.lr_lambda over the resolved train.steps, which the budget sets)"
+RESUME_KEYS: dict[str, str] = {
+    **dict.fromkeys(("train.steps", "train.budget", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio",
+                     "optim.optimizer.lr"), _SCHEDULE),
+    "optim.optimizer": "the resumed optimizer takes its hyper-parameters from the checkpoint (load_state_dict "
+                       "restores param_groups), so a new value would be recorded in config.yaml and never used",
+    "model": "the checkpoint's weights and optimizer state are those of that model",
+}
+RESUME_KEY = "resume_key"  # meta.json: {key: value} of RESUME_KEYS, nodes flattened (a leaf per key)
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -59,57 +72,118 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads(checkpoint_meta(path).read_text())
 
 
-def resolve(*, resume: Any, run_dir: Path | None) -> Path | None:
+class CheckpointWarning(UserWarning):
+    """A resume that goes on, differently from what was asked: a damaged checkpoint skipped, one unverified."""
+
+
+def resolve(*, resume: Any, run_dir: Path | None, verify: bool = True) -> Path | None:
     """``train.resume`` -> a checkpoint directory, or None for a fresh start.
 
-    ``null``: fresh; ``auto``: the latest checkpoint of this run directory (fresh when there is none,
-    so the same command line starts or resumes a job); a path: a checkpoint directory, or a run
-    directory (this one re-used, or a previous run's) whose latest checkpoint is taken."""
+    ``null``: fresh; ``auto``: the latest whole checkpoint of this run directory (fresh when there is
+    none, so the same command line starts or resumes a job; a damaged later one is skipped with a
+    :class:`CheckpointWarning` naming it); a path: a checkpoint directory, or a run directory (this one
+    re-used, or a previous run's) whose latest checkpoint is taken, refused when it is damaged.
+    ``verify=False`` checks existence only (the config pass; the driver resolves again, verifying)."""
     if resume is None or str(resume) in ("", "null", "none"):
         return None
     if str(resume) == "auto":
-        found = checkpoints(run_dir) if run_dir is not None else []
-        return found[-1][1] if found else None
+        found = [p for _, p in checkpoints(run_dir)] if run_dir is not None else []
+        return _latest_whole(found, verify=verify) if found else None
     path = Path(str(resume)).expanduser().resolve()
-    if checkpoint_meta(path).is_file():
-        return path
-    found = checkpoints(path)
-    if found:
-        return found[-1][1]
-    why = "does not exist" if not path.exists() else "holds no complete checkpoint"
-    raise ConfigError(
-        f"train.resume={str(resume)!r} is invalid: {path} {why}; allowed: null, auto (latest checkpoint of "
-        f"this run directory), a checkpoint directory (with meta.json) or a run directory with {CHECKPOINTS}/"
-    )
+    found = [path] if checkpoint_meta(path).is_file() else [p for _, p in checkpoints(path)]
+    if not found:
+        why = "does not exist" if not path.exists() else "holds no complete checkpoint"
+        raise ConfigError(
+            f"train.resume={str(resume)!r} is invalid: {path} {why}; allowed: null, auto (latest checkpoint of "
+            f"this run directory), a checkpoint directory (with meta.json) or a run directory with {CHECKPOINTS}/")
+    chosen = found[-1]
+    problem = checkpoint_io.damage(chosen) if verify else None
+    if problem is not None:
+        siblings = [p for _, p in checkpoints(chosen.parent.parent)]  # <run_dir>/checkpoints/step_N
+        before = siblings[:siblings.index(chosen)] if chosen in siblings else []
+        hint = f", e.g. the one before it, {before[-1]} (not verified yet)" if before else ""
+        raise ConfigError(f"train.resume={str(resume)!r} is invalid: checkpoint {chosen} is damaged: {problem}; "
+                          f"allowed: a whole checkpoint{hint}. Nothing was deleted")
+    if verify:
+        _note_unverified(chosen)
+    return chosen
 
 
-def schedule_key(cfg: DictConfig) -> dict[str, Any]:
-    """The values of :data:`SCHEDULE_KEYS` in ``cfg`` (recorded in ``meta.json``)."""
-    return {key: OmegaConf.select(cfg, key) for key in SCHEDULE_KEYS}
+def _latest_whole(found: list[Path], *, verify: bool) -> Path:
+    """The latest of ``found`` (by step) that is whole, warning about each later one that is not."""
+    damaged: list[str] = []
+    for path in reversed(found):
+        problem = checkpoint_io.damage(path) if verify else None
+        if problem is None:
+            if damaged:
+                warnings.warn(f"train.resume=auto: resuming from {path}, the latest whole checkpoint, instead of "
+                              f"the damaged later one(s): {'; '.join(damaged)}. Nothing was deleted",
+                              CheckpointWarning, stacklevel=3)
+            if verify:
+                _note_unverified(path)
+            return path
+        damaged.append(f"{path} ({problem})")
+    raise ConfigError(f"train.resume='auto' is invalid: every checkpoint of {found[0].parent} is damaged: "
+                      f"{'; '.join(damaged)}; allowed: null (a fresh start, in a new run directory), or repair "
+                      "or move away the damaged checkpoints. Nothing was deleted")
 
 
-def check_schedule(*, ckpt: Path, cfg: DictConfig) -> None:
-    """Driver side of a resume: refuse a config whose LR schedule differs from the checkpoint's, naming the key.
+def _note_unverified(path: Path) -> None:
+    if not checkpoint_io.checksummed(read_meta(path)):
+        warnings.warn(f"{path} was written before checkpoints recorded checksums: its files were checked for "
+                      "presence only, not content", CheckpointWarning, stacklevel=3)
+
+
+def resume_key(cfg: DictConfig) -> dict[str, Any]:
+    """The values of :data:`RESUME_KEYS` in ``cfg``, resolved, a node as one entry per leaf (lists are
+    leaves), in that order (recorded in ``meta.json``)."""
+    out: dict[str, Any] = {}
+
+    def leaves(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                leaves(f"{key}.{sub}", v)
+        else:
+            out.setdefault(key, value)  # optim.optimizer.lr: listed on its own and under optim.optimizer
+
+    for key in RESUME_KEYS:
+        value = OmegaConf.select(cfg, key)
+        leaves(key, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
+    return out
+
+
+def check_resume(*, ckpt: Path, cfg: DictConfig) -> None:
+    """Driver side of a resume: refuse a config that differs from the checkpoint's in a key of
+    :data:`RESUME_KEYS` (LR schedule, optimizer, model), naming the first and why it must match.
 
     ``train.extend_steps=true`` is the one allowed change: a larger ``train.steps``, the LR following
-    the schedule of the new ``train.steps`` from the checkpoint's step on (see :func:`restore_lr`)."""
+    the schedule of the new ``train.steps`` from the checkpoint's step on (see :func:`restore_lr`).
+    A checkpoint written before the optimizer and model were recorded (``schedule`` in its meta.json)
+    is compared on the keys it recorded."""
     meta = read_meta(ckpt)
-    then = meta.get("schedule")
+    now = resume_key(cfg)
+    then = meta.get(RESUME_KEY)
     if then is None:
-        return  # written before the schedule was recorded: nothing to compare with
-    now, step, extend = schedule_key(cfg), int(meta["step"]), bool(cfg.train.extend_steps)
-    for key in SCHEDULE_KEYS:
+        then = meta.get("schedule")
+        if then is None:
+            return  # written before the schedule was recorded: nothing to compare with
+        keys = [k for k in now if k in then]
+    else:
+        keys = list(now) + [k for k in then if k not in now]
+    step, extend, absent = int(meta["step"]), bool(cfg.train.extend_steps), "<absent>"
+    for key in keys:
         if key == "train.steps" and extend:
             if not (isinstance(now[key], int) and now[key] > step):
                 raise ConfigError(f"train.steps={now[key]!r} is invalid with train.extend_steps=true: {ckpt} is at step "
                                   f"{step}; allowed: more steps than that")
             continue
-        if now[key] != then.get(key):
+        value, old = now.get(key, absent), then.get(key, absent)
+        if value != old:
+            why = next(RESUME_KEYS[k] for k in RESUME_KEYS if key == k or key.startswith(k + "."))
             more = (" or set train.extend_steps=true to train on to the new train.steps under its schedule"
                     if key == "train.steps" else "")
-            raise ConfigError(
-                f"{key}={now[key]!r} is invalid for resuming {ckpt}: the checkpoint was written with {key}={then.get(key)!r} "
-                f"and the LR schedule depends on it; allowed: {key}={then.get(key)!r}{more}")
+            raise ConfigError(f"{key}={value!r} is invalid for resuming {ckpt}: the checkpoint was written with "
+                              f"{key}={old!r} and {why}; allowed: {key}={old!r}{more}")
 
 
 def restore_lr(scheduler: Any) -> None:
@@ -127,36 +201,48 @@ def restore_lr(scheduler: Any) -> None:
 
 def save(
     *, run_dir: Path, step: int, strategy: Strategy, scheduler: Any, train_state: dict[str, Any],
-    data_key: dict[str, Any], keep: int, schedule: dict[str, Any] | None = None,
+    data_key: dict[str, Any], keep: int, resume_key: dict[str, Any] | None = None, timeout_s: float | None = None,
 ) -> Path:
-    """Write this rank's part of the checkpoint of ``step``; collective (every rank calls it)."""
+    """Write this rank's part of the checkpoint of ``step``; collective (every rank calls it).
+
+    Every rank hashes what it writes; rank 0 gathers the hashes into meta.json. ``timeout_s``
+    (``train.checkpoint_timeout_s``): every wait of the save is on :func:`sdp.checkpoint_io.io_group`;
+    None waits on the default group (its ``cluster.timeout_s``), see :class:`sdp.checkpoint_io.Waits`."""
     ctx = strategy.ctx
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
+    waits = checkpoint_io.Waits(world_size=ctx.world_size, rank=ctx.rank, step=step, timeout_s=timeout_s)
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier(ctx.world_size)
+    waits.barrier()
     state = strategy.checkpoint_state()
     if "sharded" in state:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(state["sharded"], checkpoint_id=str(tmp / "sharded"))
+        with waits.naming():  # each rank writes its shards; DCP's own waits are on the checkpoint group
+            dcp.save(state["sharded"], checkpoint_id=str(tmp / "sharded"), process_group=waits.group)
+    written: dict[str, dict[str, Any]] = {}
     if ctx.rank == 0:
-        torch.save({"shared": state.get("shared", {}), "scheduler": scheduler.state_dict(),
-                    "train": train_state, "data_key": data_key}, tmp / "shared.pt")
-    torch.save({"local": state.get("local", {}), "rng": rng.capture()}, tmp / f"rank{ctx.rank:05d}.pt")
-    _barrier(ctx.world_size)
+        written["shared.pt"] = checkpoint_io.save_hashed(
+            obj={"shared": state.get("shared", {}), "scheduler": scheduler.state_dict(), "train": train_state,
+                 "data_key": data_key}, path=tmp / "shared.pt")
+    mine = f"rank{ctx.rank:05d}.pt"
+    written[mine] = checkpoint_io.save_hashed(
+        obj={"local": state.get("local", {}), "rng": rng.capture(device=ctx.device)}, path=tmp / mine)
+    written = waits.gather(mine=written)  # rank 0 gets every rank's hashes; the others wait here for rank 0's write
     if ctx.rank == 0:
         from sdp.loggers import stored_run_id
 
         meta = {"step": step, "world_size": ctx.world_size, "strategy": strategy.name, "data_key": data_key,
-                "schedule": schedule, "wandb_run_id": stored_run_id(run_dir)}
+                RESUME_KEY: resume_key, "wandb_run_id": stored_run_id(run_dir),
+                checkpoint_io.FILES: checkpoint_io.record(root=tmp, known=written)}
         checkpoint_meta(tmp).write_text(json.dumps(meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for _, old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+    waits.barrier()  # no rank runs ahead into a training collective (cluster.timeout_s) while rank 0 finishes
     return final
 
 
@@ -184,7 +270,7 @@ def load(*, path: Path, strategy: Strategy, scheduler: Any, data_key: dict[str, 
     strategy.load_checkpoint_state(state)
     scheduler.load_state_dict(shared["scheduler"])
     restore_lr(scheduler)
-    rng.restore(mine["rng"])
+    rng.restore(mine["rng"], device=ctx.device)
     return shared["train"]
 
 
@@ -192,7 +278,8 @@ def prepare_run_dir(*, ckpt: Path, run_dir: Path) -> int:
     """Driver side of a resume: make ``run_dir/metrics.jsonl`` hold exactly the rows of steps up to
     the checkpoint (copied from the checkpoint's run when it is another one; rows a killed run logged
     after its checkpoint are dropped, so no step appears twice), and drop this run's checkpoints of
-    later steps (a stale future). Returns the checkpoint's step."""
+    later steps (a stale future); a damaged one (which ``train.resume=auto`` skipped) is moved aside to
+    ``step_N.damaged``, not deleted, where the resumed run would overwrite it. Returns the checkpoint's step."""
     step = int(read_meta(ckpt)["step"])
     rows = []
     src = run_of_checkpoint(ckpt).metrics
@@ -209,11 +296,24 @@ def prepare_run_dir(*, ckpt: Path, run_dir: Path) -> int:
     tmp.write_text("".join(rows))
     os.replace(tmp, dest)
     for later, path in checkpoints(run_dir):
-        if later > step:
+        if later <= step:
+            continue
+        problem = checkpoint_io.damage(path)
+        if problem is None:
             shutil.rmtree(path, ignore_errors=True)
+            continue
+        aside = path.with_name(f"{path.name}.damaged")
+        n = 0
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"{path.name}.damaged.{n}")
+        os.replace(path, aside)
+        warnings.warn(f"the damaged checkpoint {path} ({problem}) is moved aside to {aside}, not deleted: the resumed "
+                      f"run writes step {later} anew", CheckpointWarning, stacklevel=2)
     return step
 
 
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        dist.barrier()
+def io_timeout_s(cfg: DictConfig) -> Any:
+    """``train.checkpoint_timeout_s`` as set (:func:`sdp.config.validate_train` checks it is a number > 0); a
+    config written before the key (a re-run of a recorded run) waits ``cluster.timeout_s``, as its checkpoints did."""
+    return cfg.train.get("checkpoint_timeout_s", cfg.cluster.timeout_s)

@@ -32,7 +32,8 @@ SECRET_KEYS = ("api_key", "apikey", "password", "token", "secret")
 # Config keys that say how a run was run, not what it computes (a resumed job records train.resume as
 # its checkpoint path, a killed-and-restarted one drops train.debug, a rerun sweep adds skip_done):
 # sdp.sweep ignores them when it compares configs, and the report does not split tables by them.
-RUN_CONTROL_KEYS = ("train.resume", "train.skip_done", "train.extend_steps", "train.debug", "logger.progress")
+RUN_CONTROL_KEYS = ("train.resume", "train.skip_done", "train.extend_steps", "train.debug", "logger.progress",
+                    "train.checkpoint_timeout_s")
 
 
 def is_secret(key: str) -> bool:

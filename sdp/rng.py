@@ -38,8 +38,11 @@ def set_deterministic(*, enabled: bool, device: torch.device) -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def capture() -> dict[str, Any]:
-    """Every RNG stream of this process as tensors and plain types (``weights_only``-loadable)."""
+def capture(*, device: torch.device) -> dict[str, Any]:
+    """Every RNG stream of this rank as tensors and plain types (``weights_only``-loadable).
+
+    On CUDA, the generator of ``device`` (the rank's own) only: saving every visible device's tied a
+    resume to the same number of visible GPUs, while each rank draws from its own device alone."""
     version, mt, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state: dict[str, Any] = {
@@ -53,22 +56,28 @@ def capture() -> dict[str, Any]:
             "gauss": float(np_gauss),
         },
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["torch_cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture`."""
+def restore(state: dict[str, Any], *, device: torch.device) -> None:
+    """Inverse of :func:`capture`, onto this rank's ``device``. A checkpoint written before one device's
+    state was saved holds a list of every visible device's: the entry of ``device``'s index is restored."""
     torch.set_rng_state(state["torch_cpu"])
     py = state["python"]
     random.setstate((py["version"], tuple(int(v) for v in py["mt"].tolist()), py["gauss"]))
     npy = state["numpy"]
     keys = npy["keys"].numpy().astype(np.uint32)
     np.random.set_state((npy["name"], keys, npy["pos"], npy["has_gauss"], npy["gauss"]))
-    if "torch_cuda" in state:
-        assert torch.cuda.is_available() and torch.cuda.device_count() >= len(state["torch_cuda"]), (
-            f"checkpoint holds CUDA RNG states of {len(state['torch_cuda'])} devices, "
-            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} visible"
-        )
-        torch.cuda.set_rng_state_all(state["torch_cuda"])
+    cuda = state.get("torch_cuda")
+    legacy = isinstance(cuda, (list, tuple))  # saved whenever CUDA was initialised, a CPU rank's too
+    if cuda is None or (legacy and device.type != "cuda"):
+        return
+    assert device.type == "cuda", f"the checkpoint holds a CUDA RNG state, but this rank runs on {device}"
+    if legacy:  # every visible device's, by index
+        index = torch.cuda.current_device() if device.index is None else device.index
+        assert index < len(cuda), (f"the checkpoint holds the CUDA RNG states of {len(cuda)} devices, "
+                                   f"none for this rank's {device} (index {index})")
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda, device)

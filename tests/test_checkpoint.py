@@ -100,10 +100,10 @@ def test_refuses_a_different_data_order(tmp_path: Path) -> None:
 
 def test_rng_streams_survive_weights_only(tmp_path: Path) -> None:
     rng.seed_rank_streams(7)
-    torch.save(rng.capture(), tmp_path / "rng.pt")
+    torch.save(rng.capture(device=torch.device("cpu")), tmp_path / "rng.pt")
     first = (torch.rand(3).tolist(), random.random(), np.random.rand())
     rng.seed_rank_streams(99)
-    rng.restore(torch.load(tmp_path / "rng.pt", weights_only=True))
+    rng.restore(torch.load(tmp_path / "rng.pt", weights_only=True), device=torch.device("cpu"))
     assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == first
 
 
