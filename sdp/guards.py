@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from sdp.distctx import WHERE
 from sdp.parallel.base import DistContext, StepResult
 
 POLICIES = ("stop", "skip")
@@ -126,7 +127,11 @@ def _hint(exc: BaseException, *, timeout_s: float) -> str:
 @contextmanager
 def naming_step(*, step: int, rank: int, timeout_s: float) -> Iterator[None]:
     """Re-raise any error of a step as :class:`StepFailure` naming the step and rank (a process-group
-    timeout or a dead peer is said so), so the launcher's report says where the job died."""
+    timeout or a dead peer is said so) and the groups the step's collectives went to (SDP's holder sets:
+    :data:`sdp.distctx.WHERE`), so the launcher's report says where the job died. The step's start is
+    noted in ``WHERE`` too, which keeps it in the rank's failure file for a process that is aborted
+    without a Python error (NCCL's watchdog)."""
+    WHERE.begin_step(step)
     try:
         yield
     except (NonFiniteError, StepFailure, KeyboardInterrupt):
@@ -137,4 +142,5 @@ def naming_step(*, step: int, rank: int, timeout_s: float) -> Iterator[None]:
             # A consequence, not the cause: give the failing peer time to exit first, so the launcher
             # (which reports the first rank it sees die) names the root cause, not this rank.
             time.sleep(PEER_LOST_GRACE_S)
-        raise StepFailure(f"step {step} failed on rank {rank}{hint}: {type(exc).__name__}: {exc}") from exc
+        where = f"; {WHERE.describe()}" if WHERE.groups else ""
+        raise StepFailure(f"step {step} failed on rank {rank}{hint}{where}: {type(exc).__name__}: {exc}") from exc

@@ -145,6 +145,9 @@ def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = No
         raise stopped(exc.sigval) from None
     except ChildFailedError as exc:
         rank, failure, message = root_cause(exc.failures)
+        from sdp.distctx import last_position
+
+        message += last_position(str(RunDir(run_dir).failure_rank(rank)))  # aborted (NCCL watchdog) or killed
         others = sorted(r for r in exc.failures if r != rank)
         also = f" (then also rank(s) {others})" if others else ""
         raise RankFailure(

@@ -58,6 +58,22 @@ def comm_entry(records: list[Record]) -> dict[str, Any]:
             "collectives_per_step": float(len(records)), "by_kind": by_kind, "by_group_size": by_group}
 
 
+def communicators(*, per_group: int, groups: dict[str, Any] | None, world: int) -> list[dict[str, int]]:
+    """Per rank, the process groups it is a member of (the default group included) and the device memory
+    their NCCL communicators take outside the allocator: ``per_group`` (``cluster.comm_bytes_per_group``)
+    per group. ``groups``: the strategy's prediction of summary.json's ``process_groups`` (its
+    ``per_rank`` counts); None, a strategy that declares none, is taken to use the default group only.
+
+    Why a constant per group: NCCL sizes a communicator's buffers from its own settings (protocol
+    buffers per channel and peer, ``NCCL_BUFFSIZE`` and kin), not from the model, so what the planner
+    can predict is how the cost scales with the group count (DDP 1, SDP one per holder set); the
+    constant itself is a planning assumption that a GPU run calibrates (summary.json's
+    ``cuda_device_used_bytes`` beside ``process_groups``)."""
+    counts = [int(r["count"]) for r in groups["per_rank"]] if groups is not None else [1] * world
+    assert len(counts) == world, f"process_groups predicts {len(counts)} ranks for a world of {world}"
+    return [{"process_groups": c, "communicator_bytes": c * per_group} for c in counts]
+
+
 def rank_entry(*, rank: int, params: int, grads: int, optim: int, acts: int, records: list[Record]) -> Entry:
     mem = {"rank": rank, "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim, "activation_bytes": acts}
     return mem, {"rank": rank, **comm_entry(records)}

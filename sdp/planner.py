@@ -24,15 +24,18 @@ import torch
 from omegaconf import DictConfig
 
 from sdp.config import validate
-from sdp.errors import boolean, require
+from sdp.errors import boolean, positive_int, require
 from sdp.models.base import SDPModel
 from sdp.parallel import STRATEGIES, Strategy
-from sdp.plan_entries import MIB, Entry
+from sdp.plan_entries import MIB, Entry, communicators
 from sdp.plan_peaks import predict_peaks
 from sdp.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
 from sdp.registry import build
 
 BASE_NOTE = "activation_bytes: saved for backward by a meta-device forward at the per-rank batch"
+COMM_NOTE = ("groups: process groups per rank, the default one included; NCCL comm. MiB: their communicators' device "
+             "memory outside the allocator (and outside the peaks), groups x cluster.comm_bytes_per_group, an "
+             "assumption a GPU run calibrates (summary.json: cuda_device_used_bytes, process_groups); none on gloo")
 
 
 def predict(cfg: DictConfig) -> dict[str, Any]:
@@ -46,6 +49,10 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
     facts: dict[str, Any] = {}  # strategy-specific facts for the plan (e.g. its unit plan)
     entries = strategy.predict(cfg=cfg, model=model, world=world, facts=facts)
     add_peaks(cfg=cfg, model=model, entries=entries, strategy=strategy)
+    per_group = cfg.cluster.comm_bytes_per_group  # read by sdp-plan only: checked here
+    positive_int("cluster.comm_bytes_per_group", per_group, minimum=0)
+    for (mem, _), comms in zip(entries, communicators(per_group=per_group, groups=facts.get("process_groups"), world=world)):
+        mem.update(comms)
     notes = sorted({STRATEGIES.get(n).plan_note for n in STRATEGIES.names()} - {""})  # every strategy's caveat
     return {**facts, "strategy": name, "model": str(cfg.model.get("name", "")), "world_size": world,
             "batch_size": int(cfg.train.batch_size), "optimizer": str(cfg.optim.optimizer._target_),
@@ -68,13 +75,16 @@ def frontier(cfg: DictConfig) -> dict[str, Any]:
 def format_plan(plan: dict[str, Any]) -> str:
     lines = [f"sdp-plan: strategy={plan['strategy']} model={plan['model']} world_size={plan['world_size']} "
              f"batch_size/rank={plan['batch_size']} optimizer={plan['optimizer']}",
-             "| rank | params MiB | grads MiB | optim MiB | activations MiB | model state MiB | comm MiB/step | wire MiB/step | collectives/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| rank | params MiB | grads MiB | optim MiB | activations MiB | model state MiB | groups | NCCL comm. MiB "
+             "| comm MiB/step | wire MiB/step | collectives/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, c in zip(plan["memory"]["per_rank"], plan["comm"]["per_rank"]):
         state = m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"]
         lines.append(f"| {m['rank']} | {m['param_bytes'] / MIB:.2f} | {m['grad_bytes'] / MIB:.2f} | {m['optim_bytes'] / MIB:.2f} | "
-                     f"{m['activation_bytes'] / MIB:.2f} | {state / MIB:.2f} | {c['bytes_per_step'] / MIB:.2f} | "
+                     f"{m['activation_bytes'] / MIB:.2f} | {state / MIB:.2f} | {m['process_groups']} | "
+                     f"{m['communicator_bytes'] / MIB:.2f} | {c['bytes_per_step'] / MIB:.2f} | "
                      f"{c['wire_bytes_per_step'] / MIB:.2f} | {c['collectives_per_step']:.0f} |")
+    lines.append(COMM_NOTE)
     return "\n".join(lines)
 
 

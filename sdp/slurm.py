@@ -10,6 +10,12 @@ Preemption and time limits (:func:`install_preemption_handlers`): SIGUSR1 or SIG
 --signal=...``, or Slurm's ``--signal=USR2@<delay>`` before the time limit) makes rank 0 requeue
 the job and exit; the requeued job runs the same Hydra job (same overrides, same run directory) and,
 with ``train.resume=auto``, continues from the run directory's latest checkpoint.
+
+A crashed task ends the job step (``srun --kill-on-bad-exit=1``) instead of leaving its peers in a
+collective until ``cluster.timeout_s``: ``slurm/*.sbatch`` pass it to srun, and ``cluster=slurm``
+selects the launcher config :class:`SlurmLauncherConf` (``hydra/launcher: sdp_submitit_slurm``),
+hydra-submitit-launcher 1.2.0's own plus ``srun_args``, which submitit puts on its srun line (the
+plugin's schema lacks that key although submitit takes it).
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ import signal
 import subprocess
 import sys
 import types
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from hydra.core.config_store import ConfigStore
+from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from omegaconf import DictConfig
 
 from sdp.rankenv import external_launcher
@@ -30,6 +39,19 @@ log = logging.getLogger(__name__)
 
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 MAX_REQUEUES = int(os.environ.get("SDP_MAX_REQUEUES", "3"))  # plain-srun jobs: requeues before giving up
+
+
+@dataclass
+class SlurmLauncherConf(SlurmQueueConf):
+    """hydra-submitit-launcher's Slurm config plus ``srun_args``: arguments submitit adds to the srun
+    line of the job's sbatch script (``submitit.slurm.slurm._make_sbatch_string``; the launcher hands
+    every key it gets, prefixed ``slurm_``, to ``executor.update_parameters``)."""
+
+    srun_args: list[str] = field(default_factory=list)
+
+
+# Registered on import (sdp.train imports this module before Hydra composes the config).
+ConfigStore.instance().store(group="hydra/launcher", name="sdp_submitit_slurm", node=SlurmLauncherConf, provider="sdp")
 
 
 def master_port(*, job_id: int) -> int:

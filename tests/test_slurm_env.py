@@ -27,10 +27,11 @@ def test_cluster_configs_select_the_submitit_launcher_and_derive_the_world(name,
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (nodes, tasks, gpus)
     assert cfg.cluster.world_size == world
     assert cfg.cluster.backend == "auto" and cfg.cluster.device == ("cuda" if gpus else "cpu")
-    # Only keys hydra-submitit-launcher 1.2.0 defines (an unknown key would fail instantiation on submit).
+    # Only keys hydra-submitit-launcher 1.2.0 defines (an unknown key would fail instantiation on submit),
+    # plus srun_args (sdp.slurm.SlurmLauncherConf), which submitit's Slurm executor takes.
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 
-    assert set(OmegaConf.to_container(launcher)) <= set(OmegaConf.structured(SlurmQueueConf)) | {"_target_"}
+    assert set(OmegaConf.to_container(launcher)) <= set(OmegaConf.structured(SlurmQueueConf)) | {"_target_", "srun_args"}
 
 
 @pytest.fixture

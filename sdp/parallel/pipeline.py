@@ -35,8 +35,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from sdp.distctx import mesh_overrides
 from sdp.errors import require
 from sdp.metrics.collectives import count_collectives
+from sdp.metrics.groups import mesh_process_groups
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel, count_params
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers, register
@@ -109,6 +111,7 @@ class PipelineStrategy(Strategy):
         microbatches in flight (1F1B: stages after this one + 1; GPipe: all)."""
         pc, batch = cfg.parallelism, int(cfg.train.batch_size)
         plan = make_plan(cfg=pc, world_size=world, model=model, batch_size=batch)
+        facts["process_groups"] = mesh_process_groups(world_size=world, shape=(plan.dp, plan.pp))  # setup's mesh
         mbs = int(pc.microbatches)
         mb_size = batch * plan.pp // mbs  # the replica's batch (batch x pp) split into microbatches
         x = model.example_input(mb_size).to("meta")
@@ -144,7 +147,9 @@ class PipelineStrategy(Strategy):
         plan = make_plan(cfg=self.cfg, world_size=ctx.world_size, model=model,
                          batch_size=int(self.full_cfg.train.batch_size))
         self.plan = plan
-        self.mesh = init_device_mesh(ctx.device.type, (plan.dp, plan.pp), mesh_dim_names=("dp", "pp"))
+        # every dimension's groups get the job's timeout and NCCL options (sdp.distctx.mesh_overrides)
+        self.mesh = init_device_mesh(ctx.device.type, (plan.dp, plan.pp), mesh_dim_names=("dp", "pp"),
+                                     backend_override=mesh_overrides((plan.dp, plan.pp)))
         self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp")
         self.pp_rank, self.dp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
         self.skeleton = meta_skeleton(model)

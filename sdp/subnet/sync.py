@@ -32,6 +32,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from sdp.distctx import WHERE, subgroup_kwargs
 from sdp.metrics.comm import CommCounter
 from sdp.subnet.masking import Local, Piece, locate, view
 
@@ -121,7 +122,13 @@ def predicted_process_groups(*, world_size: int, holder_sets: Iterable[tuple[int
 
 
 class GroupSet:
-    """Process groups for holder sets and refresh sets, created once in one global order."""
+    """Process groups for holder sets and refresh sets, created in one global order.
+
+    Every group gets the default group's timeout (``cluster.timeout_s``) and, on NCCL, options that make
+    it share the default communicator's resources (:func:`sdp.distctx.subgroup_kwargs`); its description
+    names its ranks (``holders(0, 1)``), which NCCL's watchdog prints. A re-draw (:meth:`redraw`)
+    destroys the groups the new plan no longer uses, so a run holds the groups of one plan (plus, during
+    the re-draw, the new ones), not of every plan it ever drew."""
 
     def __init__(self, *, world_size: int, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> None:
         self.n = world_size
@@ -132,13 +139,30 @@ class GroupSet:
         """Create the groups still missing (collective: every rank calls this with the same sets)."""
         for ranks in group_rank_sets(world_size=self.n, holder_sets=holder_sets, refresh=refresh):
             if ranks not in self.groups:
-                self.groups[ranks] = dist.new_group(list(ranks))
+                self.groups[ranks] = dist.new_group(list(ranks), **subgroup_kwargs(), group_desc=f"holders{ranks}")
+
+    def redraw(self, *, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> list[tuple[int, ...]]:
+        """Make the groups of a re-drawn plan: create the missing ones, then destroy those it no longer
+        uses, returning their rank sets. Collective, in one order on every rank (creation in
+        :func:`group_rank_sets` order, destruction in the order the groups were made), since
+        ``ncclCommAbort``/finalize has been collective in some NCCL versions (torch destroys groups in a
+        fixed order for that reason). Call it with no collective in flight on the old groups (SDP
+        re-draws before a step, after the previous step's waits)."""
+        holder_sets = list(holder_sets)
+        keep = group_rank_sets(world_size=self.n, holder_sets=holder_sets, refresh=refresh)
+        self.add(holder_sets=holder_sets, refresh=refresh)
+        gone = [ranks for ranks in self.groups if ranks not in keep]
+        for ranks in gone:
+            dist.destroy_process_group(self.groups.pop(ranks))  # a non-member's handle: torch returns at once
+        return gone
 
     def refresh_set(self, h: tuple[int, ...]) -> tuple[int, ...]:
         return refresh_set(h, n=self.n)
 
     def get(self, ranks: tuple[int, ...]) -> Any:
-        """The group of ``ranks``: None (the default group) for the whole world."""
+        """The group of ``ranks`` for a collective about to be issued: None (the default group) for the
+        whole world. Noted in :data:`sdp.distctx.WHERE`, so a failure names the groups of its step."""
+        WHERE.used(ranks, world=self.n)
         return None if len(ranks) == self.n else self.groups[ranks]
 
 
