@@ -63,8 +63,9 @@ def model_overrides(*, depth: int, width: int) -> list[str]:
     return [f"model.n_layers={depth}", f"model.dim={width}", f"model.hidden={hidden}", f"model.n_heads={max(width // 32, 1)}"]
 
 
-def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: str) -> tuple[bool, int, int]:
-    """(fits on every rank, largest rank peak bytes, parameter count of the full model)."""
+def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: torch.device) -> tuple[bool, int, int]:
+    """(fits on every rank, largest rank peak bytes, parameter count of the full model); ``device``: this
+    rank's, from :func:`rank_device`."""
     from hydra import compose, initialize_config_dir
 
     from sdp.data.base import GlobalBatchSampler
@@ -76,11 +77,11 @@ def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: s
     from sdp.worker import build, build_model
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*overrides, f"cluster.world_size={world}", f"cluster.device={device}"])
+        cfg = compose(config_name="config", overrides=[*overrides, f"cluster.world_size={world}", f"cluster.device={device.type}"])
     data = build(cfg.dataset)
     with torch.device("meta"):
         n_params = count_params(build(cfg.model))
-    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu")
+    dev = device
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=dev, backend="gloo")
     sampler = GlobalBatchSampler(num_samples=len(data.train), global_batch=int(cfg.train.batch_size) * world, seed=0)
     x_all, y_all = data.train.tensors
@@ -108,14 +109,15 @@ def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: s
     return (not failed and peak_max <= budget), peak_max, n_params
 
 
-def search(*, name: str, rank: int, world: int, args: argparse.Namespace, log: list[dict[str, Any]]) -> dict[str, Any]:
+def search(*, name: str, rank: int, world: int, device: torch.device, args: argparse.Namespace,
+           log: list[dict[str, Any]]) -> dict[str, Any]:
     budget = int(args.budget_mb * 2**20)
     base = [*COMMON, *STRATEGIES[name]]
 
     def run(depth: int, width: int) -> bool:
         t0 = time.perf_counter()
         ok, peak, n = trial(overrides=[*base, *model_overrides(depth=depth, width=width)], rank=rank, world=world,
-                            budget=budget, device=args.device)
+                            budget=budget, device=device)
         log.append({"strategy": name, "depth": depth, "width": width, "params": n, "peak_bytes": peak, "fits": ok,
                     "seconds": time.perf_counter() - t0})
         if rank == 0:
@@ -145,17 +147,31 @@ def search(*, name: str, rank: int, world: int, args: argparse.Namespace, log: l
     return best
 
 
+def rank_device(*, local_rank: int, device: str, budget_mb: float) -> torch.device:
+    """This rank's device as ``sdp-train`` picks it (:func:`sdp.worker.resolve_device`, ranks wrapping
+    around the visible GPUs), made the current CUDA device as the worker does: without ``set_device``
+    every rank's FSDP mesh and NCCL/gloo CUDA work lands on cuda:0 of a multi-GPU host. On CUDA the
+    budget becomes the allocator's memory fraction."""
+    from omegaconf import OmegaConf
+
+    from sdp.worker import resolve_device
+
+    dev, _ = resolve_device(OmegaConf.create({"device": device, "backend": "gloo"}), local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(budget_mb * 2**20 / total, 1.0), dev)
+    return dev
+
+
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    dev = rank_device(local_rank=rank, device=args.device, budget_mb=args.budget_mb)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    if args.device == "cuda":
-        dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}")
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(args.budget_mb * 2**20 / total, 1.0), dev)
     try:
         log: list[dict[str, Any]] = []
-        best = [search(name=n, rank=rank, world=world, args=args, log=log) for n in args.strategies]
+        best = [search(name=n, rank=rank, world=world, device=dev, args=args, log=log) for n in args.strategies]
         if rank == 0:
             Path(out).write_text(json.dumps({"best": best, "trials": log}))
     finally:

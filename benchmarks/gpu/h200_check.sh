@@ -1,77 +1,94 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issue 18, part 6). Run from the repo root on a machine with one GPU:
-#   OUT=/some/dir bash benchmarks/gpu/h200_check.sh          (budget: < 10 minutes on one H200)
-#   DRY=1 OUT=/tmp/dry bash benchmarks/gpu/h200_check.sh     (CPU dry path: llama_tiny, 2 ranks, 3 steps)
-# Everything at LLaMA-134M shapes (dim 768, 12 layers, vocab 32000, seq 512) in train.precision=bf16:
-#   1. NCCL on a single rank: DDP, world 1 (NCCL initialises bound to its device, trains, reports);
-#   2. 4 gloo ranks sharing the GPU (NCCL refuses two ranks on one device), each rank with its own CUDA
-#      figures: DDP, FSDP, SDP forward masking (B-SDP, C=0.5) and SDP backward masking (C=0.5);
-#   then $OUT/gpu_table.md: per run the allocator peak (max over ranks of cuda_max_allocated), the device
-#   memory in use at the end (cuda_device_used_bytes from torch.cuda.mem_get_info: the WHOLE device, i.e.
-#   all ranks sharing it + their communicators and CUDA contexts), tokens/s, step time, process groups;
-#   and the issue's targets: SDP C=0.5 allocator peak <= 0.6x DDP's, device total <= 0.7x DDP's.
-# Hydra/OmegaConf may be missing on the GPU machine: carried wheels in .whl/ go into /tmp/site first.
+# The one prepared one-GPU check. From a fresh checkout of main, repo root, one GPU, under 8 minutes:
+#   bash benchmarks/gpu/h200_check.sh                      (results: benchmarks/results/gpu/h200_check.md)
+#   RESULTS_DIR=/some/dir bash benchmarks/gpu/h200_check.sh (results elsewhere, e.g. a folder that is copied back)
+#   DRY_RUN=1 bash benchmarks/gpu/h200_check.sh            (the same commands at tiny sizes on CPU gloo ranks;
+#                                                            results in a temporary folder unless RESULTS_DIR is set)
+# Installs with the README's command (`pip install -e .`) only when sdp or its dependencies do not import; offline,
+# point pip at a wheel folder with its own variables: PIP_NO_INDEX=1 PIP_FIND_LINKS=/path/to/wheels.
+# Every run is bounded: `timeout -k` (SIGTERM, then SIGKILL to the whole process group, ranks included) and a total
+# deadline (TOTAL_S, default 450 s) that shortens or skips the last runs. Each run's row is appended to the results
+# file as soon as it ends, and each check's verdict as soon as its runs exist: a kill loses only what had not run.
+#
+# What one GPU can check (the issue's items), in this order:
+#   - the plan's floor for the memory target: at LLaMA-134M shapes the stem and head (49.2 M of 134.1 M parameters)
+#     are held by every SDP rank, so SDP C=0.5 cannot hold less than ~0.68x of DDP's model state; the script
+#     computes the floor from sdp-plan for the exact config (floor.json), not from a constant;
+#   - NCCL at world size 1: DDP initialises bound to its device and trains (LLaMA-134M, bf16);
+#   - device-memory figures: cuda_max_reserved_bytes is the run's maximum and cuda_device_used_bytes the largest
+#     use seen (allocated <= reserved <= device used, on every rank);
+#   - TF32 recorded: summary.json backends.tf32_matmul;
+#   - the memory target: 4 gloo ranks sharing the GPU (each with its own CUDA figures): DDP vs SDP C=0.5 model
+#     state against the plan's floor, and the allocator peaks;
+#   - FSDP set-up peak: 4 gloo ranks, FSDP built on meta holds one rank's shards plus one module, never the
+#     full fp32 model (set-up peak < DDP's parameter bytes);
+#   - stale BatchNorm statistics after the move to the GPU: SDP at C=1 (world 1, NCCL) with eval.bn=average
+#     evaluates like DDP (ResNet-18 width 16);
+#   - deterministic mode on CUDA: train.deterministic=true either trains or is refused before any rank starts
+#     (never raises inside the ranks at the first step).
+# Not checkable on one GPU: NCCL sub-communicators split from the default group (and their split_share), because
+# NCCL refuses two ranks on one device; those need a node with at least 2 GPUs (cluster.device=cuda, world >= 2).
 set -uo pipefail
-OUT="${OUT:-/tmp/sdp_gpu_out}"; mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
 PY="${PYTHON:-python3}"
-if ! $PY -c "import hydra" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+START=$(date +%s); TOTAL_S="${TOTAL_S:-450}"
+if [ -n "${DRY_RUN:-}" ]; then RESULTS_DIR="${RESULTS_DIR:-$(mktemp -d)}"; else RESULTS_DIR="${RESULTS_DIR:-benchmarks/results/gpu}"; fi
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+RESULTS="$RESULTS_DIR/h200_check.md"; RUNS="$RESULTS_DIR/runs/$STAMP"; mkdir -p "$RUNS"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
+if ! $PY -c "import sdp.train, hydra, omegaconf, torch" 2>/dev/null; then
+  timeout -k 5 240 $PY -m pip install -q -e . || { echo "install failed: $PY -m pip install -e . (offline: PIP_NO_INDEX=1 PIP_FIND_LINKS=<wheels>)"; exit 2; }
 fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" WANDB_MODE=disabled PYTHONUNBUFFERED=1
-RUNS="$OUT/runs"; mkdir -p "$RUNS"; : > "$OUT/log.txt"
-if [ -n "${DRY:-}" ]; then  # the same runs, CPU-sized: checks the script, the keys and the table
-  DEV="cluster.device=cpu cluster.backend=gloo"; NCCL_DEV="$DEV"; WORLD=2; T=120
-  MODEL="model=llama_tiny dataset=synthetic_text dataset.seq_len=32 train.batch_size=4 train.steps=3 train.warmup_steps=1"
+ROWS() { timeout -k 5 30 $PY benchmarks/gpu/rows.py --results "$RESULTS" --runs "$RUNS" "$@"; }
+left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
+
+if [ -n "${DRY_RUN:-}" ]; then  # the same runs, CPU-sized
+  GPU="cluster.device=cpu cluster.backend=gloo"; NCCL="$GPU"; W=2; T=120; TOTAL_S="${TOTAL_S_DRY:-900}"
+  LM="model=llama_tiny dataset=synthetic_text dataset.seq_len=32 dataset.num_samples=64 dataset.num_val=16 train.batch_size=4 train.steps=3 train.warmup_steps=1"
+  LM_SMALL="$LM"
+  BN="model=resnet18_cifar model.width=4 dataset=synthetic dataset.image_size=8 train.batch_size=8 train.steps=4 train.warmup_steps=1"
+  DEVICE="cpu (dry run)"
 else
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.txt" 2>&1
-  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" >> "$OUT/device.txt"
-  DEV="cluster.device=cuda cluster.backend=gloo"; NCCL_DEV="cluster.device=cuda cluster.backend=nccl"; WORLD=4; T=110
-  MODEL="model=llama_134m dataset=synthetic_text dataset.vocab_size=32000 dataset.seq_len=512 dataset.num_samples=512 train.batch_size=8 train.steps=12 train.warmup_steps=4"
+  GPU="cluster.device=cuda cluster.backend=gloo"; NCCL="cluster.device=cuda cluster.backend=nccl"; W=4; T=100
+  LM="model=llama_134m dataset=synthetic_text dataset.vocab_size=32000 dataset.seq_len=512 dataset.num_samples=256 dataset.num_val=32 train.batch_size=8 train.steps=8 train.warmup_steps=3"
+  LM_SMALL="model=llama_tiny dataset=synthetic_text dataset.seq_len=512 dataset.num_samples=64 dataset.num_val=16 train.batch_size=8 train.steps=5 train.warmup_steps=1"
+  BN="model=resnet18_cifar model.width=16 dataset=synthetic dataset.image_size=32 train.batch_size=64 train.steps=30 train.warmup_steps=3"
+  DEVICE=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1)
 fi
-COMMON="$MODEL optim=adamw train.precision=bf16 train.eval_every=0 logger.wandb.mode=disabled logger.progress=false"
-run() {  # run NAME overrides...: one sdp-train job with a time limit, its log appended to log.txt
-  local name=$1; shift; local t0=$(date +%s)
-  timeout "$T" $PY -m sdp.train hydra.run.dir="$RUNS/$name" $COMMON "$@" > "$RUNS/$name.log" 2>&1
-  local rc=$?; echo "== $name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$OUT/log.txt"
-  [ $rc -eq 0 ] || tail -25 "$RUNS/$name.log" >> "$OUT/log.txt"
+COMMON="train.eval_every=0 eval.subnetworks=false logger.wandb.mode=disabled logger.progress=false"
+LM_RUN="$LM optim=adamw train.precision=bf16 $COMMON"
+TORCH=$($PY -c "import torch; print(torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tail -1)
+if COMMIT=$(git rev-parse --short HEAD 2>/dev/null); then git diff --quiet HEAD 2>/dev/null || COMMIT="$COMMIT+dirty"; else COMMIT="(not a git checkout)"; fi
+ROWS header --title "$STAMP ${DRY_RUN:+DRY RUN }commit $COMMIT" --line "device: $DEVICE; torch $TORCH; runs: $RUNS" \
+  --line "time limit per run ${T}s (timeout -k 10), total ${TOTAL_S}s"
+
+run() {  # run NAME overrides...: one sdp-train job, bounded; its row appended at once
+  local name=$1; shift
+  local t=$T rest; rest=$(left)
+  if [ $(( rest - 15 )) -lt "$t" ]; then t=$(( rest - 15 )); fi
+  if [ "$t" -lt 20 ]; then ROWS row --name "$name" --rc skipped --secs 0; echo "== $name skipped (total time)"; return; fi
+  local t0; t0=$(date +%s)
+  timeout -k 10 "$t" $PY -m sdp.train hydra.run.dir="$RUNS/$name" "$@" > "$RUNS/$name.log" 2>&1
+  local rc=$?
+  ROWS row --name "$name" --rc "$rc" --secs "$(( $(date +%s) - t0 ))"
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"
 }
-run nccl_ddp_w1 parallelism=ddp cluster.world_size=1 $NCCL_DEV
-run gloo_ddp parallelism=ddp cluster.world_size=$WORLD $DEV
-run gloo_fsdp parallelism=fsdp cluster.world_size=$WORLD $DEV
-run gloo_sdp_fwd parallelism=sdp parallelism.coverage=0.5 cluster.world_size=$WORLD $DEV
-run gloo_sdp_bwd parallelism=sdp_block_bwd parallelism.coverage=0.5 cluster.world_size=$WORLD $DEV
-$PY - "$RUNS" "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-runs, out = Path(sys.argv[1]), Path(sys.argv[2])
-rows, allsum = {}, {}
-MiB = 2**20
-for d in sorted(p for p in runs.iterdir() if (p / "summary.json").exists()):
-    s = json.loads((d / "summary.json").read_text()); allsum[d.name] = s
-    mem = s["memory"]["per_rank"]
-    groups = s.get("process_groups", {}).get("per_rank", [{}])
-    rows[d.name] = {
-        "ranks": s["world_size"], "precision": s.get("precision"),
-        "alloc_peak": max(m.get("cuda_max_allocated_bytes", 0) for m in mem),
-        "device_used": max(m.get("cuda_device_used_bytes", 0) for m in mem),
-        "state": max(m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in mem),
-        "acts": max(m.get("activation_bytes") or 0 for m in mem),
-        "tokens_per_s": s["time"].get("tokens_per_s"), "step_s": s["time"]["step_s_median"],
-        "groups": max(g.get("count", 0) for g in groups), "split": all(g.get("split_from_default") for g in groups),
-    }
-(out / "gpu_summaries.json").write_text(json.dumps(allsum, indent=1, default=str))
-lines = ["| run | ranks | precision | allocator peak MiB (max rank) | device used MiB (whole GPU) | model state MiB | activations MiB | tokens/s | step s | groups/rank | NCCL split |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
-for name, r in rows.items():
-    lines.append(f"| {name} | {r['ranks']} | {r['precision']} | {r['alloc_peak'] / MiB:.0f} | {r['device_used'] / MiB:.0f} | "
-                 f"{r['state'] / MiB:.0f} | {r['acts'] / MiB:.0f} | {r['tokens_per_s'] or 0:.0f} | {r['step_s']:.3f} | {r['groups']} | {r['split']} |")
-ddp = rows.get("gloo_ddp")
-for name in ("gloo_sdp_fwd", "gloo_sdp_bwd"):
-    r = rows.get(name)
-    if ddp and r and ddp["alloc_peak"] and ddp["device_used"]:
-        a, t = r["alloc_peak"] / ddp["alloc_peak"], r["device_used"] / ddp["device_used"]
-        lines.append(f"\n{name} / gloo_ddp: allocator peak {a:.2f}x (target <= 0.6), device used {t:.2f}x (target <= 0.7)")
-(out / "gpu_table.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+verdict() { timeout -k 5 20 $PY benchmarks/gpu/rows.py --results "$RESULTS" --runs "$RUNS" verdict "$@"; }
+
+SDP_HALF="parallelism=sdp parallelism.coverage=0.5"
+timeout -k 5 90 $PY benchmarks/gpu/rows.py --results "$RESULTS" --runs "$RUNS" floor $LM_RUN cluster.world_size=$W $GPU \
+  --ddp parallelism=ddp --sdp $SDP_HALF > "$RUNS/floor.log" 2>&1 || echo "floor failed: $(tail -3 "$RUNS/floor.log")" | tee -a "$RESULTS"
+run nccl_ddp_lm_w1 parallelism=ddp cluster.world_size=1 $NCCL $LM_RUN
+verdict tf32 nccl_ddp_lm_w1
+run gloo_ddp_lm parallelism=ddp cluster.world_size=$W $GPU $LM_RUN
+run gloo_sdp_lm $SDP_HALF cluster.world_size=$W $GPU $LM_RUN
+verdict memory gloo_ddp_lm gloo_sdp_lm
+run gloo_fsdp_lm parallelism=fsdp cluster.world_size=$W $GPU $LM_RUN
+verdict fsdp_setup gloo_ddp_lm gloo_fsdp_lm
+[ -n "${DRY_RUN:-}" ] || verdict device_figures nccl_ddp_lm_w1 gloo_ddp_lm gloo_sdp_lm gloo_fsdp_lm
+run nccl_ddp_bn_w1 parallelism=ddp cluster.world_size=1 $NCCL $BN eval.bn=average $COMMON
+run nccl_sdp_bn_w1 parallelism=sdp parallelism.coverage=1.0 cluster.world_size=1 $NCCL $BN eval.bn=average $COMMON
+verdict bn nccl_ddp_bn_w1 nccl_sdp_bn_w1
+run nccl_det_w1 parallelism=ddp cluster.world_size=1 $NCCL $LM_SMALL train.deterministic=true $COMMON
+verdict deterministic nccl_det_w1
+echo "total $(( $(date +%s) - START ))s; results: $RESULTS" | tee -a "$RESULTS"

@@ -11,6 +11,18 @@ hooks inside a checkpointed region (whose tensors are then *not* kept) and keeps
 alive for the recomputation outside autograd's saved tensors; code that checkpoints reports those
 inputs with :func:`note_retained`, so the measurement stays complete.
 
+Copies of the weights are model state, not activations, under every strategy alike. In bf16 a
+linear or conv layer under autocast saves autocast's bf16 cast of its fp32 weight (DDP, SDP's whole
+units); FSDP2 computes with bf16 unsharded *parameters* instead, and SDP's re-joined split weights
+are rebuilt in backward rather than saved. So a tensor that is a cast of a parameter (or a view of
+one: its grad_fn is ``ToCopyBackward0`` straight from the parameter's ``AccumulateGrad``) is not
+counted, like a parameter; otherwise the same forward would report the bf16 weights as activations
+under DDP and SDP and not under FSDP. Those copies are live memory all the same: the per-phase
+peaks (:mod:`sdp.metrics.memory`; on the CPU tracker under ``activations``, the step's transients)
+include them for every strategy. What still differs in bf16 is real: FSDP2 runs the ops autocast
+leaves alone (embedding, norms) on bf16 parameters, so their outputs are bf16, where DDP's are fp32
+and cast again by each layer that reads them.
+
 The same meter runs on the meta device (the planner's prediction and the SDP planner's unit costs):
 meta tensors have no address, so a storage is identified by its base tensor object, kept referenced
 for the duration of the pass so that its identity cannot be reused.
@@ -36,7 +48,7 @@ class SavedTensorMeter:
         self._seen: dict[int, int] = {}
 
     def add(self, t: torch.Tensor) -> None:
-        if t.layout != torch.strided or _is_param(t):
+        if t.layout != torch.strided or _is_param(t) or _is_param_cast(t):
             return
         key = _key(t, self._keep)
         if key and key not in self._exclude and key not in self._seen:
@@ -53,6 +65,16 @@ class SavedTensorMeter:
 
 def _is_param(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+def _is_param_cast(t: torch.Tensor) -> bool:
+    """A dtype cast of a trainable parameter (autocast's bf16 weight copy), or a view of one."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    src = fn.next_functions[0][0] if fn.next_functions else None
+    return isinstance(getattr(src, "variable", None), nn.Parameter)
 
 
 def _key(t: torch.Tensor, keep: list[torch.Tensor]) -> int:

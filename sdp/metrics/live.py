@@ -13,7 +13,11 @@ device with it (:mod:`sdp.plan_peaks`).
 Why this and not ``torch.distributed._tools.mem_tracker.MemTracker``: that one hooks every module and
 keeps per-module snapshots (useful for attribution, costly per step); here the work per op is one
 dictionary look-up per output, and categories come from labels set at known points (parameters and
-buffers, gradients, optimizer state; everything else is an activation or a temporary).
+buffers, gradients, optimizer state; everything else is an activation or a temporary). Weight copies
+made during a step (autocast's bf16 casts under DDP and SDP, FSDP2's unsharded bf16 parameters, SDP's
+re-joined weights) are allocated after the labels and fall under ``activations`` for every strategy
+alike; the saved-tensor figure ``activation_bytes`` excludes them for every strategy alike
+(:mod:`sdp.metrics.activations`).
 
 ``budget_bytes`` turns the tracker into a per-rank memory limit: an op whose outputs take the live
 total past it raises :class:`MemoryBudgetExceeded` (an ``OutOfMemoryError``), as the CUDA allocator

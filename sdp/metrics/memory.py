@@ -110,7 +110,8 @@ class PeakTracker:
         self.current = "setup"
         self.peaks: dict[str, int] = {}
         self.peak_categories: dict[str, dict[str, int]] = {}
-        self.device_used = 0
+        self.device_used = 0  # the largest mem_get_info use seen at a phase switch (not the end value)
+        self.reserved = 0  # the largest allocator reservation of any phase (its peak is reset per phase)
         self._watched: Any = None
         if device.type == "cuda":
             if budget_bytes is not None:
@@ -183,6 +184,9 @@ class PeakTracker:
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peaks[name] = max(self.peaks.get(name, 0), int(torch.cuda.max_memory_allocated(self.device)))
+            # reset_peak_memory_stats resets the reserved peak too: fold it in first, or the run's
+            # "max reserved" would be the last phase's
+            self.reserved = max(self.reserved, int(torch.cuda.max_memory_reserved(self.device)))
             free, total = torch.cuda.mem_get_info(self.device)
             self.device_used = max(self.device_used, int(total - free))
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -202,6 +206,6 @@ class PeakTracker:
             out["peak_categories"] = {n: self.peak_categories[n] for n in REPORTED if n in self.peak_categories}
         if self.device.type == "cuda":
             out["cuda_max_allocated_bytes"] = self.peaks.get("train")  # measured steps (as before)
-            out["cuda_max_reserved_bytes"] = int(torch.cuda.max_memory_reserved(self.device))
-            out["cuda_device_used_bytes"] = self.device_used  # mem_get_info: all of the device (NCCL, context)
+            out["cuda_max_reserved_bytes"] = self.reserved  # max over every phase of the run
+            out["cuda_device_used_bytes"] = self.device_used  # mem_get_info, max over phase ends: all of the device (NCCL, context)
         return out

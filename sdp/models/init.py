@@ -99,3 +99,53 @@ def materialise(model: "SDPModel", *, names: Iterable[str] | None = None, device
     for name, module in list(model.named_modules()):
         if (wanted is None or name in wanted) and is_meta(module):
             materialise_module(model, name, device=device)
+
+
+def skeleton(model: "SDPModel") -> "SDPModel":
+    """A copy of ``model`` while it is still entirely on the meta device (no storage, seed and ties kept):
+    the full-size shapes :func:`materialise_sharded` initialises from once the model itself is sharded."""
+    import copy
+
+    real = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not t.is_meta]
+    assert not real, f"{type(model).__name__}: skeleton() needs a model entirely on the meta device; materialised: {real[:5]}"
+    return copy.deepcopy(model)
+
+
+def _fill(target: torch.Tensor, full: torch.Tensor, *, name: str) -> None:
+    """Copy into ``target`` the part of ``full`` it holds: a DTensor's local shard, a plain tensor whole."""
+    if hasattr(target, "to_local"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
+        local = target.to_local()
+        assert tuple(local.shape) == tuple(shape), f"{name}: local shard {tuple(local.shape)} != DTensor layout {tuple(shape)}"
+        local.copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+    else:
+        assert target.shape == full.shape, f"{name}: {tuple(target.shape)} != full build {tuple(full.shape)}"
+        target.copy_(full)
+
+
+def materialise_sharded(model: nn.Module, *, skeleton: "SDPModel") -> None:
+    """Fill ``model`` with the values of the full build where it was sharded on the meta device and then
+    given storage (FSDP2: ``fully_shard`` on meta, ``to_empty``): parameters are DTensors of which this
+    rank allocated only its shard. Module by module, ``skeleton`` (:func:`skeleton`, taken before
+    sharding) materialises the module alone on the CPU from its seed, exactly as the full build does,
+    this rank copies in the part it holds, and the module goes back to meta: at most one module's full
+    tensors ever exist beyond the rank's shards, never the full model. A tied parameter is filled once,
+    by its first owner (in ``model`` its later owners hold the same tensor)."""
+    ties = dict(getattr(skeleton, "init_ties", {}))
+    for name, module in list(skeleton.named_modules()):
+        own = [(kind, key) for kind in ("_parameters", "_buffers") for key, t in getattr(module, kind).items()
+               if t is not None and (f"{name}.{key}" if name else key) not in ties]
+        if not own:
+            continue
+        materialise_module(skeleton, name)
+        target = model.get_submodule(name) if name else model
+        with torch.no_grad():
+            for kind, key in own:
+                _fill(getattr(target, kind)[key], getattr(module, kind)[key], name=f"{name}.{key}" if name else key)
+        module.to_empty(device="meta", recurse=False)  # release this module's full tensors
+        for dup, src in ties.items():  # and the references materialise_module gave their later owners
+            if src.rpartition(".")[0] == name:
+                owner, _, leaf = dup.rpartition(".")
+                (skeleton.get_submodule(owner) if owner else skeleton)._parameters[leaf] = skeleton.get_parameter(src)

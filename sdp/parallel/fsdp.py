@@ -8,6 +8,10 @@ Why these choices:
 - Reductions are forced to SUM followed by a division (``set_force_sum_reduction_for_comms``): gloo's
   reduce-scatter with AVG has summed instead of averaging (pytorch #162338, silent). The gradient test
   in ``tests/test_fsdp.py`` compares the gathered gradients with a single-process reference.
+- The model arrives on the meta device (``materialises_held``) and is sharded there; each rank then
+  allocates its shards only and fills them module by module with the full build's seeded values
+  (:func:`sdp.models.init.materialise_sharded`), so no rank ever holds the whole fp32 model and FSDP
+  still starts from exactly the parameters DDP and SDP start from (``tests/test_fsdp_meta.py``).
 - ``parallelism.replicate`` > 1 is HSDP: a 2-D mesh (replicate, shard), parameters sharded within a
   shard group and all-reduced across replicas.
 - Precision comes from ``train.precision`` (:func:`sdp.precision.fsdp_policies`): bf16 all-gathers
@@ -30,8 +34,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from sdp.distctx import mesh_overrides
 from sdp.errors import positive_int, require
 from sdp.metrics.collectives import count_collectives
+from sdp.metrics.groups import mesh_process_groups
+from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.precision import fsdp_policies
 from sdp.parallel.base import OptimizerFactory, Strategy, average_buffers, register
@@ -50,11 +57,20 @@ def shard_rows(rows: int, *, rank: int, shards: int) -> int:
     return max(0, min(chunk, rows - rank * chunk))
 
 
+def mesh_layout(*, replicate: int, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The mesh's shape and dimension names: (replicate, shard) under HSDP, else (shard,)."""
+    if replicate > 1:
+        return (replicate, world // replicate), ("replicate", "shard")
+    return (world,), ("shard",)
+
+
 @register("fsdp")
 class FSDPStrategy(Strategy):
     """Parameters, gradients and optimizer state sharded over the shard dimension of the mesh."""
 
     label = "FSDP"
+    # the worker builds the model on meta; setup shards it there and materialises only this rank's shards
+    materialises_held = True
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
@@ -77,6 +93,7 @@ class FSDPStrategy(Strategy):
         units = [(list(b.parameters()), 2 if bool(pc.reshard_after_forward) else 1) for b in model.blocks]
         units.append(([p for p in model.parameters() if id(p) not in block_ids], 1))
         acts = activations(model, model.example_input(int(cfg.train.batch_size)).to("meta"))
+        facts["process_groups"] = mesh_process_groups(world_size=world, shape=mesh_layout(replicate=rep, world=world)[0])
         out = []
         for r in range(world):
             s = r % shards
@@ -102,15 +119,18 @@ class FSDPStrategy(Strategy):
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         ctx = self.ctx
-        replicate = int(self.cfg.replicate)
         self.reshard_after_forward = bool(self.cfg.reshard_after_forward)
-        if replicate > 1:
-            shape, names = (replicate, ctx.world_size // replicate), ("replicate", "shard")
-        else:
-            shape, names = (ctx.world_size,), ("shard",)
-        self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+        shape, names = mesh_layout(replicate=int(self.cfg.replicate), world=ctx.world_size)
+        # every dimension's groups get the job's timeout and NCCL options (sdp.distctx.mesh_overrides)
+        self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names, backend_override=mesh_overrides(shape))
         policy, norm_policy = fsdp_policies(precision=self.precision)  # train.precision (sdp/precision.py)
-        model.to(ctx.device)
+        # On the meta device (the worker's build): shard first, then give each rank storage for its
+        # shards only and fill them with the full build's seeded values (sdp.models.init), so the set-up
+        # peak is one shard set plus one module, never the full model. A materialised model (built
+        # directly, as tests do) is moved whole, as before.
+        template = init.skeleton(model) if init.meta_tensors(model) else None
+        if template is None:
+            model.to(ctx.device)
         if norm_policy is not None:  # bf16: BatchNorm layers sharded on their own, in float32
             for m in model.modules():
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -120,6 +140,9 @@ class FSDPStrategy(Strategy):
         # None: FSDP2's default for the root, which keeps its (stem + head) parameters after forward
         # because backward needs them first; an explicit True would re-gather them at once.
         fully_shard(model, mesh=self.mesh, reshard_after_forward=None, mp_policy=policy)
+        if template is not None:
+            model.to_empty(device=ctx.device)
+            init.materialise_sharded(model, skeleton=template)
         for m in fsdp_modules(model):
             m.set_force_sum_reduction_for_comms(True)  # per module (not recursive): SUM, then divide
         self.module = model
