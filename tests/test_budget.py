@@ -77,7 +77,7 @@ def test_measured_ratio_counts_shared_parts_in_full():
     counts = forward_flop_counts(model)
     shared = counts["ResNetCIFAR.stem"] + counts["ResNetCIFAR.head"] + sum(
         v for k, v in counts.items() if k.endswith(".shortcut"))
-    masked = masked_fraction(counts=counts, model=model)
+    masked = masked_fraction(counts=counts, model=model, level="block")
     assert masked == pytest.approx(1 - shared / counts["Global"])
     assert info["fraction_computed"] == pytest.approx(1 - masked + 0.5 * masked)
     assert 0.5 < info["fraction_computed"] < 1 and steps == round(100 / info["fraction_computed"]) < 200
@@ -221,7 +221,7 @@ def test_flops_budget_uses_the_realised_k_over_n(world: int, coverage: float, k:
     assert steps == round(40 * world / k), info
     cfg = with_coverage(compose_with(*base, "train.flops_ratio=measured"), coverage)
     _, measured = resolve_steps(cfg)
-    masked = model_flops(cfg)[1]
+    masked = model_flops(cfg)[1]["block"]
     assert measured["fraction_computed"] == pytest.approx(compute_fraction(masked=masked, coverage=k / world,
                                                                            masking="forward")), measured
     with pytest.raises(ConfigError, match=r"coverage=0.1 with world_size=4 gives k=round\(0.4\)=0"):

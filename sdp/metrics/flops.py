@@ -6,7 +6,8 @@ model the workers compute (:meth:`sdp.parallel.base.Strategy.flops_fraction`: 1 
 runs the whole model) is the useful work of a step, the same for every strategy; activation
 recomputation is overhead, not useful work, as in the usual MFU definition. The budget module
 already counts it once per run in the driver (``summary.json["budget"]["flops_per_step"]``);
-:func:`masked_fraction` is the model's share that a strategy with a coverage scales.
+:func:`masked_fraction` is the model's share that a strategy with a coverage scales (per level: at
+neuron level only the declared split sub-branches).
 
 MFU = useful FLOPs per second / (dense peak of one device x distinct devices). Several gloo ranks
 sharing one GPU count that GPU once. Peaks are the vendors' dense (no sparsity) figures; on CPU
@@ -17,10 +18,21 @@ from __future__ import annotations
 
 from typing import Any
 
-def masked_fraction(*, counts: dict[str, int], model: Any) -> float:
-    """Share of the forward FLOPs spent in the residual branches of the model's units (``sdp_units``:
-    the part a worker that computes a fraction of the units skips); ``counts``: per-module FLOPs
-    (:func:`sdp.models.base.forward_flop_counts`)."""
+from sdp.subnet.plan import LEVELS
+
+
+def masked_fraction(*, counts: dict[str, int], model: Any, level: str) -> float:
+    """Share of the forward FLOPs that a worker holding a fraction of every unit computes only that
+    fraction of (``counts``: per-module FLOPs, :func:`sdp.models.base.forward_flop_counts`).
+
+    ``level="block"``: the units' residual branches (a dropped block runs none of its branch; shared
+    sub-modules such as a projection shortcut run anyway). ``level="neuron"``: only the sub-branches the
+    blocks' hidden dims run (``HiddenDim.branch``, ``""`` = the whole residual branch), the same
+    declaration that says what is rescaled; what no hidden dim splits (attention under grouped-query
+    attention, Swin's attention) runs in full on every holder. A block without hidden dims is one whole
+    unit at neuron level too (:func:`sdp.subnet.plan.declare_units`)."""
+    if level not in LEVELS:
+        raise ValueError(f"level={level!r} not in {LEVELS}")
     prefix = type(model).__name__
     total = counts["Global"]
     if total <= 0:
@@ -28,10 +40,26 @@ def masked_fraction(*, counts: dict[str, int], model: Any) -> float:
     masked = 0
     for i, block in model.sdp_units():
         name = f"{prefix}.blocks.{i}"
-        shared = sum(counts.get(f"{name}.{s}", 0) for s in block.shared_submodules())
-        masked += counts.get(name, 0) - shared
-    assert 0 <= masked <= total, f"masked FLOPs {masked} outside [0, total {total}]"
+        whole = counts.get(name, 0) - sum(counts.get(f"{name}.{s}", 0) for s in block.shared_submodules())
+        branches = {d.branch for d in block.hidden_dims()} if level == "neuron" else set()
+        if not branches or "" in branches:
+            masked += whole
+            continue
+        for b in sorted(branches):
+            key = f"{name}.{b}"
+            if key not in counts and whole > 0:
+                block.get_submodule(b)  # raises when the declared branch names no sub-module
+                raise AssertionError(f"{key}: the declared HiddenDim.branch is never called as a module, so its "
+                                     f"work is not counted under its name ({type(block).__name__}.forward_full)")
+            masked += counts.get(key, 0)
+    assert 0 <= masked <= total, f"masked FLOPs {masked} outside [0, total {total}] at level={level}"
     return masked / total
+
+
+def masked_fractions(*, counts: dict[str, int], model: Any) -> dict[str, float]:
+    """:func:`masked_fraction` at every level (``{"block": .., "neuron": ..}``): the model's facts, counted
+    once; a strategy picks its own level (:meth:`sdp.parallel.base.Strategy.flops_fraction`)."""
+    return {level: masked_fraction(counts=counts, model=model, level=level) for level in LEVELS}
 
 
 # dense peak FLOP/s per device: bf16 / tf32 / fp32 tensor-core or CUDA-core figures from the data sheets
@@ -53,8 +81,11 @@ def peak_flops(*, device_name: str, dtype: str) -> float | None:
 
 
 def compute_dtype(summary: dict[str, Any]) -> str:
-    """What the run's matmuls ran in: summary.json's ``precision`` (``train.precision``; fp32 when absent)."""
-    return "bf16" if summary.get("precision") == "bf16" else "fp32"
+    """What the run's matmuls ran in: summary.json's ``precision`` (``train.precision``; fp32 when absent),
+    tf32 for fp32 on CUDA with TF32 matmuls on (``backends.tf32_matmul``, :func:`sdp.rankenv.set_backends`)."""
+    if summary.get("precision") == "bf16":
+        return "bf16"
+    return "tf32" if (summary.get("backends") or {}).get("tf32_matmul") else "fp32"
 
 
 def throughput(*, summary: dict[str, Any], flops_per_step: float | None) -> dict[str, Any]:

@@ -12,7 +12,8 @@ strategy ever inspects a concrete architecture.
 - A :class:`ResidualBlock` declares the hidden widths neuron-level SDP may split
   (:class:`HiddenDim`) and the sub-modules that stay shared when the block is dropped (a projection
   shortcut). Its forward honours ``active`` (False = identity on the residual path, the branch is
-  never executed) and ``branch_scale`` (stochastic-depth style rescaling).
+  never executed), ``branch_scale`` (stochastic-depth style rescaling of the whole branch) and, at
+  neuron level, a scale on the output of each split sub-branch only (``HiddenDim.branch``).
 - Pipeline split points are the block boundaries: stage boundaries are indices into ``blocks``.
 """
 
@@ -44,11 +45,21 @@ class HiddenDim:
     ``size`` hidden units, each ``unit_width`` elements wide along every slice's ``dim`` (1 for
     channels or MLP units, ``head_dim`` for attention heads). The residual stream is never a
     HiddenDim.
+
+    ``branch`` names the sub-module of the block (relative name) that runs this dim's units and whose
+    output is their sum (``"feed_forward"``, ``"attention"``), or ``""`` when that is the whole
+    residual branch (ResNet, the residual MLP). Why one name: it is the single declaration of what a
+    worker holding some of the units narrows and what it leaves whole. Neuron-level SDP counts that
+    sub-module's FLOPs as narrowed (:func:`sdp.metrics.flops.masked_fraction`) and rescales only what
+    its split units produce (:meth:`ResidualBlock.set_scale`, read in ``forward_full`` through
+    :meth:`ResidualBlock.scale_of`); everything else in the block (attention that no dim splits, an
+    output bias) every holder computes in full, so it is neither counted as narrowed nor rescaled.
     """
 
     name: str
     size: int
     slices: tuple[HiddenSlice, ...]
+    branch: str
     unit_width: int = 1
 
 
@@ -56,9 +67,11 @@ class ResidualBlock(nn.Module):
     """Base of every SDP block unit: a residual computation that can be skipped or rescaled.
 
     Subclasses implement ``forward_full(x)`` (the real block, multiplying every residual branch by
-    ``self.branch_scale``) and may override ``forward_skip(x)`` (what the block computes when its
-    residual branch is dropped: identity by default, the projection shortcut for a downsampling
-    block). ``hidden_dims()`` and ``shared_submodules()`` declare the block to SDP.
+    ``self.branch_scale`` and what the split units of each declared sub-branch produce by
+    ``self.scale_of(branch)``, e.g. through :func:`split_output`) and may override ``forward_skip(x)``
+    (what the block computes when its residual branch is dropped: identity by default, the projection
+    shortcut for a downsampling block). ``hidden_dims()`` and ``shared_submodules()`` declare the
+    block to SDP.
     """
 
     # True when the residual branch ends in a normalisation layer (ResNet's last BatchNorm), so the
@@ -69,10 +82,24 @@ class ResidualBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.active: bool = True
-        self.branch_scale: float = 1.0
+        self.branch_scale: float = 1.0  # the whole residual branch (block level, stochastic depth)
+        self.hidden_scales: dict[str, float] = {}  # HiddenDim.branch -> scale of its split units' output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return self.forward_full(x) if self.active else self.forward_skip(x)
+
+    def scale_of(self, branch: str) -> float:
+        """The factor ``forward_full`` puts on what the split units of sub-branch ``branch``
+        (``HiddenDim.branch``) produce, on top of ``branch_scale``; 1 for what no hidden dim splits."""
+        return self.hidden_scales.get(branch, 1.0)
+
+    def set_scale(self, scale: float, *, split: bool) -> None:
+        """Scale this unit for workers that each compute only part of it. ``split=False`` (the unit is the
+        whole block: block level, or a block without hidden dims): the whole residual branch, since a
+        dropped block contributes nothing. ``split=True`` (neuron level): only the output of the split
+        units of every declared sub-branch; what every holder computes in full keeps scale 1."""
+        self.branch_scale = 1.0 if split else scale
+        self.hidden_scales = {d.branch: scale for d in self.hidden_dims()} if split else {}
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -157,6 +184,23 @@ class SDPModel(nn.Module):
     def example_input(self, batch_size: int) -> torch.Tensor:
         """A correctly shaped dummy input (used by planners, tracers and shape tests)."""
         raise NotImplementedError(f"{type(self).__name__} does not declare example_input")
+
+
+def split_output(layer: nn.Module, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """``layer(x)`` for a layer whose inputs are split hidden units (a sub-branch's output projection),
+    with what those units produce multiplied by ``scale`` and the layer's bias not: ``scale * W x + b``.
+    Why the bias stays: it is added once whatever the number of units summed, so a holder of some units
+    trained it at full size. Runs ``layer``'s own forward (backward masking wraps it), so the bias is
+    taken back out of the scaled output rather than the weight applied by hand."""
+    y = layer(x)
+    if scale == 1.0:
+        return y
+    bias = getattr(layer, "bias", None)
+    if bias is None:
+        return y * scale
+    assert bias.dim() == 1 and y.shape[-1] == bias.shape[0], \
+        f"{type(layer).__name__}: bias {tuple(bias.shape)} does not run along the output's last dim {tuple(y.shape)}"
+    return torch.add(y * scale, bias.to(y.dtype), alpha=1.0 - scale)
 
 
 def count_forward_flops(module: nn.Module, inputs: torch.Tensor) -> int:

@@ -6,11 +6,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from sdp.models.base import HiddenDim, HiddenSlice, ResidualBlock, SDPModel
+from sdp.models.base import HiddenDim, HiddenSlice, ResidualBlock, SDPModel, split_output
 
 
 class MLPBlock(ResidualBlock):
-    """Pre-norm residual MLP block: x + scale * fc2(gelu(fc1(norm(x))))."""
+    """Pre-norm residual MLP block: x + scale * fc2(gelu(fc1(norm(x)))); at neuron level the scale is on
+    what the hidden units produce, not on fc2's bias (added once by every holder)."""
 
     def __init__(self, *, dim: int, hidden: int) -> None:
         super().__init__()
@@ -19,11 +20,11 @@ class MLPBlock(ResidualBlock):
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.branch_scale * self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return x + self.branch_scale * split_output(self.fc2, F.gelu(self.fc1(self.norm(x))), scale=self.scale_of(""))
 
     def hidden_dims(self) -> tuple[HiddenDim, ...]:
         slices = (HiddenSlice("fc1.weight", 0), HiddenSlice("fc1.bias", 0), HiddenSlice("fc2.weight", 1))
-        return (HiddenDim(name="mlp", size=self.fc1.out_features, slices=slices),)
+        return (HiddenDim(name="mlp", size=self.fc1.out_features, slices=slices, branch=""),)
 
 
 class MLP(SDPModel):

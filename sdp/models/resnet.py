@@ -31,7 +31,11 @@ def conv_bn_slices(*, conv: str, bn: str, consumer: str) -> tuple[HiddenSlice, .
 
 
 class ShortcutBlock(ResidualBlock):
-    """relu(shortcut(x) + scale * residual(x)); the shortcut is identity or a shared 1x1 projection."""
+    """relu(shortcut(x) + scale * residual(x)); the shortcut is identity or a shared 1x1 projection.
+
+    Every hidden dim's ``branch`` is ``""``, the whole residual: the last conv's output is the sum over
+    the split channels and the closing BatchNorm acts on that sum, so the neuron-level scale multiplies
+    the branch's output (after the norm) as the block-level one does."""
 
     shortcut: nn.Module | None
     normalised_branch = True  # the branch ends in bn2 (BasicBlock) / bn3 (Bottleneck)
@@ -47,7 +51,7 @@ class ShortcutBlock(ResidualBlock):
         raise NotImplementedError
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.forward_skip_pre(x) + self.branch_scale * self.residual(x))
+        return F.relu(self.forward_skip_pre(x) + self.branch_scale * self.scale_of("") * self.residual(x))
 
     def forward_skip_pre(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.shortcut is None else self.shortcut(x)
@@ -77,12 +81,14 @@ class BasicBlock(ShortcutBlock):
         return self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
 
     def hidden_dims(self) -> tuple[HiddenDim, ...]:
-        return (HiddenDim(name="mid", size=self.conv1.out_channels,
+        return (HiddenDim(name="mid", size=self.conv1.out_channels, branch="",
                           slices=conv_bn_slices(conv="conv1", bn="bn1", consumer="conv2")),)
 
 
 class Bottleneck(ShortcutBlock):
-    """1x1 reduce -> 3x3 (stride here, torchvision v1.5) -> 1x1 expand (x4); two hidden widths."""
+    """1x1 reduce -> 3x3 (stride here, torchvision v1.5) -> 1x1 expand (x4); two hidden widths. The 3x3
+    conv is sliced by both (inputs mid1, outputs mid2), so neuron-level SDP refuses the block
+    (:func:`sdp.subnet.plan.cross_sliced`) and runs it at block level only."""
 
     expansion = 4
 
@@ -105,8 +111,8 @@ class Bottleneck(ShortcutBlock):
     def hidden_dims(self) -> tuple[HiddenDim, ...]:
         w = self.conv1.out_channels
         return (
-            HiddenDim(name="mid1", size=w, slices=conv_bn_slices(conv="conv1", bn="bn1", consumer="conv2")),
-            HiddenDim(name="mid2", size=w, slices=conv_bn_slices(conv="conv2", bn="bn2", consumer="conv3")),
+            HiddenDim(name="mid1", size=w, slices=conv_bn_slices(conv="conv1", bn="bn1", consumer="conv2"), branch=""),
+            HiddenDim(name="mid2", size=w, slices=conv_bn_slices(conv="conv2", bn="bn2", consumer="conv3"), branch=""),
         )
 
 

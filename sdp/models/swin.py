@@ -16,26 +16,38 @@ import torch
 from torch import nn
 from torchvision.models.swin_transformer import ShiftedWindowAttention, SwinTransformer, SwinTransformerBlock
 
-from sdp.models.base import HiddenDim, HiddenSlice, ResidualBlock, SDPModel
+from sdp.models.base import HiddenDim, HiddenSlice, ResidualBlock, SDPModel, split_output
+
+
+class SwinMLP(nn.Sequential):
+    """torchvision's Swin MLP, ``Sequential(Linear, GELU, Dropout, Linear, Dropout)``, with the same
+    children (so the same parameter names and values), whose forward takes the scale of what its hidden
+    units produce (fc2's bias not scaled). A module of its own so that its work is counted as its own
+    (``HiddenDim.branch="mlp"``: the FLOP counter keys work by the module called)."""
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:  # noqa: D102
+        fc1, act, drop1, fc2, drop2 = self
+        return drop2(split_output(fc2, drop1(act(fc1(x))), scale=scale))
 
 
 class SwinUnit(ResidualBlock):
-    """x + s * attn(norm1(x)), then + s * mlp(norm2(.)): one torchvision Swin block as an SDP unit."""
+    """x + s * attn(norm1(x)), then + s * mlp(norm2(.)): one torchvision Swin block as an SDP unit.
+    At neuron level only the MLP is split, so only what its hidden units produce is rescaled."""
 
     def __init__(self, block: SwinTransformerBlock) -> None:
         super().__init__()
-        self.norm1, self.attn, self.norm2, self.mlp = block.norm1, block.attn, block.norm2, block.mlp
+        self.norm1, self.attn, self.norm2, self.mlp = block.norm1, block.attn, block.norm2, SwinMLP(*block.mlp)
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.branch_scale * self.attn(self.norm1(x))
-        return x + self.branch_scale * self.mlp(self.norm2(x))
+        x = x + self.branch_scale * self.attn(self.norm1(x))  # no hidden dim splits attn: never a hidden scale
+        return x + self.branch_scale * self.mlp(self.norm2(x), scale=self.scale_of("mlp"))
 
     def hidden_dims(self) -> tuple[HiddenDim, ...]:
         # torchvision's MLP is Sequential(Linear, GELU, Dropout, Linear, Dropout).
         fc1, fc2 = self.mlp[0], self.mlp[3]
         assert isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear), f"unexpected Swin MLP layout {self.mlp}"
         slices = (HiddenSlice("mlp.0.weight", 0), HiddenSlice("mlp.0.bias", 0), HiddenSlice("mlp.3.weight", 1))
-        return (HiddenDim(name="mlp", size=fc1.out_features, slices=slices),)
+        return (HiddenDim(name="mlp", size=fc1.out_features, slices=slices, branch="mlp"),)
 
 
 class Swin(SDPModel):
@@ -102,4 +114,4 @@ class _SDSwinUnit(SwinUnit):
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.branch_scale * self.stochastic_depth(self.attn(self.norm1(x)))
-        return x + self.branch_scale * self.stochastic_depth(self.mlp(self.norm2(x)))
+        return x + self.branch_scale * self.stochastic_depth(self.mlp(self.norm2(x), scale=self.scale_of("mlp")))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from sdp.models.base import HiddenDim, HiddenSlice, ResidualBlock
+from sdp.models.base import HiddenDim, HiddenSlice, ResidualBlock, split_output
 
 
 class Rotary(nn.Module):
@@ -76,12 +76,13 @@ class Attention(nn.Module):
         b, n, _ = t.shape
         return t.view(b, n, -1, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        """Attention of ``x``; ``scale`` multiplies what the heads produce, not ``wo``'s bias."""
         q, k, v = self._split(self.wq(x)), self._split(self.wk(x)), self._split(self.wv(x))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=q.shape[1] != k.shape[1])
-        return self.wo(out.transpose(1, 2).flatten(2))
+        return split_output(self.wo, out.transpose(1, 2).flatten(2), scale=scale)
 
     def head_slices(self) -> tuple[HiddenSlice, ...]:
         """Slices of the head dim (one unit = ``head_dim`` rows of q, k, v and columns of o)."""
@@ -100,8 +101,9 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=bias)
         self.w3 = nn.Linear(dim, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        """``scale`` multiplies what the hidden units produce, not ``w2``'s bias."""
+        return split_output(self.w2, F.silu(self.w1(x)) * self.w3(x), scale=scale)
 
     def hidden_slices(self) -> tuple[HiddenSlice, ...]:
         rows = tuple(HiddenSlice(f"{n}.{t}", 0) for n in ("w1", "w3") for t in ("weight", "bias")
@@ -117,8 +119,9 @@ class GeluMLP(nn.Module):
         self.fc1 = nn.Linear(dim, hidden, bias=bias)
         self.fc2 = nn.Linear(hidden, dim, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return self.fc2(F.gelu(self.fc1(x)))
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        """``scale`` multiplies what the hidden units produce, not ``fc2``'s bias."""
+        return split_output(self.fc2, F.gelu(self.fc1(x)), scale=scale)
 
     def hidden_slices(self) -> tuple[HiddenSlice, ...]:
         bias = (HiddenSlice("fc1.bias", 0),) if self.fc1.bias is not None else ()
@@ -134,7 +137,8 @@ def prefixed(prefix: str, slices: tuple[HiddenSlice, ...]) -> tuple[HiddenSlice,
 
 
 class TransformerBlock(ResidualBlock):
-    """h = x + s * attention(norm(x)); out = h + s * mlp(norm(h)). One SDP unit per layer."""
+    """h = x + s * attention(norm(x)); out = h + s * mlp(norm(h)). One SDP unit per layer; at neuron
+    level each of attention and MLP scales its split units' output only when a hidden dim splits it."""
 
     def __init__(
         self, *, dim: int, n_heads: int, hidden: int, n_kv_heads: int | None = None, norm: str = "rms",
@@ -151,17 +155,19 @@ class TransformerBlock(ResidualBlock):
         self.feed_forward = MLPS[mlp](dim=dim, hidden=hidden, bias=bias)
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.branch_scale * self.attention(self.attention_norm(x))
-        return h + self.branch_scale * self.feed_forward(self.ffn_norm(h))
+        h = x + self.branch_scale * self.attention(self.attention_norm(x), scale=self.scale_of("attention"))
+        return h + self.branch_scale * self.feed_forward(self.ffn_norm(h), scale=self.scale_of("feed_forward"))
 
     def hidden_dims(self) -> tuple[HiddenDim, ...]:
         """MLP hidden units; attention heads too unless grouped-query attention ties q heads to kv heads
-        (then a unit would be n_rep q heads but one kv head: widths differ between slices)."""
+        (then a unit would be n_rep q heads but one kv head: widths differ between slices, and attention
+        stays whole on every holder: neither narrowed nor rescaled)."""
         ff = self.feed_forward
         hidden = ff.w1.out_features if isinstance(ff, SwiGLU) else ff.fc1.out_features
-        dims = [HiddenDim(name="mlp", size=hidden, slices=prefixed("feed_forward", ff.hidden_slices()))]
+        dims = [HiddenDim(name="mlp", size=hidden, slices=prefixed("feed_forward", ff.hidden_slices()),
+                          branch="feed_forward")]
         att = self.attention
         if att.n_kv_heads == att.n_heads:
             dims.append(HiddenDim(name="heads", size=att.n_heads, unit_width=att.head_dim,
-                                  slices=prefixed("attention", att.head_slices())))
+                                  slices=prefixed("attention", att.head_slices()), branch="attention"))
         return tuple(dims)

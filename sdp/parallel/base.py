@@ -107,10 +107,11 @@ class Strategy(ABC):
         return None
 
     @classmethod
-    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: float) -> float:
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
         """Fraction of the full model's training FLOPs one worker computes per step on average, for a
-        strategy with a :meth:`coverage`; ``masked`` is the share of the forward FLOPs spent in the
-        units' residual branches (:func:`sdp.metrics.flops.masked_fraction`). Default 1: the whole model."""
+        strategy with a :meth:`coverage`; ``masked`` maps each unit level (``"block"``, ``"neuron"``) to the
+        share of the forward FLOPs a worker computing part of each unit narrows at that level
+        (:func:`sdp.metrics.flops.masked_fractions`). Default 1: the whole model."""
         return 1.0
 
     @classmethod

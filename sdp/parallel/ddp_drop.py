@@ -80,11 +80,11 @@ class _DropStrategy(DDPStrategy):
         return Coverage(key="parallelism.survival_prob", symbol="p", value=p, fraction=fraction)
 
     @classmethod
-    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: float) -> float:
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
         """A dropped block skips its forward and backward, like SDP's forward masking at C = the mean
         survival probability, so a drop baseline at ``p`` is FLOP-matched exactly like SDP at C = p."""
         assert coverage.fraction is not None, f"{cls.name}: no block count for decay={cfg.decay!r}"
-        return compute_fraction(masked=masked, coverage=coverage.fraction, masking="forward")
+        return compute_fraction(masked=masked["block"], coverage=coverage.fraction, masking="forward")
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         units = model.sdp_units()

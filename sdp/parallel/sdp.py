@@ -37,7 +37,7 @@ from sdp.parallel.sdp_plan import BALANCE_KEYS, plan_for  # noqa: F401 (plan_for
 from sdp.plan_entries import Entry
 from sdp.plan_peaks import _sdp_peaks
 from sdp.subnet import masking as M
-from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, tensor_map
+from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map
 from sdp.subnet.carry import carry_state
 from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError
 from sdp.subnet.sync import GroupSet, OwnerSetSync
@@ -108,8 +108,8 @@ class SDPStrategy(Strategy):
                 from sdp.subnet.plan import warn_degenerate  # k = 1, disconnected workers: warned once, before any rank
 
                 warn_degenerate(plan_for(model=model, cfg=cfg, world_size=world_size))
-            except PlanError as exc:
-                raise ConfigError(str(exc)) from None
+            except PlanError as exc:  # the plan's own words, with the config's model name
+                raise ConfigError(f"{exc} (model={node.get('name', type(model).__name__)})") from None
 
     # ---- what the driver, the budget and the report ask (sdp_plan holds the bodies) ----------------
     @classmethod
@@ -123,9 +123,10 @@ class SDPStrategy(Strategy):
         return Coverage(key="parallelism.coverage", symbol="C", value=cfg.coverage, fraction=fraction)
 
     @classmethod
-    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: float) -> float:
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
         assert coverage.fraction is not None, f"SDP's coverage is always realised as k / n, got {coverage}"
-        return sdp_plan.compute_fraction(masked=masked, coverage=coverage.fraction, masking=str(cfg.masking))
+        return sdp_plan.compute_fraction(masked=masked[str(cfg.level)], coverage=coverage.fraction,
+                                         masking=str(cfg.masking))
 
     @classmethod
     def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
@@ -162,24 +163,25 @@ class SDPStrategy(Strategy):
         self.optimizer = optimizer_factory(self._trainable())
 
     def _mask(self, model: SDPModel, *, plan: Plan) -> None:
-        """Prune ``model`` to this rank's subnetwork (on its current device), move it, wire sync."""
+        """Prune ``model`` to this rank's subnetwork (on its current device), move it, re-point the layout
+        at the moved tensors (:func:`sdp.subnet.masking.rebind`), wire sync."""
         ctx = self.ctx
         self.plan = plan
         self.pieces = M.pieces(model, plan)
         self.layout = M.apply(model, plan, rank=ctx.rank, masking=self.mode, all_pieces=self.pieces,
                               materialise=lambda name: init.materialise_module(model, name))
-        if self.rescale == "train":
-            for b in {u.block for u in plan.units}:
-                block = model.blocks[b]
-                run = [u for u in range(len(plan.units)) if plan.units[u].block == b and ctx.rank in plan.holders[u]]
-                total = sum(1 for u in plan.units if u.block == b)
-                block.branch_scale = total / len(run) if plan.level == "neuron" and run else plan.world_size / plan.k
+        if self.rescale == "train":  # a split unit: groups / held groups on its split sub-branches only
+            for b, split in split_blocks(plan).items():
+                units = [u for u in range(len(plan.units)) if plan.units[u].block == b]
+                run = [u for u in units if ctx.rank in plan.holders[u]]
+                model.blocks[b].set_scale(len(units) / len(run) if split and run else plan.world_size / plan.k, split=split)
         self.module = model.to(ctx.device)
+        self.layout = M.rebind(self.module, self.layout)  # the move replaced every buffer (BatchNorm statistics)
         sets = {p.holders for p in self.pieces}
         if self.groups is None:
             self.groups = GroupSet(world_size=ctx.world_size, holder_sets=sets, refresh=self.mode == "backward")
-        else:  # a re-draw: new holder sets get their groups, created in the same order on every rank
-            self.groups.add(holder_sets=sets, refresh=self.mode == "backward")
+        else:  # a re-draw: new holder sets get their groups, unused ones are destroyed, in one order on every rank
+            self.groups.redraw(holder_sets=sets, refresh=self.mode == "backward")
         if getattr(self, "sync", None) is not None:
             self.sync.close()  # a re-draw: the old subnetwork's gradient hooks go
         self.sync = OwnerSetSync(rank=ctx.rank, pieces=self.pieces, layout=self.layout, groups=self.groups,
@@ -236,8 +238,9 @@ class SDPStrategy(Strategy):
     @contextmanager
     def eval_module(self) -> Iterator[nn.Module | PartwiseAssembly]:
         """The assembled full model (BatchNorm statistics averaged over the workers that ran each
-        layer), each unit's branch scaled per ``parallelism.rescale``; the trainer applies the
-        evaluation protocol (``eval.bn``) to it as to every strategy's model. It comes part by part
+        layer), each unit scaled per ``parallelism.rescale`` (block level its branch, neuron level only
+        what its split hidden units produce: :meth:`~sdp.models.base.ResidualBlock.set_scale`); the
+        trainer applies the evaluation protocol (``eval.bn``) to it as to every strategy's model. It comes part by part
         (:class:`~sdp.subnet.assemble.PartwiseAssembly`: stem, each block, head, each built from its
         holders, run and dropped), so no rank ever holds the full model; a model that cannot be cut
         into parts (tied weights, a custom forward) is assembled whole instead."""

@@ -44,10 +44,12 @@ def realised_coverage(*, coverage: object, world_size: int) -> float:
 def compute_fraction(*, masked: float, coverage: float, masking: str) -> float:
     """Fraction of the full model's training FLOPs computed on average by one worker. Under forward
     masking a worker runs the shared parts (stem, head, projection shortcuts) in full and a fraction C
-    of every masked unit (block level: C of the blocks; neuron level: C of each block's hidden width,
-    which scales both of a block's layers by C): ``r = (1 - masked) + C masked``, ``masked`` the share
-    of the forward FLOPs in the units' residual branches. Under backward masking the forward and the
-    input-gradient half of backward are full and only the weight-gradient third is masked:
+    of every masked unit (block level: C of the blocks; neuron level: C of each split hidden width,
+    which scales the sub-branch that runs it by C): ``r = (1 - masked) + C masked``, ``masked`` the
+    share of the forward FLOPs narrowed at the plan's level (:func:`sdp.metrics.flops.masked_fraction`:
+    block level the units' residual branches, neuron level the split sub-branches only). Under backward
+    masking the forward and the input-gradient half of backward are full and only the weight-gradient
+    third is masked:
     ``r = (2 + r_forward) / 3``. Only what ``torch.utils.flop_counter`` counts enters."""
     forward = (1.0 - masked) + coverage * masked
     if masking == "forward":

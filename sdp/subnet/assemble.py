@@ -107,17 +107,24 @@ def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[st
                     t.copy_(buf)
 
 
+def split_blocks(plan: Plan) -> dict[int, bool]:
+    """Unit block index -> whether the plan splits it into groups (neuron level, hidden dims declared)."""
+    return {u.block: u.group is not None for u in plan.units}
+
+
 def set_branch_scales(model: SDPModel, plan: Plan, *, scale: float) -> None:
-    """Multiply every unit block's residual branch by ``scale`` (1 restores the plain model)."""
-    for b in {u.block for u in plan.units}:
-        model.blocks[b].branch_scale = scale
+    """Scale every unit by ``scale`` (1 restores the plain model): a whole-block unit's residual branch,
+    a split unit's split sub-branch outputs only (:meth:`ResidualBlock.set_scale`)."""
+    for b, split in split_blocks(plan).items():
+        model.blocks[b].set_scale(scale, split=split)
 
 
 class PartwiseAssembly:
     """The assembled model as its parts, ``head(blocks(stem(x)))``, each built on demand.
 
     ``part(i)`` is collective (every rank calls it with the same ``i``, in the same order) and returns
-    a transient module in eval mode with every unit active and its branch scaled by ``scale``;
+    a transient module in eval mode with every unit active and scaled by ``scale`` (as
+    :func:`set_branch_scales`: a split unit's split sub-branches only);
     :func:`sdp.evaluation.totals` runs it on a chunk of batches and drops it before the next part, so
     the evaluation peak is this rank's own state, the largest part (received flat, then unflattened)
     and one chunk's activations. ``part_bytes`` records the largest part built (summary.json)."""
@@ -126,7 +133,7 @@ class PartwiseAssembly:
                  masking: str, groups: GroupSet, ctx: DistContext, scale: float) -> None:
         self.skeleton, self.pieces, self.layout, self.masking, self.groups, self.ctx = skeleton, pieces, layout, masking, groups, ctx
         self.names = partwise_names(skeleton)
-        self.units = {f"blocks.{u.block}" for u in plan.units}
+        self.units = {f"blocks.{b}": split for b, split in split_blocks(plan).items()}
         self.scale = scale
         self.part_bytes = 0
         self.has_batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
@@ -141,7 +148,7 @@ class PartwiseAssembly:
                           masking=self.masking, groups=self.groups, ctx=self.ctx)
         if name in self.units:
             assert isinstance(m, ResidualBlock), f"unit {name} is a {type(m).__name__}, not a ResidualBlock"
-            m.branch_scale = self.scale
+            m.set_scale(self.scale, split=self.units[name])
         self.part_bytes = max(self.part_bytes, sum(t.numel() * t.element_size() for t in tensor_map(m).values()))
         return m.eval()
 

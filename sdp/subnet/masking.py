@@ -224,7 +224,8 @@ def apply(
     or stored here. ``masking``: forward | backward | global (backward masking, global refresh).
     A model built on the meta device (forward masking) gets each module this rank holds a piece of
     materialised by ``materialise(module name)`` just before its tensors are pruned or narrowed, so
-    at most one module's full tensors exist beyond what the rank keeps."""
+    at most one module's full tensors exist beyond what the rank keeps. The layout holds tensor objects:
+    after moving the model (``.to(device)``), re-point it with :func:`rebind`."""
     by_name: dict[str, list[Piece]] = {}
     for p in all_pieces:
         by_name.setdefault(p.name, []).append(p)
@@ -281,6 +282,34 @@ def apply(
         for b in {p.block for p in all_pieces if p.block is not None}:
             model.blocks[b].active = rank in plan.block_holders(b)
     return layout
+
+
+def rebind(model: nn.Module, layout: dict[str, Local]) -> dict[str, Local]:
+    """``layout`` re-pointed at ``model``'s live tensors, to be taken after every move of the masked model.
+
+    Why: :func:`apply` runs where the model is pruned (the CPU), and ``Module.to(cuda)`` (``_apply``)
+    keeps the Parameter objects but puts a new tensor in every buffer slot (and in every parameter slot
+    under torch's overwrite-on-conversion flag); a layout holding the old objects would have assembly
+    read stale BatchNorm statistics (the initial ones) and re-draws reset them. Same groups and widths,
+    only the tensors change; a shape change means the move was not one."""
+    out: dict[str, Local] = {}
+    for name, loc in layout.items():
+        owner, leaf = _owner(model, name)
+
+        def live(key: str) -> torch.Tensor:
+            return owner._parameters[key] if key in owner._parameters else owner._buffers[key]  # type: ignore[return-value]
+
+        if loc.held is not None and loc.rest is not None:  # split (backward masking, neuron level)
+            held, rest = live(leaf + "_held"), live(leaf + "_rest")
+        elif loc.held is None:  # not held (backward masking): kept frozen
+            held, rest = None, live(leaf)
+        else:
+            held, rest = live(leaf), None
+        for old, new in ((loc.held, held), (loc.rest, rest)):
+            assert old is None or old.shape == new.shape, f"{name}: {tuple(old.shape)} became {tuple(new.shape)}"
+        out[name] = Local(held=held, rest=rest, dim=loc.dim, held_groups=loc.held_groups, rest_groups=loc.rest_groups,
+                          width=loc.width)
+    return out
 
 
 def locate(piece: Piece, layout: dict[str, Local]) -> tuple[torch.Tensor, int | None, int, int] | None:
