@@ -4,7 +4,9 @@ plus the live-tensor tracker's cost (DDP and SDP with ``memory.tracker=false``: 
 Each run is a real ``sdp-train`` job (``benchmarks/compare.py``'s ``run_one``) on the same model, data
 and batch; figures are read from summary.json ``memory.per_rank[]`` (``setup_peak_bytes``,
 ``train_peak_bytes``, ``eval_peak_bytes``: live tensor bytes on CPU, the CUDA allocator on a GPU), each
-on the rank where it is largest.
+on the rank where it is largest. Evaluation runs at the default ``train.eval_batch_size`` (larger than a
+rank's validation shard here, so a rank evaluates its whole shard in one forward); ``--extra
+train.eval_batch_size=N`` measures another.
 
     PYTHONPATH=$PWD python benchmarks/memory.py --out benchmarks/results/cpu-4ranks/memory
     PYTHONPATH=$PWD python benchmarks/memory.py --suite llama --extra cluster.device=cuda   # GPU figures
@@ -28,10 +30,10 @@ BASE = ["logger.wandb.mode=disabled", "logger.progress=false", "train.eval_every
         "cluster.world_size=4", "train.steps=6"]
 SUITES: dict[str, list[str]] = {
     "resnet18": [*BASE, "model=resnet18_cifar", "model.width=64", "dataset=synthetic", "dataset.image_size=32",
-                 "train.batch_size=32", "train.eval_batch_size=32"],
+                 "train.batch_size=32"],
     "llama": [*BASE, "model=llama_tiny", "model.n_layers=8", "model.dim=128", "model.hidden=352", "model.n_heads=4",
               "model.n_kv_heads=null", "dataset=synthetic_text", "dataset.seq_len=128", "optim=adamw",
-              "train.batch_size=16", "train.eval_batch_size=16"],
+              "train.batch_size=16"],
 }
 RUNS = ["ddp=ddp", "sdp=sdp,parallelism.coverage=0.5", "ddp_untracked=ddp,memory.tracker=false",
         "sdp_untracked=sdp,parallelism.coverage=0.5,memory.tracker=false"]

@@ -58,10 +58,6 @@ def _targets(out: torch.Tensor) -> torch.Tensor:
     return torch.zeros(out.shape[:-1], dtype=torch.long, device="meta")
 
 
-def _unread(_: torch.Tensor) -> float:
-    return 0.0
-
-
 def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[tuple[int, bool]],
                       example: Callable[[int], torch.Tensor]) -> int:
     """Peak live meta bytes of evaluating ``model`` part by part (:func:`sdp.evaluation.partwise_totals`
@@ -86,7 +82,7 @@ def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[t
                 del part
                 x = y
             if not reestimate:
-                loss_and_correct(x, _targets(x), number=_unread)
+                loss_and_correct(x, _targets(x))
             del x, skeletons
     return tracker.peak
 
@@ -119,7 +115,7 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
         tracker.reset_peak()
         with torch.no_grad():
             out = module(example(eval_batch).to("meta"))
-            loss_and_correct(out, _targets(out), number=_unread)
+            loss_and_correct(out, _targets(out))
             del out
         module.train(was)
         evaluation = tracker.peak
@@ -256,23 +252,25 @@ def _part_flats(pieces: list[Any], *, n: int, forward: bool) -> dict[str, int]:
 
 def _fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
                 state: list[dict[str, Any]]) -> list[dict[str, int]]:
-    """FSDP2 on top of the full replica's rehearsal: the model is materialised whole and sharded unit by
-    unit (set-up: the full parameters and one shard in flight); a training step holds the sharded
+    """FSDP2 on top of the full replica's rehearsal: the model is sharded on the meta device and each rank
+    materialises its shards only (set-up: the shards, the unsharded buffers and one module's full
+    tensors in flight, :func:`sdp.models.init.materialise_sharded`); a training step holds the sharded
     state, the replica's activation transient, the root unsharded, and for the largest block its
     unsharded parameters twice (running + prefetched) and its unsharded gradients and reduce-scatter
     input; evaluation unshards every unit (the full parameters) with one all-gather buffer in flight."""
-    shards = world // int(cfg.parallelism.replicate)
     full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=batch, eval_batch=eval_batch,
                     cfg=cfg, example=model.example_input)
     block_ids = {id(p) for b in model.blocks for p in b.parameters()}
     root = _nbytes(p for p in model.parameters() if id(p) not in block_ids)
     largest = max((_nbytes(b.parameters()) for b in model.blocks), default=0)
     params_full = _nbytes(model.parameters())
-    one_shard = max((t.numel() * t.element_size() // shards for t in model.parameters()), default=0)
+    one_module = max((_nbytes(t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None)
+                      for m in model.modules()), default=0)
+    buffers = _nbytes(model.buffers())
     out = []
     for mem in state:
         state = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
-        out.append({"setup_peak_bytes": params_full + one_shard,
+        out.append({"setup_peak_bytes": mem["param_bytes"] + buffers + one_module,
                     "train_peak_bytes": state + (full["train"] - full["state"]) + root + 4 * largest,
                     "eval_peak_bytes": state + params_full + (full["eval"] - full["state"]) + largest})
     return out

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from sdp import checkpoint, evaluation, guards, hostmem
@@ -52,18 +53,42 @@ def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int, min_lr_rati
     return f
 
 
-def eval_steps(*, steps: int, eval_every: int, eval_points: int | None) -> frozenset[int]:
-    """The 1-based steps after which the model is evaluated (always including the last).
+def eval_fractions(*, steps: int, eval_every: int, eval_points: int | None,
+                   cadence: Fraction | None = None) -> dict[int, Fraction]:
+    """The 1-based steps after which the model is evaluated (always including the last), each with its
+    fraction of the run's budget (what picks the BatchNorm calibration set, :func:`sdp.evaluation.calibration_steps`).
 
     ``eval_points`` (when set) places that many evaluations evenly over the run's *resolved* step count, so
     every method of a budget-matched sweep is evaluated at the same fractions of its budget (a FLOP-matched
     SDP run at C = 0.25 runs 4x DDP's steps; a fixed ``eval_every`` would evaluate it 4x as often and cost
-    it 4x the evaluation time). Otherwise every ``eval_every`` steps (0: only at the end)."""
+    it 4x the evaluation time): point i of N is fraction i / N. Otherwise every ``eval_every`` steps (0:
+    only at the end), the k-th at fraction k x ``cadence`` (default ``eval_every / steps``; under a FLOP
+    budget DDP's cadence, :func:`budget_clock`: the budget scales ``eval_every`` up to whole steps, and
+    the k-th evaluation stands for DDP's k-th), the last at 1."""
     if eval_points is not None:
         points = min(int(eval_points), steps)
-        return frozenset(math.ceil(i * steps / points) for i in range(1, points + 1))
-    every = frozenset(range(eval_every, steps + 1, eval_every)) if eval_every > 0 else frozenset()
-    return every | {steps}
+        return {-(-i * steps // points): Fraction(i, points) for i in range(1, points + 1)}
+    per = cadence if cadence is not None else Fraction(eval_every, steps)
+    every = range(eval_every, steps + 1, eval_every) if eval_every > 0 else range(0)
+    return {**{s: min(k * per, Fraction(1)) for k, s in enumerate(every, start=1)}, steps: Fraction(1)}
+
+
+def eval_steps(*, steps: int, eval_every: int, eval_points: int | None) -> frozenset[int]:
+    """The 1-based steps after which the model is evaluated (:func:`eval_fractions`)."""
+    return frozenset(eval_fractions(steps=steps, eval_every=eval_every, eval_points=eval_points))
+
+
+def budget_clock(*, budget: dict[str, Any] | None, steps: int) -> tuple[int, Fraction | None]:
+    """(reference steps, cadence) that place an evaluation within the budget for calibration: under
+    ``train.budget=flops``, where methods run different step counts, DDP's step count (the budget's
+    ``base_steps``) and, where the budget scaled ``train.eval_every``, DDP's cadence as a fraction of it;
+    otherwise the run's own steps (every method runs the same) and None. ``budget``: the driver's
+    resolution (:mod:`sdp.budget`)."""
+    if budget is None or budget.get("budget") != "flops":
+        return steps, None
+    base = int(budget["base_steps"])
+    every = ((budget.get("schedule") or {}).get("train.eval_every") or {}).get("base")
+    return base, Fraction(int(every), base) if every else None
 
 
 @dataclass
@@ -87,7 +112,7 @@ class Trainer:
 
     def __init__(
         self, *, cfg: DictConfig, strategy: Strategy, data: DataBundle, logger: Logger, timer: PhaseTimer,
-        run_dir: Path | None = None, peak: PeakTracker | None = None,
+        run_dir: Path | None = None, peak: PeakTracker | None = None, budget: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.strategy = strategy
@@ -113,6 +138,9 @@ class Trainer:
             ),
         )
         self.state = TrainState()
+        self.reference_steps, cadence = budget_clock(budget=budget, steps=int(tc.steps))  # budget: the driver's
+        self.eval_at = eval_fractions(steps=int(tc.steps), eval_every=int(tc.eval_every), eval_points=tc.get("eval_points"),
+                                      cadence=cadence)
         self.run_dir = run_dir
         self.peak = peak
         self.activation_bytes: int | None = None  # saved for backward in the first measured step
@@ -134,8 +162,8 @@ class Trainer:
     def fit(self) -> TrainState:
         tc = self.cfg.train
         steps, warmup = int(tc.steps), int(tc.warmup_steps)
-        eval_every, log_every = int(tc.eval_every), int(tc.log_every)
-        eval_at = eval_steps(steps=steps, eval_every=eval_every, eval_points=tc.get("eval_points"))
+        log_every = int(tc.log_every)
+        eval_at = self.eval_at
         bar = ProgressBar(total=steps, enabled=self.ctx.rank == 0 and bool(self.cfg.logger.progress))
         batches = train_batches(
             self.data, sampler=self.sampler, start=self.state.step, stop=steps,
@@ -182,7 +210,8 @@ class Trainer:
                     if self.run_dir is not None and ckpt_every > 0 and (n % ckpt_every == 0 or n == steps):
                         checkpoint.save(run_dir=self.run_dir, step=n, strategy=self.strategy, scheduler=self.scheduler,
                                         train_state=asdict(self.state), data_key=self.data_key(),
-                                        keep=int(tc.checkpoint_keep), schedule=checkpoint.schedule_key(self.cfg))
+                                        keep=int(tc.checkpoint_keep), resume_key=checkpoint.resume_key(self.cfg),
+                                        timeout_s=float(checkpoint.io_timeout_s(self.cfg)))
         finally:
             bar.close()
         return self.state
@@ -204,51 +233,58 @@ class Trainer:
         return result
 
     # ---- evaluation -----------------------------------------------------------------------------
-    def recent_inputs(self, count: int) -> Iterator[torch.Tensor]:
-        """This rank's inputs of the last ``count`` training steps (``eval.bn=reestimate``), regenerated
-        from the step-indexed sampler: the same batches for every strategy, and nothing to checkpoint."""
-        stop = self.state.step
-        for x, _ in train_batches(self.data, sampler=self.sampler, start=max(0, stop - count), stop=stop,
-                                  replica=self.replica, replicas=self.replicas, num_workers=int(self.cfg.train.num_workers)):
+    def calibration(self, *, every_replica: bool) -> list[Callable[[], Iterator[torch.Tensor]]]:
+        """The BatchNorm calibration set of the evaluation at this step (``eval.bn=reestimate``): the
+        global batches of :func:`sdp.evaluation.calibration_steps` at this evaluation point's fraction of
+        the budget, the same samples for every strategy. One callable per replica shard (this rank's
+        replica, or ``every_replica``: all of them, in replica order), each regenerating the shard's
+        inputs from the step-indexed sampler: nothing is cached, and a resumed run calibrates alike."""
+        step = self.state.step
+        fraction = self.eval_at.get(step, Fraction(step, int(self.cfg.train.steps)))
+        steps = evaluation.calibration_steps(fraction=fraction, reference_steps=self.reference_steps,
+                                             count=int(self.cfg.eval.bn_batches))
+        return [partial(self._inputs, steps=steps, replica=r)
+                for r in (range(self.replicas) if every_replica else (self.replica,))]
+
+    def _inputs(self, *, steps: range, replica: int) -> Iterator[torch.Tensor]:
+        for x, _ in train_batches(self.data, sampler=self.sampler, start=steps.start, stop=steps.stop,
+                                  replica=replica, replicas=self.replicas, num_workers=int(self.cfg.train.num_workers)):
             yield x.to(self.ctx.device)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Full model on the whole validation set, sharded over ranks, summed over the world, under the
         one evaluation protocol of every strategy (:mod:`sdp.evaluation`); with ``eval.subnetworks``
-        also every worker's own subnetwork, where the strategy has one, on the whole set."""
-        ec, ctx = self.cfg.eval, self.ctx
-        bn, n_bn = str(ec.bn), int(ec.bn_batches)
-        with self.strategy.eval_module() as full:
-            totals = self._val_totals(full, bn=bn, bn_batches=lambda: self.recent_inputs(n_bn),
-                                      rank=ctx.rank, world_size=ctx.world_size)
-        if ctx.world_size > 1:
-            dist.all_reduce(totals)
-        classify = self.data.task == "classification"
-        row: dict[str, Any] = {"step": self.state.step, "eval_loss": float(totals[0] / totals[2]),
-                               "eval_accuracy": float(totals[1] / totals[2]) if classify else None}
+        also every worker's own subnetwork, where the strategy has one, on the whole set, calibrated and
+        batched as the full model is (:func:`sdp.evaluation.own_totals`). Sums stay on the device until
+        one read at the end."""
+        ec, ctx, tc = self.cfg.eval, self.ctx, self.cfg.train
+        bn = str(ec.bn)
+        common = dict(bn=bn, ctx=ctx, data=self.data, batch_size=int(tc.eval_batch_size), num_workers=int(tc.num_workers))
+        # evaluation forwards in the run's precision, as training's: one protocol for every strategy (FSDP2's
+        # bf16 policy unshards bf16 parameters, which a float32 input outside autocast cannot meet)
+        with self.strategy.eval_module() as full, self.strategy.autocast():
+            mine = evaluation.totals(full, bn_batches=self.calibration(every_replica=False)[0], rank=ctx.rank,
+                                     world_size=ctx.world_size, part_batches=int(evaluation.part_batches(self.cfg)), **common)
+        with ctx.comm.phase_as("eval"):  # the sums' gathers are evaluation traffic, not the step's
+            figures = [evaluation.world_sum(mine, ctx=ctx)]
         if bool(ec.subnetworks):
             with self.strategy.subnetwork_module() as own:
                 if own is not None:  # the same answer on every rank: the strategy decides
-                    mine = self._val_totals(own, bn=bn, bn_batches=lambda: self.recent_inputs(n_bn), rank=0,
-                                            world_size=1, average=False)
-                    means = torch.stack([mine[0] / mine[2], mine[1] / mine[2]])
-                    if ctx.world_size > 1:
-                        dist.all_reduce(means)
-                    means /= ctx.world_size
-                    row["eval_loss_workers"] = float(means[0])
-                    row["eval_accuracy_workers"] = float(means[1]) if classify else None
-                    row["assembly_gap"] = row["eval_loss"] - row["eval_loss_workers"]
+                    with self.strategy.autocast():
+                        t = evaluation.own_totals(own, calibration=self.calibration(every_replica=True),
+                                                  world_size=ctx.world_size, **common)
+                    with ctx.comm.phase_as("eval"):
+                        figures.append(evaluation.world_sum(torch.stack([t[0] / t[2], t[1] / t[2]]), ctx=ctx) / ctx.world_size)
+        values = torch.cat(figures).tolist()  # the one read of the evaluation
+        classify = self.data.task == "classification"
+        loss, correct, count = values[:3]
+        row: dict[str, Any] = {"step": self.state.step, "eval_loss": loss / count,
+                               "eval_accuracy": correct / count if classify else None}
+        if len(values) > 3:
+            row["eval_loss_workers"] = values[3]
+            row["eval_accuracy_workers"] = values[4] if classify else None
+            row["assembly_gap"] = row["eval_loss"] - row["eval_loss_workers"]
         self.state.last_eval = row
         self.logger.log(row)
         return row
-
-    def _val_totals(self, model: Any, *, bn: str, bn_batches: Any, rank: int, world_size: int,
-                    average: bool = True) -> torch.Tensor:
-        # evaluation forwards in the run's precision, as training's: one protocol for every strategy (FSDP2's
-        # bf16 policy unshards bf16 parameters, which a float32 input outside autocast cannot meet)
-        with self.strategy.autocast():
-            return evaluation.totals(model, bn=bn, bn_batches=bn_batches, ctx=self.ctx, data=self.data, rank=rank,
-                                     world_size=world_size, batch_size=int(self.cfg.train.eval_batch_size),
-                                     num_workers=int(self.cfg.train.num_workers), average=average,
-                                     part_batches=int(evaluation.part_batches(self.cfg)))

@@ -23,7 +23,7 @@ def _net() -> nn.Module:
 def test_reestimate_gives_the_exact_statistics_of_the_batches() -> None:
     net = _net().eval()
     batches = [torch.randn(16, 5) for _ in range(3)]
-    reestimate_bn(net, batches=batches, ctx=_ctx())
+    reestimate_bn(net, shards=[batches], ctx=_ctx())
     hidden = torch.cat([net[0](x) for x in batches])
     bn = net[1]
     torch.testing.assert_close(bn.running_mean, hidden.mean(0).detach())
@@ -43,7 +43,7 @@ def test_applied_restores_the_training_statistics_and_draws_no_random_numbers() 
     rng = torch.get_rng_state()
     batches = [torch.randn(16, 5) for _ in range(2)]
     torch.set_rng_state(rng)
-    with applied(net, bn="reestimate", batches=iter(batches), ctx=_ctx()) as model:
+    with applied(net, bn="reestimate", shards=[iter(batches)], ctx=_ctx()) as model:
         assert model is net
         assert not torch.equal(net[1].running_mean, before["1.running_mean"]), "statistics were not re-estimated"
         out_a = model(batches[0])
@@ -57,10 +57,10 @@ def test_applied_restores_the_training_statistics_and_draws_no_random_numbers() 
 def test_average_and_models_without_batchnorm_are_left_alone() -> None:
     net = _net().eval()
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    with applied(net, bn="average", batches=iter(()), ctx=_ctx()):
+    with applied(net, bn="average", shards=[iter(())], ctx=_ctx()):
         pass
     plain = nn.Sequential(nn.Linear(5, 3))
-    with applied(plain, bn="reestimate", batches=iter(()), ctx=_ctx()):  # no BatchNorm: no batch is read
+    with applied(plain, bn="reestimate", shards=[iter(())], ctx=_ctx()):  # no BatchNorm: no batch is read
         pass
     for k, v in net.state_dict().items():
         assert torch.equal(v, before[k]), k
