@@ -15,10 +15,21 @@ the result and recorded in ``config.yaml``, the details in ``summary.json["budge
   model FLOPs);
 - ``tokens``: ``ceil(train.tokens / (global batch x sequence length))`` steps for every method.
 
+The schedule keeps its shape (:func:`apply`): every step-denominated schedule key (:data:`SCALED_KEYS`:
+the LR warm-up, the evaluation and checkpoint cadences) is scaled by the same factor ``1 / r`` as the
+steps, so DDP and a method running twice its steps reach the peak LR, evaluate and checkpoint at the same
+fractions of their runs, up to whole steps (the LR decay already spans the resolved ``train.steps``). The
+factor is computed here once; the scaled values are what ``config.yaml`` records and every rank reads, the
+values asked for are in ``summary.json["budget"]["schedule"]``. Not scaled: ``train.warmup_steps``
+(start-up steps left out of the time medians: a cost in steps, not a share of the run),
+``train.log_every`` (a row stands for the steps since the last one wherever it is read),
+``train.eval_points`` (already a share of the run).
+
 What we count as training FLOPs: ``steps x global batch x flops_per_sample x r_measured``, where
 ``flops_per_sample`` is the full model's forward + backward FLOPs of one sample
 (:meth:`SDPModel.flops_per_sample`) and ``r_measured`` the strategy's fraction of it, given the share
-of the forward FLOPs in the model's unit branches (:func:`sdp.metrics.flops.masked_fraction`). Only
+of the forward FLOPs a worker computing part of each unit narrows, per unit level (block: the unit
+branches; neuron: the split sub-branches, :func:`sdp.metrics.flops.masked_fraction`). Only
 what ``torch.utils.flop_counter`` counts enters (matmuls, convolutions, attention; not norms or
 elementwise ops). This module names no strategy.
 """
@@ -29,10 +40,10 @@ import math
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from sdp.errors import ConfigError, one_of, positive_int, require
-from sdp.metrics.flops import masked_fraction
+from sdp.metrics.flops import masked_fractions
 from sdp.models.base import forward_flop_counts
 from sdp.parallel import STRATEGIES
 from sdp.registry import build
@@ -40,6 +51,8 @@ from sdp.registry import build
 BUDGETS = ("iterations", "flops", "tokens")
 FLOPS_RATIOS = ("coverage", "measured")
 SEQ_LEN_KEYS = ("dataset.seq_len", "model.seq_len", "model.max_seq_len")
+# Step-denominated schedule keys, scaled with the step count (0, "never" or "only at the end", stays 0).
+SCALED_KEYS = ("optim.warmup_steps", "train.eval_every", "train.checkpoint_every")
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -51,14 +64,14 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return node
 
 
-def model_flops(cfg: DictConfig) -> tuple[int | None, float | None, int | None, str | None]:
-    """(training FLOPs per sample of the full model, masked share, number of units, why not) from a
-    meta-device build."""
+def model_flops(cfg: DictConfig) -> tuple[int | None, dict[str, float] | None, int | None, str | None]:
+    """(training FLOPs per sample of the full model, masked share per unit level, number of units, why
+    not) from a meta-device build."""
     try:
         with torch.device("meta"):
             model = build(cfg.model)
             per_sample = int(model.flops_per_sample())
-            masked = masked_fraction(counts=forward_flop_counts(model), model=model)
+            masked = masked_fractions(counts=forward_flop_counts(model), model=model)
             n_units = len(model.sdp_units())
     except Exception as exc:  # noqa: BLE001 - FLOPs are a record, not a reason to fail a run
         return None, None, None, f"{type(exc).__name__}: {exc}"
@@ -122,3 +135,33 @@ def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
         info["flops_per_step"] = info["total_flops"] = None
         info["flops_note"] = flops_error or "fraction unknown"
     return steps, info
+
+
+def scaled_schedule(cfg: DictConfig, *, step_ratio: float) -> dict[str, dict[str, int]]:
+    """``{key: {"base": value asked for, "scaled": value run}}`` for every key of :data:`SCALED_KEYS`.
+
+    ``scaled = ceil(base / step_ratio)`` (``step_ratio``: :func:`resolve_steps`'s ``info["step_ratio"]``, 1
+    for DDP and for the iterations and tokens budgets, so their values are unchanged). Rounded up, not to
+    the nearest step as ``train.steps`` is: a cadence rounded down can fit one evaluation more than DDP's
+    run has, just before the last step; rounded up, never more (one fewer where no whole cadence fits
+    DDP's count into the run, e.g. 10 in 72 steps: ``train.eval_points`` places exact fractions). 0 ("never" for
+    checkpoints, "only at the end" for evaluations, no warm-up) stays 0."""
+    out = {}
+    for key in SCALED_KEYS:
+        base = int(OmegaConf.select(cfg, key))
+        # rounded to 1e-9 first: 3 / 0.3 is 10.000000000000002 in floating point, whose ceiling would be 11
+        out[key] = {"base": base, "scaled": math.ceil(round(base / step_ratio, 9)) if base > 0 else 0}
+    return out
+
+
+def apply(cfg: DictConfig) -> dict[str, Any]:
+    """Resolve the budget into ``cfg`` (driver side, before ``config.yaml`` is written and the ranks start):
+    ``train.steps`` and every key of :data:`SCALED_KEYS` take their resolved values; returns
+    :func:`resolve_steps`'s info with ``schedule`` (:func:`scaled_schedule`) added, for ``summary.json``."""
+    steps, info = resolve_steps(cfg)
+    schedule = scaled_schedule(cfg, step_ratio=float(info["step_ratio"]))
+    cfg.train.steps = steps
+    for key, values in schedule.items():
+        OmegaConf.update(cfg, key, values["scaled"], merge=False)
+    info["schedule"] = schedule
+    return info

@@ -5,7 +5,8 @@ value and what is allowed (torchtitan's ``ParallelDims`` validation is the model
 options (``model=nope``) are refused by Hydra itself, listing the options; everything else is here:
 names and importable ``_target_``\ s, dataset paths, sizes and rates, the cluster, the reliability keys
 (``train.resume`` must resolve, ``train.debug`` must name a rank and step of the job), then one build
-of the data index, the model (meta device) and the optimizer (:mod:`sdp.preflight`), and last each
+of the data index, the model (meta device) and the optimizer (:mod:`sdp.preflight`), the model's
+operations under ``train.deterministic`` on CUDA (:mod:`sdp.determinism`), and last each
 strategy's own ``validate``. ``tests/test_validation.py`` holds the catalogue of bad inputs.
 """
 
@@ -74,10 +75,13 @@ def validate_train(cfg: DictConfig) -> None:
     one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
     precision.check(tc.precision)
     boolean("train.deterministic", tc.deterministic)
+    boolean("train.tf32", tc.get("tf32", True))  # absent from a config.yaml recorded before the key (sdp-rerun)
     boolean("train.extend_steps", tc.extend_steps)
     boolean("train.skip_done", tc.skip_done)
+    positive_float("train.checkpoint_timeout_s", checkpoint.io_timeout_s(cfg))
     if tc.resume is not None and str(tc.resume) != "auto":
-        checkpoint.resolve(resume=tc.resume, run_dir=None)  # raises ConfigError naming the path
+        # raises ConfigError naming the path; its files are verified once, when sdp.train.run resolves it again
+        checkpoint.resolve(resume=tc.resume, run_dir=None, verify=False)
     dbg = tc.debug
     if dbg.fault is not None:
         one_of("train.debug.fault", dbg.fault, faults.FAULTS)
@@ -96,6 +100,20 @@ def check_resolved(cfg: DictConfig) -> None:
     if dbg.fault is not None:
         require(dbg.fault_step <= steps, "train.debug.fault_step", dbg.fault_step,
                 f"must be a step of the run, <= train.steps={steps}")
+
+
+def validate_determinism(cfg: DictConfig) -> None:
+    """``train.deterministic=true`` on CUDA: refuse a model that runs an operation PyTorch has no deterministic
+    CUDA implementation of (it would raise in every rank at the first step), naming the operations."""
+    if not cfg.train.deterministic or str(cfg.cluster.device) != "cuda":
+        return
+    from sdp.determinism import nondeterministic_cuda_ops
+
+    found = nondeterministic_cuda_ops(cfg.model)
+    require(not found, "train.deterministic", True,
+            f"model {cfg.model.get('name', cfg.model.get('_target_'))!r} runs {', '.join(f'{op} ({what})' for op, what in found.items())}, "
+            "which has no deterministic CUDA implementation (torch.use_deterministic_algorithms would raise at the first "
+            "step); allowed: train.deterministic=false on cluster.device=cuda for this model, or cluster.device=cpu")
 
 
 def validate_strategy(cfg: DictConfig) -> None:
@@ -163,4 +181,5 @@ def validate(cfg: DictConfig) -> None:
     from sdp.preflight import build_once
 
     build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on, named here
+    validate_determinism(cfg)
     validate_strategy(cfg)

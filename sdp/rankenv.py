@@ -89,6 +89,34 @@ def nodes_of(layout: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def set_backends(*, device: Any, deterministic: bool, tf32: bool) -> dict[str, Any]:
+    """This rank's numerics switches, set before its first kernel; returns what was set (``summary.json``'s
+    ``backends``).
+
+    ``train.deterministic`` (:func:`sdp.rng.set_deterministic`) on any device. On CUDA only, the speed
+    defaults a GPU user expects: ``train.tf32`` for fp32 matmuls (cuBLAS) and convolutions (cuDNN), and
+    cuDNN autotuning (``cudnn.benchmark``) unless the run is deterministic (autotuning picks kernels by
+    timing, which can differ from run to run). On CPU nothing else is touched and the flags are recorded
+    as None: TF32 and cuDNN do not exist there. The legacy ``allow_tf32`` flags are the ones set and read:
+    PyTorch refuses to read a TF32 flag that was set through both its legacy and its newer API."""
+    import torch
+
+    from sdp import rng
+
+    rng.set_deterministic(enabled=deterministic, device=device)
+    record: dict[str, Any] = {"device_type": device.type, "deterministic": deterministic, "tf32_matmul": None,
+                              "tf32_cudnn": None, "cudnn_benchmark": None, "cudnn_deterministic": None}
+    if device.type != "cuda":
+        return record
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = not deterministic
+    record.update(tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32), tf32_cudnn=bool(torch.backends.cudnn.allow_tf32),
+                  cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+                  cudnn_deterministic=bool(torch.backends.cudnn.deterministic))
+    return record
+
+
 def launcher_identity() -> dict[str, Any]:
     """This process as its launcher sees it: host, pid and the launcher's variables that are set."""
     env = {k: os.environ[k] for k in LAUNCHER_ENV if k in os.environ}

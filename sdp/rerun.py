@@ -4,7 +4,8 @@ Why a command and not ``sdp-train --config-path``: ``config.yaml`` holds the *re
 ``train.steps`` already includes the budget (a FLOP-matched SDP run records its extended step count),
 so composing it again would apply the budget twice. The base step count the budget started from is in
 ``summary.json["budget"]["base_steps"]``; this command composes the run's config with Hydra (the same
-driver, validation and launcher as ``sdp-train``), puts that base back, clears ``train.resume`` (a
+driver, validation and launcher as ``sdp-train``), puts that base back (and the base values of the
+schedule keys the budget scaled, ``budget["schedule"]``), clears ``train.resume`` (a
 re-run starts fresh), and writes into a new run directory. On CPU a re-run at the same commit gives
 the recorded losses bit for bit (``tests/test_rerun.py``); ``summary.json["versions"]`` says which
 commit a run was made at and whether the working tree differed from it (``git_dirty``).
@@ -31,6 +32,8 @@ def rerun_argv(*, run_dir: Path, out: Path, overrides: list[str]) -> list[str]:
     budget = summary.budget if summary is not None else None
     if budget and budget.get("base_steps") is not None and budget.get("budget") != "tokens":
         args.append(f"train.steps={int(budget['base_steps'])}")  # the budget re-derives the recorded steps
+    for key, values in ((budget or {}).get("schedule") or {}).items():
+        args.append(f"{key}={int(values['base'])}")  # and the schedule keys it scaled (sdp.budget.SCALED_KEYS)
     return args + overrides
 
 

@@ -117,10 +117,15 @@ class Summary:
     run_dir: str | None = None
     """Where the run wrote its outputs (:class:`sdp.rundir.RunDir`)."""
     budget: dict[str, Any] | None = None
-    """The driver's step-count resolution (:func:`sdp.budget.resolve_steps`): ``budget``, ``base_steps``,
-    ``steps``, ``step_ratio``, ``flops_per_step``, ``total_flops``, ..."""
+    """The driver's step-count resolution (:func:`sdp.budget.apply`): ``budget``, ``base_steps``,
+    ``steps``, ``step_ratio``, ``flops_per_step``, ``total_flops``, ``schedule`` (each schedule key scaled
+    with the steps: ``{"optim.warmup_steps": {"base": asked for, "scaled": run}, ...}``; absent in older runs), ..."""
     nodes: Any = None
     """Hosts the ranks ran on (:func:`sdp.rankenv.nodes_of`)."""
+    backends: dict[str, Any] | None = None
+    """The numerics switches rank 0 set (:func:`sdp.rankenv.set_backends`): ``device_type``, ``deterministic``,
+    and on CUDA ``tf32_matmul``, ``tf32_cudnn``, ``cudnn_benchmark``, ``cudnn_deterministic`` (None on CPU);
+    None in older runs."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Top-level keys not listed above (a newer writer's, or a strategy's own): written after them."""
 

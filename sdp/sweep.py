@@ -46,8 +46,12 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 # the key computed (a recorded run without ``plugins`` imported none; evaluation part by part with one batch
 # per pass is the protocol ``eval.part_batches`` was introduced with, and the default; a run from before the
 # holder-set cap ran uncapped, ``parallelism.max_holder_sets=null``): re-using such a run
-# under ``train.skip_done`` is the same job, not another config.
-ADDED_KEYS: dict[str, Any] = {"plugins": [], "eval.part_batches": 1, "parallelism.max_holder_sets": None}
+# under ``train.skip_done`` is the same job, not another config. A callable instead of a value decides from the
+# current (flattened) config: ``train.tf32`` acts on CUDA only, so a CPU run computes the same at any value,
+# while a CUDA run from before the key ran on PyTorch's own TF32 defaults, which no value of the key gives.
+ADDED_KEYS: dict[str, Any] = {"plugins": [], "eval.part_batches": 1, "parallelism.max_holder_sets": None,
+                              "train.tf32": lambda now: now.get("cluster.device") != "cuda",
+                              "cluster.comm_bytes_per_group": lambda now: True}  # read by sdp-plan only
 
 
 def first_difference(*, now: dict[str, Any], then: dict[str, Any]) -> tuple[str, Any, Any] | None:
@@ -58,7 +62,8 @@ def first_difference(*, now: dict[str, Any], then: dict[str, Any]) -> tuple[str,
     a, b = flatten(now), flatten(then)
     missing = object()
     for key in [k for k in a if keep(k)] + [k for k in b if keep(k) and k not in a]:
-        if key not in b and key in ADDED_KEYS and a[key] == ADDED_KEYS[key]:
+        added = ADDED_KEYS.get(key, missing)
+        if key not in b and key in ADDED_KEYS and (added(a) if callable(added) else a[key] == added):
             continue  # a key added after the run was recorded, at the value that computes what the run computed
         if a.get(key, missing) != b.get(key, missing):
             return key, a.get(key, "<absent>"), b.get(key, "<absent>")

@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sdp import checkpoint, results, sweep
-from sdp.budget import resolve_steps
+from sdp import budget as budgets
 from sdp.config import check_resolved, renamed_overrides, validate
 from sdp.launch import RankFailure, launch
 from sdp.rankenv import external_launcher
@@ -51,14 +51,14 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
     """Validate, resolve the budget, record the config, launch the ranks, print and return rank 0's summary.
 
     The budget (``train.budget``) is resolved here, once, so ``config.yaml`` and every rank see the
-    final ``train.steps``; what was counted is added to ``summary.json`` as ``budget``. ``run_dir`` is
+    final ``train.steps`` and the schedule keys scaled with it; what was counted is added to ``summary.json`` as ``budget``. ``run_dir`` is
     where the job writes (the Hydra entry point passes its job's output directory): nothing here reads
     Hydra's global state, so a caller can run a composed config into any directory.
     """
     run_dir = Path(run_dir)
     slurm_environment(cluster=cfg.cluster)  # a Slurm task becomes a rank (RANK, WORLD_SIZE, ...) before validation
     validate(cfg)
-    cfg.train.steps, budget = resolve_steps(cfg)
+    budget = budgets.apply(cfg)  # train.steps and the step-denominated schedule keys (sdp/budget.py)
     check_resolved(cfg)  # checks against train.steps come after the budget has set it
     driver = not external_launcher() or os.environ.get("RANK") == "0"
     if cfg.train.get("skip_done"):
@@ -73,7 +73,7 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
             print(f"skip_done: {run_dir} has no checkpoint: starting afresh (cleared {', '.join(removed)})", flush=True)
     ckpt = checkpoint.resolve(resume=cfg.train.resume, run_dir=run_dir)
     if ckpt is not None:
-        checkpoint.check_schedule(ckpt=ckpt, cfg=cfg)  # a changed LR schedule is refused, naming the key
+        checkpoint.check_resume(ckpt=ckpt, cfg=cfg)  # a changed schedule, optimizer or model is refused, naming the key
     cfg.train.resume = str(ckpt) if ckpt is not None else None  # ranks load exactly this directory
     if ckpt is not None and driver:
         step = checkpoint.prepare_run_dir(ckpt=ckpt, run_dir=run_dir)

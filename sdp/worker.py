@@ -22,7 +22,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from sdp import evaluation, results, rng
 from sdp.data.base import DataBundle
-from sdp.rankenv import format_layout, launcher_identity, nodes_of, world_layout
+from sdp.rankenv import format_layout, launcher_identity, nodes_of, set_backends, world_layout
+from sdp.distctx import WHERE, init_world
 from sdp.rundir import RunDir
 from sdp.summary import Final, Summary
 from sdp.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
@@ -99,7 +100,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device, backend = resolve_device(cfg.cluster, local_rank)
-    rng.set_deterministic(enabled=bool(cfg.train.deterministic), device=device)
+    backends = set_backends(device=device, deterministic=bool(cfg.train.deterministic), tf32=bool(cfg.train.get("tf32", True)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     threads = cfg.cluster.get("threads_per_rank") or max(1, (os.cpu_count() or 1) // local_world)
@@ -109,9 +110,9 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
     peak = PeakTracker(device=device, live=bool(mem.get("tracker", True)),
                        budget_bytes=int(float(budget_mb) * 2**20) if budget_mb is not None else None)
     # NCCL: bound to its device, the default communicator is created at once and every later new_group
-    # (SDP's holder sets) is split from it, sharing its resources (sdp/metrics/groups.py).
-    dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg.cluster.timeout_s)),
-                            device_id=device if backend == "nccl" else None)
+    # (SDP's holder sets) is split from it, sharing its resources: split_share (sdp.distctx.comm_options).
+    timeout = timedelta(seconds=float(cfg.cluster.timeout_s))
+    init_world(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     logger: Logger = NullLogger()
     out = Path(run_dir)
     try:
@@ -119,6 +120,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         shared = [run_dir]
         dist.broadcast_object_list(shared, src=0)
         out = Path(shared[0])
+        WHERE.keep_at(str(RunDir(out).failure_rank(rank)), rank=rank, world=world)  # survives an abort (sdp.distctx)
         ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
         layout = world_layout(rank=rank, local_rank=local_rank, device=device, world_size=world, nodes=cfg.cluster.get("nodes"))
         if rank == 0:
@@ -136,22 +138,26 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
             strategy.save_artifacts(run_dir=out)
         logger = make_logger(cfg=cfg, ctx=ctx, run_dir=out, config=config)
         timer = PhaseTimer(device=device)
-        trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer, run_dir=out, peak=peak)
+        trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer, run_dir=out, peak=peak,
+                          budget=budget)
         state = trainer.fit()
         summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state,
                                   versions=started)
         if rank == 0:
             summary.run_dir, summary.budget, summary.nodes = str(out), budget, nodes_of(layout)
+            summary.backends = backends  # before throughput: MFU's peak is TF32's when fp32 matmuls ran on it
             summary.time.update(throughput(summary=summary.to_json(), flops_per_step=(budget or {}).get("flops_per_step")))
             summary.write(RunDir(out))
             if isinstance(logger, MultiLogger):
                 for lg in logger.loggers:
                     if isinstance(lg, WandbLogger):
                         lg.summary({"final": summary.final.to_json(), "time": summary.time})
+        WHERE.release()  # nothing failed: no failure file
         return summary if rank == 0 else None
     except Exception as exc:
         # This rank's own account (the launcher's failure.json names the job's first failure).
-        results.write_json(RunDir(out).failure_rank(rank), {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
+        results.write_json(RunDir(out).failure_rank(rank), {"rank": rank, "error": type(exc).__name__, "message": str(exc),
+                                                            "where": WHERE.describe()})
         raise
     finally:
         peak.stop()
@@ -184,6 +190,17 @@ def data_used(trainer: Trainer) -> dict[str, Any]:
             "train_tokens": train * per if per else None, "val_tokens": val * per if per else None}
 
 
+def memory_record(*, rank: int, strategy: Strategy, activation_bytes: int | None, peak: PeakTracker,
+                  device: torch.device, eval_assembled_bytes: int | None) -> dict[str, Any]:
+    """This rank's ``memory`` entry of summary.json. The device's end-of-run snapshot
+    (:func:`~sdp.metrics.groups.device_memory`: its total, and the use now) goes in first, so the
+    tracker's ``cuda_device_used_bytes``, the largest use seen at any phase switch, is the one kept:
+    the end value is lower whenever the allocator released memory before the run finished."""
+    return {"rank": rank, **strategy.state_bytes(), "activation_bytes": activation_bytes, **device_memory(device),
+            **peak.summary(), "eval_assembled_bytes": eval_assembled_bytes,
+            "param_digest": param_digest(strategy.unwrapped())}
+
+
 def collect_summary(
     *, cfg: DictConfig, ctx: DistContext, strategy: Strategy, trainer: Trainer, peak: PeakTracker, timer: PhaseTimer, state: Any,
     versions: dict[str, Any]
@@ -194,9 +211,8 @@ def collect_summary(
     extra = strategy.summary_extra()
     mine = {
         "rank": ctx.rank,
-        "memory": {"rank": ctx.rank, **strategy.state_bytes(), "activation_bytes": trainer.activation_bytes,
-                   **peak.summary(), "eval_assembled_bytes": extra.get("eval_assembled_bytes"),
-                   "param_digest": param_digest(strategy.unwrapped()), **device_memory(ctx.device)},
+        "memory": memory_record(rank=ctx.rank, strategy=strategy, activation_bytes=trainer.activation_bytes, peak=peak,
+                                device=ctx.device, eval_assembled_bytes=extra.get("eval_assembled_bytes")),
         "process_groups": {"rank": ctx.rank, **process_groups()},
         "comm": {"rank": ctx.rank, **ctx.comm.summary()},
         "time": {"rank": ctx.rank, **timer.summary(warmup=warmup), **device_facts(ctx.device)},
