@@ -36,6 +36,19 @@ class DistContext:
     comm: CommCounter = field(default_factory=CommCounter)
 
 
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` as one new 1-D tensor: one collective (or one summation) for all of them."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy ``flat`` (:func:`flatten`'s layout) back into ``tensors``, in place."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+
+
 def comm_options(*, backend: str, timeout: timedelta) -> Any:
     """The backend options of every process group of the job: on NCCL, ``config.split_share = 1``;
     None for every other backend (gloo takes none). ``timeout`` goes into the options too, where torch

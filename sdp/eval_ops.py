@@ -29,19 +29,6 @@ def statistics(norms: Sequence[nn.modules.batchnorm._BatchNorm]) -> list[torch.T
     return [b for m in norms for b in (m.running_mean, m.running_var)]
 
 
-def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``tensors`` as one new 1-D tensor (one collective, one summation for all of them)."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def unflat(values: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy ``values`` (:func:`flat`'s layout) back into ``tensors``, in place."""
-    offset = 0
-    for t in tensors:
-        t.copy_(values[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
 @torch.no_grad()
 def bn_pass(model: nn.Module, *, batches: Iterable[torch.Tensor], keep: bool) -> list[torch.Tensor | None]:
     """Run ``batches`` through ``model`` in eval mode except its BatchNorm layers, which accumulate a

@@ -15,7 +15,8 @@ from torch import nn
 
 from sdp.data.base import DataBundle, val_batches
 from sdp.distctx import DistContext
-from sdp.eval_ops import accumulate, batch_norms, bn_pass, flat, gathered, ordered_mean, unflat
+from sdp.distctx import flatten, unflatten
+from sdp.eval_ops import accumulate, batch_norms, bn_pass, gathered, ordered_mean
 
 
 @runtime_checkable
@@ -130,7 +131,7 @@ def _reestimated(model: Partwise, *, batches: Iterable[torch.Tensor], ctx: DistC
     assert seen > 0, "eval.bn=reestimate found no training batch before this evaluation (step 0?)"
     kept = [s or {} for s in stats]
     floats = [b for s in kept for k, b in s.items() if k.rsplit(".", 1)[-1] in ("running_mean", "running_var")]
-    unflat(ordered_mean(gathered([flat(floats)], ctx=ctx)), floats)
+    unflatten(ordered_mean(gathered([flatten(floats)], ctx=ctx)), floats)
     return kept
 
 

@@ -50,10 +50,10 @@ from torch import nn
 
 from sdp.errors import boolean, one_of, positive_int
 from sdp.data.base import DataBundle
-from sdp.distctx import DistContext
+from sdp.distctx import DistContext, flatten, unflatten
 from sdp.eval_ops import (  # noqa: F401 (LOSS_CHUNK_TOKENS, loss_and_correct, world_sum: re-exported)
-    LOSS_CHUNK_TOKENS, batch_norms, bn_pass, flat, gathered, loss_and_correct, ordered_mean, ordered_sum, statistics,
-    unflat, val_totals, world_sum)
+    LOSS_CHUNK_TOKENS, batch_norms, bn_pass, gathered, loss_and_correct, ordered_mean, ordered_sum, statistics,
+    val_totals, world_sum)
 from sdp.eval_parts import Partwise, partwise_totals
 
 BN_PROTOCOLS = ("reestimate", "average")
@@ -134,9 +134,9 @@ def reestimate_bn(model: nn.Module, *, shards: Sequence[Iterable[torch.Tensor]],
             m.reset_running_stats()
         n = len(bn_pass(model, batches=batches, keep=False))
         assert n > 0, "eval.bn=reestimate found no training batch before this evaluation (step 0?)"
-        rows.append(flat(statistics(norms)).clone())
+        rows.append(flatten(statistics(norms)))  # a new tensor: the next shard resets the statistics
         seen += n
-    unflat(ordered_mean(gathered(rows, ctx=ctx) if average else rows), statistics(norms))
+    unflatten(ordered_mean(gathered(rows, ctx=ctx) if average else rows), statistics(norms))
     return seen
 
 

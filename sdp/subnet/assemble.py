@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp.models.base import ResidualBlock, SDPModel
-from sdp.distctx import DistContext, average_buffers
+from sdp.distctx import DistContext, average_buffers, flatten, unflatten
 from sdp.subnet.masking import Local, Piece, locate, view
 from sdp.subnet.plan import Plan
-from sdp.subnet.sync import GroupSet, broadcast_pieces, flatten, unflatten
+from sdp.subnet.sync import GroupSet, broadcast_pieces
 
 
 def tensor_map(model: nn.Module) -> dict[str, torch.Tensor]:

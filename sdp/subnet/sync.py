@@ -32,20 +32,9 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from sdp.distctx import WHERE, subgroup_kwargs
+from sdp.distctx import WHERE, flatten, subgroup_kwargs, unflatten
 from sdp.metrics.comm import CommCounter
 from sdp.subnet.masking import Local, Piece, locate, view
-
-
-def flatten(views: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([v.reshape(-1) for v in views])
-
-
-def unflatten(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
-    offset = 0
-    for v in views:
-        v.copy_(flat[offset : offset + v.numel()].view(v.shape))
-        offset += v.numel()
 
 
 def buckets(items: list[Piece], *, cap_bytes: int) -> list[list[Piece]]:
