@@ -7,13 +7,12 @@ peak figures the test sets, so the numbers in summary.json's memory entry come f
 - ``cuda_device_used_bytes`` keeps the largest use seen, not the end snapshot;
 - bf16 activation bytes count autocast's weight copies the way FSDP's bf16 parameters are counted
   (not at all), so DDP/SDP and FSDP report activations by one rule;
-- ``benchmarks/capacity.py`` makes each rank's GPU current (a multi-GPU host put every rank on cuda:0).
+- ``sdp-bench capacity`` (:mod:`sdp.bench.capacity`) makes each rank's GPU current (a multi-GPU host put every rank on cuda:0).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,7 +22,6 @@ from torch import nn
 
 from sdp.metrics.activations import measure_saved_tensors
 from sdp.metrics.memory import PeakTracker
-from tests.helpers import REPO
 
 GB = 2**30
 CUDA0 = torch.device("cuda", 0)
@@ -99,10 +97,8 @@ def test_summary_keeps_the_largest_device_use_not_the_end_snapshot(fake: FakeAll
 
 def test_capacity_makes_each_ranks_gpu_current(fake: FakeAllocator) -> None:
     fake.devices = 2
-    spec = importlib.util.spec_from_file_location("capacity_bench", REPO / "benchmarks" / "capacity.py")
-    assert spec is not None and spec.loader is not None
-    capacity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(capacity)
+    from sdp.bench import capacity
+
     dev = capacity.rank_device(local_rank=3, device="cuda", budget_mb=1024)
     assert dev == torch.device("cuda", 1) and fake.current == [dev], (dev, fake.current)
     assert fake.fraction == [(1024 * 2**20 / fake.total, dev)], fake.fraction

@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
 COLUMNS = ["run", "rc", "s", "ranks", "backend", "alloc peak MiB (train, max rank)", "max reserved MiB",
            "device used MiB (whole GPU)", "set-up peak MiB", "model state MiB", "activations MiB", "tokens/s",
@@ -103,8 +101,7 @@ def cmd_row(a: argparse.Namespace) -> None:
 
 def cmd_floor(a: argparse.Namespace) -> None:
     """The plan's DDP and SDP model state for the check's config, and their ratio: the floor."""
-    sys.path.insert(0, str(ROOT))
-    import torch
+    import torch  # the package comes from the checkout: h200_check.sh puts it on PYTHONPATH
     from hydra import compose, initialize_config_dir
 
     from sdp.planner import predict

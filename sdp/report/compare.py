@@ -1,12 +1,18 @@
-"""The comparison table: every method of one setting next to DDP, its costs as ratios to DDP.
+"""Every ratio-to-DDP table: the comparison of a sweep and the tables of the benchmark suites.
 
-What ``sdp-train`` prints at the end of its default job (``experiment=compare``; the multirun callback
-with ``compare: true``) and what ``sdp-report SWEEP --compare`` rebuilds: one row per method with its
-eval accuracy, then training peak memory, model state, comm bytes per step and step time, each a ratio
-of means to the DDP row of the same table (the statistics of :mod:`sdp.report.tables`). Accuracy stays
-in percent: a ratio of accuracies hides the gap that matters. Under the table come DDP's own figures,
-so that a ratio reads as bytes and seconds, and what each column measures. The plots of
-:mod:`sdp.report.plots` for the same runs are written next to it.
+- :func:`comparison_markdown`: what ``sdp-train`` prints at the end of its default job
+  (``experiment=compare``; the multirun callback with ``compare: true``) and what ``sdp-report SWEEP
+  --compare`` rebuilds: one row per method with its eval accuracy, then training peak memory, model state,
+  comm bytes per step and step time, each a ratio of means to the DDP row of the same table (the
+  statistics of :mod:`sdp.report.tables`). Accuracy stays in percent: a ratio of accuracies hides the gap
+  that matters. Under the table come DDP's own figures, so that a ratio reads as bytes and seconds, and
+  what each column measures. The plots of :mod:`sdp.report.plots` for the same runs are written next to it.
+- :func:`report_markdown`, :func:`compare_markdown`, :func:`memory_markdown`, :func:`capacity_markdown`:
+  the tables of ``sdp-bench report``, ``compare``, ``memory`` and ``capacity`` (:mod:`sdp.bench`), one row
+  per run of a benchmark, each figure on the rank where it is largest.
+
+Why one module: the reference row, the ratio (:func:`sdp.report.stats.ratio`) and the cell formats are
+decided once for every table that says "x DDP", so two tables never disagree on what the ratio means.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 from sdp.report.render import Column, layout, markdown_grid
 from sdp.report.runs import run_figures
+from sdp.report.stats import ratio
 from sdp.report.tables import Row, Table
 from sdp.summary import Summary
 
@@ -60,8 +67,18 @@ def holders(row: Row) -> str:
     return "" if k is None else str(k)
 
 
+def mib(v: float | None, *, missing: str = "n/a") -> str:
+    """Bytes as MiB with two decimals, the unit of every table here; ``missing`` when not measured."""
+    return missing if v is None else f"{v / 2**20:.2f}"
+
+
+def times(x: float | None, *, digits: int = 3, unit: str = "x", missing: str = "n/a") -> str:
+    """A ratio as ``0.575x``; ``missing`` when either side was not measured (:func:`sdp.report.stats.ratio`)."""
+    return missing if x is None else f"{x:.{digits}f}{unit}"
+
+
 def _mib(v: float | None, unit: str = "MiB") -> str:
-    return "n/a" if v is None else f"{v / 2**20:.2f} {unit}"
+    return "n/a" if v is None else f"{mib(v)} {unit}"
 
 
 def comparison_markdown(table: Table) -> str:
@@ -130,3 +147,122 @@ def write_comparison(*, tables: list[Table], out_dir: Path, title: str) -> Compa
     md.write_text(text)
     rows = _plot_rows(tables)
     return Comparison(markdown=text, files=[md, *(plots(rows, out=out_dir, title=title) if rows else [])])
+
+
+# The benchmark suites' tables (sdp.bench): one row per run, a dict of run_figures' figures.
+REPORT_RATIOS = ("model_state_bytes", "activation_bytes", "peak_bytes", "comm_bytes_per_step", "wire_bytes_per_step",
+                 "step_s", "model_state_mean_bytes", "activation_mean_bytes")
+COMPARE_RATIOS = ("model_state_bytes", "grad_optim_bytes", "comm_bytes_per_step", "wire_bytes_per_step", "step_s_median")
+MEMORY_PEAKS = ("setup_peak_bytes", "train_peak_bytes", "eval_peak_bytes")
+
+
+def reference_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row every ratio is taken to: the DDP run, else the first row (a set of runs without DDP)."""
+    return next((r for r in rows if r["strategy"] == "ddp"), rows[0])
+
+
+def add_ratios(rows: list[dict[str, Any]], *, keys: tuple[str, ...], base: dict[str, Any] | None = None) -> None:
+    """``row["x_ddp"][key]``: each row's figure over ``base``'s (default :func:`reference_row`)."""
+    base = reference_row(rows) if base is None else base
+    for r in rows:
+        r["x_ddp"] = {k: ratio(r.get(k), base.get(k)) for k in keys}
+
+
+def _x(r: dict[str, Any], key: str) -> str:
+    return "" if r["x_ddp"].get(key) is None else f" ({times(r['x_ddp'][key])})"
+
+
+def _opt(v: float | None, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def report_markdown(rows: list[dict[str, Any]], *, title: str) -> str:
+    """``sdp-bench report``: every figure with its ratio to DDP, the interleaved repeats, fullest rank vs mean."""
+    head = ("| run | model state MiB | activations MiB | peak MiB | comm MiB/step | wire MiB/step | step s (median) | "
+            "straggler | samples/s | tokens/s | MFU | eval loss |")
+    lines = [f"### {title}", "", head, "|" + "---|" * 12]
+    m = lambda b: mib(b, missing="")  # noqa: E731
+    for r in rows:
+        lines.append(
+            f"| {r['run']} | {m(r['model_state_bytes'])}{_x(r, 'model_state_bytes')} | {m(r['activation_bytes'])}{_x(r, 'activation_bytes')} | "
+            f"{m(r['peak_bytes'])}{_x(r, 'peak_bytes')} | {m(r['comm_bytes_per_step'])}{_x(r, 'comm_bytes_per_step')} | "
+            f"{m(r['wire_bytes_per_step'])}{_x(r, 'wire_bytes_per_step')} | {_opt(r['step_s'], '.4f')}{_x(r, 'step_s')} | "
+            f"{_opt(r['straggler_spread'], '.3f')} | {_opt(r['samples_per_s'], '.1f')} | {_opt(r['tokens_per_s'], '.0f')} | "
+            f"{_opt(r['mfu'], '.3f')} | {_opt(r['eval_loss'], '.4f')} |")
+    kind = rows[0]["peak_kind"] if rows else ""
+    lines += ["", f"Every figure on the rank where it is largest; ratios to DDP in parentheses. Model state = params + "
+              f"grads + optimizer state; activations = bytes saved for backward in the first measured step; peak = {kind}; "
+              "step s = the slowest rank's median step time (warm-up excluded; with --repeat, the median over the "
+              "repeats); straggler = max/min of per-rank medians. "
+              "SDP's transient evaluation assembly (its largest part) is reported apart (report.json: eval_assembled_bytes)."]
+    if rows and len(rows[0]["step_s_repeats"]) > 1:
+        base = reference_row(rows)
+        lines += ["", "| run | step s per interleaved repeat | ratio to the same repeat's DDP |", "|---|---|---|"]
+        lines += [f"| {r['run']} | {', '.join(f'{v:.4f}' for v in r['step_s_repeats'])} | "
+                  f"{', '.join(times(ratio(v, b)) for v, b in zip(r['step_s_repeats'], base['step_s_repeats']))} |" for r in rows]
+    lines += ["", "| run | model state MiB: fullest rank | mean over ranks | activations MiB: fullest rank | mean over ranks |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['run']} | {m(r['model_state_bytes'])}{_x(r, 'model_state_bytes')} | {m(r['model_state_mean_bytes'])}"
+              f"{_x(r, 'model_state_mean_bytes')} | {m(r['activation_bytes'])}{_x(r, 'activation_bytes')} | "
+              f"{m(r['activation_mean_bytes'])}{_x(r, 'activation_mean_bytes')} |" for r in rows]
+    lines += ["", "The mean over ranks is the floor of the fullest rank: when every unit is held by the same number of "
+              "workers, the sum over ranks does not depend on which worker holds which unit (exactly for model state; "
+              "for activations up to how neighbouring dropped blocks interact), so no assignment puts the fullest "
+              "rank below the mean. `sdp-plan parallelism=sdp plan.frontier=true ...` scores every "
+              "assignment and prints the frontier between the two figures."]
+    return "\n".join(lines)
+
+
+def compare_markdown(rows: list[dict[str, Any]]) -> str:
+    """``sdp-bench compare``: the table only, with the communication counts and the accuracy."""
+    head = ("| run | model state MiB (x) | grad+optim MiB (x) | comm MiB/step (x) | wire MiB/step (x) | "
+            "collectives/step | step s (x) | straggler | accuracy |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        x = {k: times(v, unit="") for k, v in r["x_ddp"].items()}
+        acc = "n/a" if r["eval_accuracy"] is None else f"{r['eval_accuracy']:.4f}"
+        lines.append(
+            f"| {r['run']} | {mib(r['model_state_bytes'])} ({x['model_state_bytes']}) | "
+            f"{mib(r['grad_optim_bytes'])} ({x['grad_optim_bytes']}) | "
+            f"{mib(r['comm_bytes_per_step'])} ({x['comm_bytes_per_step']}) | "
+            f"{mib(r['wire_bytes_per_step'])} ({x['wire_bytes_per_step']}) | "
+            f"{r['collectives_per_step']:.1f} | {r['step_s_median']:.4f} ({x['step_s_median']}) | "
+            f"{r['straggler_spread']:.3f} | {acc} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_markdown(*, title: str, rows: dict[str, dict[str, Any]], targets: dict[str, float]) -> str:
+    """``sdp-bench memory``: the three peaks against DDP's, SDP's against its targets, the tracker's cost."""
+    base = rows["ddp"]
+    lines = [f"### {title}", "",
+             "| run | set-up peak MiB (x) | train peak MiB (x) | eval peak MiB (x) | model state MiB | step s |",
+             "|---|---|---|---|---|---|"]
+    for label, r in rows.items():
+        cells = [f"{mib(r.get(k))} ({times(ratio(r.get(k), base.get(k)))})" for k in MEMORY_PEAKS]
+        lines.append(f"| {label} | {' | '.join(cells)} | {mib(r['model_state_bytes'])} | {r['step_s']:.4f} |")
+    lines.append("")
+    for k, bound in targets.items():
+        x = ratio(rows["sdp"].get(k), base.get(k))
+        verdict = "n/a" if x is None else ("HIT" if x <= bound else "MISSED")
+        lines.append(f"- {k}: sdp/ddp = {times(x, unit='')} (target <= {bound}) {verdict}")
+    for name in ("ddp", "sdp"):
+        off = rows.get(f"{name}_untracked")
+        if off and off["step_s"]:
+            lines.append(f"- tracker cost, {name}: step time on/off = {times(ratio(rows[name]['step_s'], off['step_s']), unit='')}")
+    cats = rows["sdp"].get("train_categories")
+    if cats:
+        lines.append("- at the train peak (MiB), ddp: " + ", ".join(f"{k} {mib(v)}" for k, v in (base["train_categories"] or {}).items())
+                     + "; sdp: " + ", ".join(f"{k} {mib(v)}" for k, v in cats.items()))
+    return "\n".join(lines)
+
+
+def capacity_markdown(*, title: str, best: list[dict[str, Any]]) -> str:
+    """``sdp-bench capacity``: the largest model each strategy trained, its parameters against DDP's."""
+    ddp = next((b["params"] for b in best if b["strategy"] == "ddp"), None)
+    lines = [f"### {title}", "", "| strategy | depth | width | params (M) | params vs DDP | peak MiB (largest rank) |",
+             "|---|---|---|---|---|---|"]
+    for b in best:  # a strategy that fitted nothing has 0 parameters: no ratio, not 0.00x
+        x = times(ratio(b["params"] or None, ddp), digits=2)
+        lines.append(f"| {b['strategy']} | {b['depth']} | {b['width']} | {b['params'] / 1e6:.3f} | {x} | {mib(b['peak_bytes'])} |")
+    return "\n".join(lines)
