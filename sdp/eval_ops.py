@@ -6,7 +6,7 @@ model evaluated on one rank and the same model evaluated across ranks give bit-i
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,11 +114,18 @@ def accumulate(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor) ->
 
 @torch.no_grad()
 def val_totals(model: nn.Module, *, data: DataBundle, rank: int, world_size: int, batch_size: int,
-               num_workers: int, device: torch.device) -> torch.Tensor:
+               num_workers: int, device: torch.device,
+               each: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
     """(loss sum, correct, count) of ``model`` on shard ``rank`` of ``world_size`` of the validation set,
-    ``batch_size`` samples per forward (``train.eval_batch_size`` bounds evaluation memory)."""
+    ``batch_size`` samples per forward (``train.eval_batch_size`` bounds evaluation memory). ``each``
+    (output, target) is called on every batch after its sums are added (the ensemble's sums,
+    :mod:`sdp.eval_ensemble`); the output is dropped before the next forward either way."""
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for x, y in val_batches(data, rank=rank, world_size=world_size, batch_size=batch_size, num_workers=num_workers):
         x, y = x.to(device), y.to(device)
-        accumulate(totals, model(x), y)
+        out = model(x)
+        accumulate(totals, out, y)
+        if each is not None:
+            each(out, y)
+        del out  # not alive through the next batch's forward
     return totals

@@ -34,6 +34,12 @@ assembly and nothing else: where nothing is assembled (C = 1) it is exactly 0
 (``tests/test_calibration.py``). Running one shard at a time also keeps the worker's activations
 those of one rank's evaluation batch, not of the whole validation set.
 
+``eval.ensemble``: in the same pass, the ensemble of the workers' subnetworks (the mean of their
+predicted probabilities, :mod:`sdp.eval_ensemble`): every rank runs its own calibrated subnetwork on the
+same batches, so the ranks' probabilities are summed batch by batch, one worker's subnetwork per rank.
+Only a strategy whose workers train different models yields subnetworks; for every other one each
+worker's model is the evaluated model itself, the ensemble would be that model, and the key does nothing.
+
 Sums stay on the device (loss, correct, count in float64) and are read once per evaluation.
 """
 
@@ -42,12 +48,14 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from fractions import Fraction
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from sdp import eval_ensemble
 from sdp.errors import boolean, one_of, positive_int
 from sdp.data.base import DataBundle
 from sdp.distctx import DistContext, flatten, unflatten
@@ -65,6 +73,7 @@ def validate_eval(cfg: DictConfig) -> None:
     positive_int("eval.bn_batches", cfg.eval.bn_batches)
     positive_int("eval.part_batches", part_batches(cfg))
     boolean("eval.subnetworks", cfg.eval.subnetworks)
+    boolean("eval.ensemble", ensemble(cfg))
 
 
 def part_batches(cfg: DictConfig) -> Any:
@@ -72,9 +81,15 @@ def part_batches(cfg: DictConfig) -> Any:
     return cfg.eval.get("part_batches", 1)
 
 
+def ensemble(cfg: DictConfig) -> Any:
+    """``eval.ensemble``; false for configs written before the key (a re-run computes what the run did)."""
+    return cfg.eval.get("ensemble", False)
+
+
 def protocol(cfg: DictConfig) -> dict[str, Any]:
     """What summary.json records of the protocol (the report splits tables on it)."""
-    return {"bn": str(cfg.eval.bn), "bn_batches": int(cfg.eval.bn_batches), "subnetworks": bool(cfg.eval.subnetworks)}
+    return {"bn": str(cfg.eval.bn), "bn_batches": int(cfg.eval.bn_batches), "subnetworks": bool(cfg.eval.subnetworks),
+            "ensemble": bool(ensemble(cfg))}
 
 
 def calibration_steps(*, fraction: Fraction, reference_steps: int, count: int) -> range:
@@ -105,16 +120,24 @@ def totals(source: nn.Module | Partwise, *, bn: str, bn_batches: Callable[[], It
 
 
 def own_totals(model: nn.Module, *, bn: str, calibration: Sequence[Callable[[], Iterable[torch.Tensor]]], ctx: DistContext,
-               data: DataBundle, world_size: int, batch_size: int, num_workers: int) -> torch.Tensor:
+               data: DataBundle, world_size: int, batch_size: int, num_workers: int,
+               ensemble: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(loss sum, correct, count) on the whole validation set of a model that is this rank's own (an SDP
     worker's subnetwork), evaluated exactly as :func:`totals` + :func:`world_sum` evaluate the world's
     model: calibrated on every shard of ``calibration`` (the statistics' mean over shards in shard
     order, as the world's gathered mean), run on validation shard 0 .. ``world_size`` - 1 in turn with
     the same batches, the shards' totals summed in rank order. Where the two models are the same the
-    numbers are bit for bit the same; and one shard's batch runs at a time, as on every rank."""
+    numbers are bit for bit the same; and one shard's batch runs at a time, as on every rank.
+
+    With ``ensemble`` (collective: every rank's own model, the same batches), also the totals of the
+    ranks' models' ensemble (:func:`sdp.eval_ensemble.add_batch` on every batch of the same pass), the
+    same on every rank; else None."""
+    ens = torch.zeros(3, dtype=torch.float64, device=ctx.device) if ensemble else None
+    each = partial(eval_ensemble.add_batch, ens, ctx=ctx) if ens is not None else None
     with applied(model, bn=bn, shards=[shard() for shard in calibration], ctx=ctx, average=False) as m:
-        return ordered_sum([val_totals(m, data=data, rank=j, world_size=world_size, batch_size=batch_size,
-                                       num_workers=num_workers, device=ctx.device) for j in range(world_size)])
+        own = ordered_sum([val_totals(m, data=data, rank=j, world_size=world_size, batch_size=batch_size,
+                                      num_workers=num_workers, device=ctx.device, each=each) for j in range(world_size)])
+    return own, ens
 
 
 @torch.no_grad()

@@ -13,7 +13,8 @@ the rehearsal cannot see is added from the strategy's rule:
 - SDP: one owner-set bucket is flattened after backward, or (backward masking) one refresh bucket
   after the update (``sdp.subnet.sync``, the largest that this rank takes part in); evaluation builds
   the model part by part next to the rank's own state (:func:`rehearse_partwise`: one part, its
-  broadcast buffer and one batch's activations at a time).
+  broadcast buffer and one batch's activations at a time); with ``resample_every``, the first re-draw
+  is rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_plan.rehearse_redraw`).
 - FSDP: the rank's shards of the state, the full replica's activation transient, the root and the
   largest block unsharded (see :func:`_fsdp_peaks`): a rule, not a rehearsal of FSDP2's buffers.
 
@@ -157,7 +158,7 @@ def _ddp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
 
 
 def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int) -> list[dict[str, int]]:
-    from sdp.parallel.sdp_plan import plan_for
+    from sdp.parallel.sdp_plan import plan_for, redraw_peaks
     from sdp.subnet import masking as M
     from sdp.metrics.comm import CommCounter
     from sdp.subnet.sync import GroupSet, OwnerSetSync
@@ -190,6 +191,9 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
         flats = [sum(p.nbytes for p in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
         out.append({"setup_peak_bytes": res["setup"], "train_peak_bytes": max(res["train"], res["state"] + max(flats, default=0)),
                     "eval_peak_bytes": res["state"] + eval_extra})
+    if pc.get("resample_every"):  # the first re-draw (draw 0 -> 1), rehearsed as it runs (sdp.subnet.redraw)
+        for entry, peak in zip(out, redraw_peaks(cfg=cfg, model=model, world=world)):
+            entry["redraw_peak_bytes"] = peak
     return out
 
 

@@ -42,6 +42,12 @@ class Final:
     """Same, accuracy."""
     assembly_gap: float | None = None
     """``eval_loss`` of the assembled model minus ``eval_loss_workers``."""
+    eval_loss_ensemble: float | None = None
+    """``eval.ensemble`` (forward-masked SDP): eval loss of the workers' subnetworks' ensemble, the cross-entropy
+    of the mean of their predicted probabilities (:mod:`sdp.eval_ensemble`); None where not evaluated (older runs,
+    strategies whose workers train one model)."""
+    eval_accuracy_ensemble: float | None = None
+    """Same, accuracy (arg-max of the mean probability)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys of ``final`` not listed above (written back after them)."""
 
@@ -94,7 +100,8 @@ class Summary:
     ``activation_bytes``, the tracker's ``setup|train|eval_peak_bytes``, ``peak_source``,
     ``peak_categories``, ``peak_rss_delta_bytes``, ``eval_assembled_bytes`` (older runs:
     ``eval_full_copy_bytes``), ``param_digest``, ``cuda_max_allocated_bytes`` / ``cuda_max_reserved_bytes``
-    on CUDA."""
+    on CUDA; with SDP plan re-draws ``redraw_peak_bytes`` (the largest) and ``redraw_peaks_bytes`` (each
+    re-draw's peak, in order: a memory phase of its own, outside ``train_peak_bytes``)."""
     comm_per_rank: list[dict[str, Any]] = _per_rank("comm")
     """``comm.per_rank``: ``rank``, ``bytes_per_step``, ``wire_bytes_per_step``, ``collectives_per_step``,
     ``by_kind`` (:mod:`sdp.metrics.collectives`)."""
@@ -109,7 +116,8 @@ class Summary:
     launcher_per_rank: list[dict[str, Any]] = _per_rank("launcher")
     """``launcher.per_rank``: which process / task each rank was (host, pid, SLURM_* and torchrun variables)."""
     strategy_info: dict[str, Any] = field(default_factory=dict)
-    """The strategy's own facts (:meth:`sdp.parallel.base.Strategy.summary_extra`), e.g. SDP's ``plan``."""
+    """The strategy's own facts (:meth:`sdp.parallel.base.Strategy.summary_extra`), e.g. SDP's ``plan`` and
+    ``redraw`` (count, per re-draw the bytes every rank sent and received, their totals ``bytes_moved``)."""
     versions: dict[str, Any] = field(default_factory=dict)
     """python, torch, sdp, ``git_commit``, ``git_dirty``, cuda (:func:`sdp.results.versions`)."""
     machine: dict[str, Any] = field(default_factory=dict)

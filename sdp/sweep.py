@@ -51,7 +51,11 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 # while a CUDA run from before the key ran on PyTorch's own TF32 defaults, which no value of the key gives.
 ADDED_KEYS: dict[str, Any] = {"plugins": [], "eval.part_batches": 1, "parallelism.max_holder_sets": None,
                               "train.tf32": lambda now: now.get("cluster.device") != "cuda",
-                              "cluster.comm_bytes_per_group": lambda now: True}  # read by sdp-plan only
+                              "cluster.comm_bytes_per_group": lambda now: True,  # read by sdp-plan only
+                              # a run without the key evaluated no ensemble: the same job where none is evaluated now
+                              # (the key off, or workers that train one model: only forward masking has subnetworks)
+                              "eval.ensemble": lambda now: not now.get("eval.ensemble")
+                              or now.get("parallelism.masking") != "forward"}
 
 
 def first_difference(*, now: dict[str, Any], then: dict[str, Any]) -> tuple[str, Any, Any] | None:

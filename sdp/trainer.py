@@ -254,10 +254,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Full model on the whole validation set, sharded over ranks, summed over the world, under the
-        one evaluation protocol of every strategy (:mod:`sdp.evaluation`); with ``eval.subnetworks``
-        also every worker's own subnetwork, where the strategy has one, on the whole set, calibrated and
-        batched as the full model is (:func:`sdp.evaluation.own_totals`). Sums stay on the device until
-        one read at the end."""
+        one evaluation protocol of every strategy (:mod:`sdp.evaluation`); where the strategy has
+        workers' own subnetworks, with ``eval.subnetworks`` each of them on the whole set, calibrated and
+        batched as the full model is, and with ``eval.ensemble`` their ensemble, in the same pass
+        (:func:`sdp.evaluation.own_totals`). Sums stay on the device until one read at the end."""
         ec, ctx, tc = self.cfg.eval, self.ctx, self.cfg.train
         bn = str(ec.bn)
         common = dict(bn=bn, ctx=ctx, data=self.data, batch_size=int(tc.eval_batch_size), num_workers=int(tc.num_workers))
@@ -267,24 +267,33 @@ class Trainer:
             mine = evaluation.totals(full, bn_batches=self.calibration(every_replica=False)[0], rank=ctx.rank,
                                      world_size=ctx.world_size, part_batches=int(evaluation.part_batches(self.cfg)), **common)
         with ctx.comm.phase_as("eval"):  # the sums' gathers are evaluation traffic, not the step's
-            figures = [evaluation.world_sum(mine, ctx=ctx)]
-        if bool(ec.subnetworks):
+            figures = {"full": evaluation.world_sum(mine, ctx=ctx)}
+        workers, ensemble = bool(ec.subnetworks), bool(evaluation.ensemble(self.cfg))
+        if workers or ensemble:
             with self.strategy.subnetwork_module() as own:
                 if own is not None:  # the same answer on every rank: the strategy decides
                     with self.strategy.autocast():
-                        t = evaluation.own_totals(own, calibration=self.calibration(every_replica=True),
-                                                  world_size=ctx.world_size, **common)
-                    with ctx.comm.phase_as("eval"):
-                        figures.append(evaluation.world_sum(torch.stack([t[0] / t[2], t[1] / t[2]]), ctx=ctx) / ctx.world_size)
-        values = torch.cat(figures).tolist()  # the one read of the evaluation
+                        t, ens = evaluation.own_totals(own, calibration=self.calibration(every_replica=True),
+                                                       world_size=ctx.world_size, ensemble=ensemble, **common)
+                    if workers:
+                        with ctx.comm.phase_as("eval"):
+                            figures["workers"] = evaluation.world_sum(torch.stack([t[0] / t[2], t[1] / t[2]]),
+                                                                      ctx=ctx) / ctx.world_size
+                    if ens is not None:  # the same totals on every rank
+                        figures["ensemble"] = torch.stack([ens[0] / ens[2], ens[1] / ens[2]])
+        flat = iter(torch.cat(list(figures.values())).tolist())  # the one read of the evaluation
+        values = {name: [next(flat) for _ in range(len(t))] for name, t in figures.items()}
         classify = self.data.task == "classification"
-        loss, correct, count = values[:3]
+        loss, correct, count = values["full"]
         row: dict[str, Any] = {"step": self.state.step, "eval_loss": loss / count,
                                "eval_accuracy": correct / count if classify else None}
-        if len(values) > 3:
-            row["eval_loss_workers"] = values[3]
-            row["eval_accuracy_workers"] = values[4] if classify else None
+        if "workers" in values:
+            row["eval_loss_workers"], acc = values["workers"]
+            row["eval_accuracy_workers"] = acc if classify else None
             row["assembly_gap"] = row["eval_loss"] - row["eval_loss_workers"]
+        if "ensemble" in values:
+            row["eval_loss_ensemble"], acc = values["ensemble"]
+            row["eval_accuracy_ensemble"] = acc if classify else None
         self.state.last_eval = row
         self.logger.log(row)
         return row

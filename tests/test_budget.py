@@ -152,7 +152,8 @@ def test_llama_scale_cpu_maps_each_size_to_a_tiny_llama_on_text():
     assert sizes == sorted(sizes) and len(set(sizes)) == 3, f"CPU LLaMAs must grow with the paper's sizes: {sizes}"
 
 
-_FRACTION = re.compile(r"_c(\d+)(_iters)?$")  # *_iters: the same row under the same-iteration budget
+# *_iters: the same row under the same-iteration budget; *_shuffleR / *_rollR: the row with a plan re-draw every R steps
+_FRACTION = re.compile(r"_c(\d+)(_iters)?(?:_(shuffle|roll)(\d+))?$")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -169,6 +170,9 @@ def test_variant_sets_method_and_coverage(variant: str):
     assert cfg.parallelism[key] == int(m.group(1)) / 100, (variant, key, cfg.parallelism[key])
     if m.group(2):
         assert cfg.train.budget == "iterations", (variant, cfg.train.budget)
+    if m.group(3):
+        redraw = {"shuffle": "shuffle", "roll": "rolling"}[m.group(3)]
+        assert (cfg.parallelism.redraw, cfg.parallelism.resample_every) == (redraw, int(m.group(4))), (variant, cfg.parallelism)
 
 
 @pytest.mark.parametrize("variant", ["sd_c50", "layerdrop_c50"])

@@ -158,3 +158,35 @@ def test_only_forward_masked_rows_are_called_assembled(study: Path) -> None:
     text = "\n".join(claims(Study(study_dir=study, study="lm")))
     assert "B_β-SDP C=0.5 (the full model every worker ran) − DDP: not resolved" in text, text
     assert "B_β-SDP C=0.5 (assembled model)" not in text and "B-SDP C=0.5 (assembled model) − DDP" in text
+
+
+def test_ensemble_columns_and_verdicts_only_where_runs_have_an_ensemble(study: Path) -> None:
+    """eval.ensemble: the study's table gets the ensemble's columns and the verdicts an "ensemble − DDP" only
+    when some run has one ("–" in rows without: absent, never 0), so a study of older runs renders as before;
+    the sweep table's column is dropped when empty, as every column."""
+    from sdp.report.render import to_markdown
+    from sdp.report.runs import find_runs
+    from sdp.report.tables import build_tables
+
+    def sweep_md() -> str:
+        return "\n".join(to_markdown(t) for t in build_tables(find_runs(study / "runs" / "main")))
+
+    before = Study(study_dir=study, study="lm")
+    assert not before.ensembled and "workers' ensemble loss" not in before.table()[0], before.table()[0]
+    assert "ensemble" not in "\n".join(claims(before)) and "ensemble" not in sweep_md()
+    ens = (1.95, 2.07, 1.90)  # B-SDP's ensemble: DDP - 0.05, -0.03, -0.05
+    for d in sorted((study / "runs" / "main").iterdir()):
+        s = json.loads((d / "summary.json").read_text())
+        if yaml.safe_load((d / "config.yaml").read_text())["parallelism"] == BSDP:
+            s["final"].update(eval_loss_ensemble=ens[s["seed"]], eval_accuracy_ensemble=None)
+            (d / "summary.json").write_text(json.dumps(s))
+    st = Study(study_dir=study, study="lm")
+    table = {r["method"]: r for r in st.table()}
+    assert st.ensembled and table["B-SDP C=0.5"]["workers' ensemble loss"] == "1.973 ± 0.087", table["B-SDP C=0.5"]
+    assert table["B-SDP C=0.5"]["Δ ensemble loss vs DDP"].startswith("-0.043 ± "), table["B-SDP C=0.5"]
+    for name in ("DDP", "B_β-SDP C=0.5 (same iterations)"):
+        assert table[name]["workers' ensemble loss"] == table[name]["Δ ensemble loss vs DDP"] == "–", table[name]
+    text = "\n".join(claims(st))
+    assert "  - the ensemble of its workers' subnetworks (mean probability) − DDP: lower by 0.043 ± " in text, text
+    assert "; ensemble − DDP: lower by 0.043 ± " in text and text.count("ensemble − DDP") == 1, text
+    assert "| workers' ensemble eval loss |" in sweep_md()

@@ -38,15 +38,19 @@ def test_coverage_one_matches_ddp_every_step(tmp_path) -> None:  # noqa: ANN001
 @CORE
 @pytest.mark.timeout(300)
 def test_assembly_gap_is_zero_when_every_worker_holds_the_whole_model(tmp_path) -> None:  # noqa: ANN001
-    """eval.subnetworks: at C = 1 (no BatchNorm, so no statistics to differ) each worker's own
-    subnetwork is the assembled model, so the gap is 0; backward masking trains the full model on
-    every worker and reports no subnetwork figures."""
+    """eval.subnetworks, eval.ensemble: at C = 1 (no BatchNorm, so no statistics to differ) each worker's
+    own subnetwork is the assembled model, so the gap is 0 and the ensemble is that model; backward masking
+    trains the full model on every worker and reports no subnetwork or ensemble figures."""
     mlp = ["model=mlp", "dataset=digits", "cluster.world_size=2", "train.steps=3", "train.batch_size=8",
            "train.eval_every=0", "train.warmup_steps=1"]
-    full, _ = run_job(mlp + ["parallelism=sdp", "parallelism.coverage=1.0"], run_dir=tmp_path / "c1")
+    full, rows = run_job(mlp + ["parallelism=sdp", "parallelism.coverage=1.0"], run_dir=tmp_path / "c1")
     f = full["final"]
     assert f["eval_loss_workers"] == pytest.approx(f["eval_loss"], abs=1e-6) and abs(f["assembly_gap"]) <= 1e-6, f
+    # eval.ensemble (default on): the workers' mean probability is the model's own at C = 1, in both files
+    assert f["eval_loss_ensemble"] == pytest.approx(f["eval_loss"], rel=1e-6) and f["eval_accuracy_ensemble"] == f["eval_accuracy"], f
+    assert [r["eval_loss_ensemble"] for r in rows if "eval_loss" in r] == [f["eval_loss_ensemble"]], rows
     half, _ = run_job(mlp + ["parallelism=sdp", "parallelism.coverage=0.5"], run_dir=tmp_path / "c05")
     assert half["final"]["assembly_gap"] is not None and half["eval_protocol"]["subnetworks"] is True
     bwd, _ = run_job(mlp + ["parallelism=sdp_block_bwd"], run_dir=tmp_path / "bwd")
     assert bwd["final"]["eval_loss_workers"] is None and bwd["final"]["assembly_gap"] is None, bwd["final"]
+    assert bwd["final"]["eval_loss_ensemble"] is None and bwd["eval_protocol"]["ensemble"] is True, bwd  # nothing to ensemble

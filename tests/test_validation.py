@@ -90,6 +90,7 @@ CATALOGUE = [
     Bad("eval-bn-batches-zero", ["eval.bn_batches=0"], ["eval.bn_batches=0", "integer >= 1"]),
     Bad("eval-part-batches-zero", ["eval.part_batches=0"], ["eval.part_batches=0", "integer >= 1"]),
     Bad("eval-subnetworks-not-bool", ["eval.subnetworks=maybe"], ["eval.subnetworks='maybe'", "true or false"]),
+    Bad("eval-ensemble-not-bool", ["eval.ensemble=maybe"], ["eval.ensemble='maybe'", "true or false"]),
     Bad("stale-parallelism-bn", ["parallelism=sdp", "+parallelism.bn=average"], ["parallelism.bn='average'", "moved to eval.bn"]),
     Bad("sdp-coverage-zero", ["parallelism=sdp", "parallelism.coverage=0"], ["parallelism.coverage", "0"]),
     Bad("sdp-coverage-above-one", ["parallelism=sdp", "parallelism.coverage=1.5"], ["parallelism.coverage", "1.5"]),

@@ -82,8 +82,10 @@ def _mode_stack() -> list[Any]:
     return _get_current_dispatch_mode_stack()
 
 
-PHASES = ("setup", "warmup", "train", "eval")
+PHASES = ("setup", "warmup", "train", "eval", "redraw")
 REPORTED = ("setup", "train", "eval")  # summary.json: <phase>_peak_bytes
+MEASURED = ("redraw",)  # phases a strategy opens itself (measured_phase): reported only where they ran
+_ACTIVE: list["PeakTracker"] = []  # the tracker this rank started (worker), for phases a strategy opens
 
 
 class PeakTracker:
@@ -91,7 +93,9 @@ class PeakTracker:
     optimizer), ``warmup`` (steps before the first measured one, not reported), ``train`` (the measured
     steps only) and ``eval`` (every evaluation). The trainer switches phases (:meth:`set_phase`,
     :meth:`phase`); a phase's peak is the largest live total while it ran, starting from what was
-    live when it began (like ``torch.cuda.max_memory_allocated`` after a reset).
+    live when it began (like ``torch.cuda.max_memory_allocated`` after a reset). A strategy measures a
+    block inside a step as a phase of its own with :func:`measured_phase` (SDP's plan re-draws:
+    ``redraw``), so the step's ``train`` peak excludes it and each block's peak is kept (``blocks``).
 
     Source: on CUDA the caching allocator (peak reset at each switch) plus the device-wide use from
     ``torch.cuda.mem_get_info`` (NCCL buffers, context: outside the allocator); on the CPU the
@@ -110,6 +114,8 @@ class PeakTracker:
         self.current = "setup"
         self.peaks: dict[str, int] = {}
         self.peak_categories: dict[str, dict[str, int]] = {}
+        self.last: dict[str, int] = {}  # each phase's peak the last time it closed
+        self.blocks: dict[str, list[int]] = {}  # measured_phase: the peak of every block, in order
         self.device_used = 0  # the largest mem_get_info use seen at a phase switch (not the end value)
         self.reserved = 0  # the largest allocator reservation of any phase (its peak is reset per phase)
         self._watched: Any = None
@@ -124,8 +130,11 @@ class PeakTracker:
         """Begin counting (CPU: enter the dispatch mode); everything allocated from now on counts."""
         if self.tracker is not None:
             self.tracker.__enter__()
+        _ACTIVE.append(self)
 
     def stop(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if self.tracker is not None and self.tracker in _mode_stack():
             self.tracker.__exit__(None, None, None)
 
@@ -180,10 +189,12 @@ class PeakTracker:
             cats = tr.by_cat if peak == tr.total else tr.peak_by_cat  # a peak that is now: today's labels
             if peak >= self.peaks.get(name, -1):
                 self.peaks[name], self.peak_categories[name] = peak, dict(cats)
+            self.last[name] = peak
             tr.reset_peak()
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peaks[name] = max(self.peaks.get(name, 0), int(torch.cuda.max_memory_allocated(self.device)))
+            self.last[name] = int(torch.cuda.max_memory_allocated(self.device))
+            self.peaks[name] = max(self.peaks.get(name, 0), self.last[name])
             # reset_peak_memory_stats resets the reserved peak too: fold it in first, or the run's
             # "max reserved" would be the last phase's
             self.reserved = max(self.reserved, int(torch.cuda.max_memory_reserved(self.device)))
@@ -202,10 +213,33 @@ class PeakTracker:
         }
         for name in REPORTED:
             out[f"{name}_peak_bytes"] = self.peaks.get(name)
+        for name in MEASURED:  # e.g. redraw_peak_bytes (the largest) and redraw_peaks_bytes (each, in order)
+            if self.blocks.get(name):
+                out[f"{name}_peak_bytes"], out[f"{name}_peaks_bytes"] = self.peaks.get(name), list(self.blocks[name])
         if self.tracker is not None:
-            out["peak_categories"] = {n: self.peak_categories[n] for n in REPORTED if n in self.peak_categories}
+            out["peak_categories"] = {n: self.peak_categories[n] for n in REPORTED + MEASURED if n in self.peak_categories}
         if self.device.type == "cuda":
             out["cuda_max_allocated_bytes"] = self.peaks.get("train")  # measured steps (as before)
             out["cuda_max_reserved_bytes"] = self.reserved  # max over every phase of the run
             out["cuda_device_used_bytes"] = self.device_used  # mem_get_info, max over phase ends: all of the device (NCCL, context)
         return out
+
+
+@contextmanager
+def measured_phase(name: str) -> Iterator[dict[str, int | None]]:
+    """Measure the block as phase ``name`` of the tracker this rank started (none started, e.g. in a
+    unit test: nothing is measured), then return to the phase it interrupted. Yields a dict whose
+    ``peak_bytes`` is the block's own peak once the block has run (None when nothing measures: the
+    CPU without the live tracker); the tracker keeps it too (``blocks``, summary ``<name>_peaks_bytes``)."""
+    out: dict[str, int | None] = {"peak_bytes": None}
+    tracker = _ACTIVE[-1] if _ACTIVE else None
+    if tracker is None:
+        yield out
+        return
+    assert name in MEASURED, f"measured phase {name!r} not in {MEASURED}"
+    tracker.last.pop(name, None)
+    with tracker.phase(name):
+        yield out
+    out["peak_bytes"] = tracker.last.get(name)
+    if out["peak_bytes"] is not None:
+        tracker.blocks.setdefault(name, []).append(int(out["peak_bytes"]))

@@ -85,6 +85,10 @@ class PhaseTimer:
             "step_s_min": min(totals),
             "step_s_max": max(totals),
             "step_s_stdev": statistics.pstdev(totals),
+            # the mean and the totals keep what a median drops: a phase that runs every R steps (a plan
+            # re-draw) costs its total / measured steps per step
+            "step_s_mean": statistics.fmean(totals),
             "measured_steps": len(steps),
             "phases_s_median": {p: statistics.median(s.get(p, 0.0) for s in steps) for p in phases},
+            "phases_s_total": {p: sum(s.get(p, 0.0) for s in steps) for p in phases},
         }

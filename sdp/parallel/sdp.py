@@ -2,8 +2,8 @@
 
 Wiring: :mod:`sdp.subnet.plan` says who holds which unit, :mod:`sdp.subnet.masking` turns the
 full model into this worker's subnetwork, :mod:`sdp.subnet.sync` averages gradients over holder
-sets, :mod:`sdp.subnet.assemble` rebuilds the full model for evaluation and re-draws,
-:mod:`sdp.subnet.carry` carries each unit's optimizer state to its new holders at a re-draw.
+sets, :mod:`sdp.subnet.assemble` rebuilds the full model for evaluation, :mod:`sdp.subnet.redraw`
+moves the pieces that change hands at a re-draw (values, and optimizer state: :mod:`sdp.subnet.carry`).
 
 The worker builds the model on the meta device and passes it to ``setup``: under forward masking,
 masking materialises (on the CPU, seeded per module, :mod:`sdp.models.init`) only the tensors this
@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from sdp.errors import ConfigError, boolean, one_of, positive_float, positive_int, require
+from sdp.metrics.memory import measured_phase
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
@@ -38,8 +39,8 @@ from sdp.plan_entries import Entry
 from sdp.plan_peaks import _sdp_peaks
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map
-from sdp.subnet.carry import carry_state
-from sdp.subnet.plan import ASSIGNMENTS, LEVELS, Plan, PlanError
+from sdp.subnet import redraw as R
+from sdp.subnet.plan import ASSIGNMENTS, LEVELS, REDRAWS, Plan, PlanError
 from sdp.subnet.sync import GroupSet, OwnerSetSync
 from sdp.registry import build
 
@@ -79,6 +80,9 @@ class SDPStrategy(Strategy):
         positive_int("parallelism.groups", cfg.groups)
         require(cfg.resample_every is None or (isinstance(cfg.resample_every, int) and cfg.resample_every >= 1),
                 "parallelism.resample_every", cfg.resample_every, "null (fixed plan) or an integer >= 1")
+        one_of("parallelism.redraw", cfg.get("redraw", "relabel"), REDRAWS)  # absent from configs written before it
+        require(cfg.get("redraw") != "rolling" or cfg.get("max_holder_sets") is None, "parallelism.max_holder_sets",
+                cfg.get("max_holder_sets"), "null with parallelism.redraw=rolling (its windows fix the holder sets)")
         one_of("parallelism.refresh", cfg.refresh, ("holders", "global"))
         require(cfg.masking == "backward" or cfg.refresh == "holders", "parallelism.refresh", cfg.refresh,
                 "global refresh exists only for masking=backward (forward masking keeps no non-held values)")
@@ -143,7 +147,7 @@ class SDPStrategy(Strategy):
 
     @classmethod
     def format_facts(cls, facts: dict[str, Any]) -> list[str]:
-        return [sdp_plan.format_plan_summary(facts["plan"])]
+        return [sdp_plan.format_plan_summary(facts["plan"]), *sdp_plan.format_redraw(facts)]
 
     # ---- set-up ---------------------------------------------------------------------------------
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
@@ -152,6 +156,7 @@ class SDPStrategy(Strategy):
         self.skeleton = copy.deepcopy(model).to("meta")
         self.groups: GroupSet | None = None
         self.redraws = 0
+        self.redraw_log: list[dict[str, Any]] = []  # the re-draws this process ran (a resumed run: since it resumed)
         self.eval_copy_bytes = 0
         self.rescale = resolve_rescale(cfg=cfg, eval_bn=str(self.full_cfg.eval.bn), model=model)
         plan = plan_for(model=model, cfg=cfg, world_size=ctx.world_size)
@@ -165,11 +170,16 @@ class SDPStrategy(Strategy):
     def _mask(self, model: SDPModel, *, plan: Plan) -> None:
         """Prune ``model`` to this rank's subnetwork (on its current device), move it, re-point the layout
         at the moved tensors (:func:`sdp.subnet.masking.rebind`), wire sync."""
+        pieces = M.pieces(model, plan)
+        layout = M.apply(model, plan, rank=self.ctx.rank, masking=self.mode, all_pieces=pieces,
+                         materialise=lambda name: init.materialise_module(model, name))
+        self._wire(model, plan=plan, pieces=pieces, layout=layout)
+
+    def _wire(self, model: SDPModel, *, plan: Plan, pieces: list[M.Piece], layout: dict[str, M.Local]) -> None:
+        """Make ``model`` (masked for ``plan``: ``pieces``, ``layout``) the training module: scales, device,
+        process groups (a re-draw: the new plan's), owner-set sync."""
         ctx = self.ctx
-        self.plan = plan
-        self.pieces = M.pieces(model, plan)
-        self.layout = M.apply(model, plan, rank=ctx.rank, masking=self.mode, all_pieces=self.pieces,
-                              materialise=lambda name: init.materialise_module(model, name))
+        self.plan, self.pieces, self.layout = plan, pieces, layout
         if self.rescale == "train":  # a split unit: groups / held groups on its split sub-branches only
             for b, split in split_blocks(plan).items():
                 units = [u for u in range(len(plan.units)) if plan.units[u].block == b]
@@ -212,22 +222,31 @@ class SDPStrategy(Strategy):
                 self.sync.refresh()
 
     def _redraw(self, *, draw: int) -> None:
-        """Re-draw the plan (ResIST style): assemble the full model, prune it to the new plan, and carry
-        every piece's optimizer state from its old holders to its new ones (:mod:`sdp.subnet.carry`), so
-        all holders of a unit keep bit-identical parameters and state. Traffic: comm phase "resample"."""
-        assert self.optimizer is not None
-        with self.ctx.comm.phase_as("resample"):
-            old_pieces, old_layout = self.pieces, self.layout
-            full = self._assemble()
-            self._mask(full, plan=plan_for(model=full, cfg=self.cfg, world_size=self.ctx.world_size, draw=draw))
-            params = self._trainable()
-            carried = carry_state(state=self.optimizer.state, old=old_pieces, old_layout=old_layout, new=self.pieces,
-                                  new_layout=self.layout, params=params, every_rank=self.mode == "global",
-                                  shapes={k: t.shape for k, t in tensor_map(self.skeleton).items()}, ctx=self.ctx)
-        self.optimizer.state.clear()
-        self.optimizer.state.update(carried)
-        self.optimizer.param_groups[0]["params"] = params
+        """Re-draw the plan (ResIST style), moving only the pieces that change hands, one tensor at a time
+        (:mod:`sdp.subnet.redraw`): each value from its lowest old holder, each piece's optimizer state
+        from its lowest old trainer (:mod:`sdp.subnet.carry`), so all holders of a unit keep bit-identical
+        parameters and state, and no rank holds more than its old and new pieces of one tensor beyond its
+        state: the re-draw's peak stays within a training step's. Traffic: comm phase "resample"; peak:
+        memory phase "redraw" (``redraw_peak_bytes``); bytes per rank: ``strategy_info.redraw``."""
+        assert self.optimizer is not None and self.module is not None and self.groups is not None
+        ctx = self.ctx
+        plan = plan_for(model=self.skeleton, cfg=self.cfg, world_size=ctx.world_size, draw=draw)
+        with ctx.comm.phase_as("resample"), measured_phase("redraw") as measured:
+            self.sync.close()  # the old subnetwork's gradient hooks go
+            self.sync = None
+            model, pieces, layout = R.masked_on_meta(skeleton=self.skeleton, plan=plan, rank=ctx.rank, mode=self.mode)
+            table = R.redraw(module=self.module, optimizer=self.optimizer, old=self.pieces, old_layout=self.layout,
+                             new_model=model, new=pieces, new_layout=layout, rank=ctx.rank, world=ctx.world_size,
+                             mode=self.mode, device=ctx.device, full=tensor_map(self.skeleton),
+                             wire=R.Wire(ctx=ctx, groups=self.groups))
+            leftover = init.meta_tensors(model)
+            assert not leftover, f"rank {ctx.rank}: {len(leftover)} tensors left on the meta device by the re-draw: {leftover[:5]}"
+            self._wire(model, plan=plan, pieces=pieces, layout=layout)
+            self.optimizer.param_groups[0]["params"] = self._trainable()
         self.redraws += 1
+        self.redraw_log.append({"draw": draw, "peak_bytes": measured["peak_bytes"],
+                                "sent_bytes": [t["sent_bytes"] for t in table],
+                                "received_bytes": [t["received_bytes"] for t in table]})
 
     # ---- evaluation ---------------------------------------------------------------------------------
     def _assemble(self) -> SDPModel:
@@ -286,6 +305,7 @@ class SDPStrategy(Strategy):
             "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh), "rescale": self.rescale,
             "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
             "eval_assembled_bytes": self.eval_copy_bytes, "redraws": self.redraws, "overlap": self.sync.overlap,
+            "redraw": R.summary(count=self.redraws, log=self.redraw_log, world=self.ctx.world_size),
         }
 
     def save_artifacts(self, *, run_dir: Path) -> None:

@@ -3,23 +3,29 @@
 Apart from :mod:`sdp.parallel.sdp` (the strategy that runs on the ranks) so that the planner-side
 modules it calls (:mod:`sdp.plan_peaks` builds the same plan) need not import the strategy. Every
 prediction reuses the strategy's own code: :func:`plan_for`, :mod:`sdp.subnet.masking` applied on the
-meta device, the owner-set buckets of :class:`sdp.subnet.sync.OwnerSetSync`.
+meta device, the owner-set buckets of :class:`sdp.subnet.sync.OwnerSetSync`, and with
+``resample_every`` the re-draw itself (:mod:`sdp.subnet.redraw`, rehearsed on meta: :func:`rehearse_redraw`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from sdp.errors import ConfigError, unit_interval
 from sdp.metrics.comm import CommCounter
+from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
 from sdp.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.registry import build
 from sdp.subnet import masking as M
+from sdp.subnet import redraw as R
+from sdp.subnet.moves import moves, traffic
+from sdp.subnet.carry import Described, describe
 from sdp.subnet.frontier import format_frontier, frontier
 from sdp.subnet.plan import Plan, PlanError, build_plan, num_holders
 from sdp.subnet.sync import GroupSet, OwnerSetSync, predicted_process_groups
@@ -66,6 +72,7 @@ def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0
         assignment=str(cfg.assignment), groups=int(cfg.groups), drop_downsample=bool(cfg.drop_downsample),
         seed=int(cfg.plan_seed), draw=draw, balance=tuple(float(cfg.balance[r]) for r in BALANCE_KEYS),
         max_holder_sets=cfg.get("max_holder_sets"),  # absent from configs written before the key
+        redraw=str(cfg.get("redraw", "relabel")),  # likewise
     )
 
 
@@ -76,6 +83,8 @@ def predict(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, An
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     plan = plan_for(model=model, cfg=pc, world_size=world)
     facts["plan"] = plan.summary()  # as summary.json["plan"]: units -> holders, holder sets, connectivity
+    if (redraw := predict_redraw(cfg=cfg, model=model, world=world)) is not None:
+        facts["redraw"] = redraw  # the bytes of the first re-draw; its peaks: sdp.plan_peaks (redraw_peak_bytes)
     pieces = M.pieces(model, plan)
     # the groups SDPStrategy creates (the same holder sets, the same rule): summary.json's process_groups
     facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets={p.holders for p in pieces},
@@ -114,12 +123,130 @@ def plan_frontier(cfg: DictConfig) -> dict[str, Any]:
             "text": format_frontier(result, title=title)}
 
 
+def format_redraw_rule(summary: dict[str, Any]) -> str:
+    """How re-draws choose the plan (``parallelism.redraw``) and, for rolling, what its windows achieve."""
+    mode, info = summary.get("redraw", "relabel"), summary.get("redraw_info") or {}
+    if mode == "rolling":
+        bases = "; ".join(f"{f['units']} units: S={{{','.join(map(str, f['base']))}}}, g={f['g']}"
+                          f"{'' if f['difference_cover'] else ' (no difference cover exists)'}" for f in info["families"])
+        return (f"re-draws: rolling (FedRolex; replaces assignment={summary['assignment']}): worker w holds S + w*g + draw; "
+                f"{bases}; {info['pair_coverage_over_draws']:.0%} of unit pairs trained together over the draws; "
+                f"every worker holds every unit within {info['draws_to_hold_every_unit']} draws")
+    if mode == "shuffle":
+        return (f"re-draws: shuffle (ResIST-style) of {info.get('interchangeable_units', 0)} interchangeable units "
+                f"(block classes {info.get('interchangeable_blocks', [])}), then a worker relabelling")
+    return "re-draws: relabel (a seeded permutation of the workers; random assignment: fresh subsets)"
+
+
 def format_plan_summary(summary: dict[str, Any]) -> str:
-    """The SDP plan in a few lines: who holds what, how many holder sets, whether workers are connected."""
+    """The SDP plan in a few lines: who holds what, how many holder sets, whether workers are connected,
+    how re-draws choose the plan."""
     sets = " ".join("{" + ",".join(map(str, h)) + "}" for h in summary["plan"].values())
     return "\n".join([
         f"SDP plan: level={summary['level']} assignment={summary['assignment']} k={summary['k']} of "
         f"{summary['world_size']} workers; {summary['units']} units; {summary['holder_sets']} distinct holder sets; "
         f"overlap graph {'connected' if summary['connected'] else 'DISCONNECTED: ' + str(summary['components'])}; "
         f"{summary['unit_pairs_trained_together']:.0%} of unit pairs trained together by some worker",
-        f"holders (unit 0, 1, ...): {sets}"])
+        f"holders (unit 0, 1, ...): {sets}", format_redraw_rule(summary)])
+
+
+class DryWire(R.Wire):
+    """``sdp-plan``'s stand-in on the meta device: the same buffers, nothing sent; every moving piece's
+    state described by ``template`` (the optimizer's state of one parameter, :func:`state_template`)."""
+
+    def __init__(self, *, template: Described, moving: list[int]) -> None:
+        self.template, self.moving = template, moving
+        self.sent = self.received = 0
+
+    def _post(self, ops: list[tuple[bool, int, torch.Tensor]]) -> None:
+        pass
+
+    def reduce(self, flat: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        pass
+
+    def gather(self, mine: dict[int, Described]) -> list[dict[int, Described]]:
+        return [{i: dict(self.template) for i in self.moving}]
+
+
+def state_template(*, optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                   dtype: torch.dtype) -> Described:
+    """The optimizer's state of one parameter after a step, described: what ``sdp-plan`` takes every
+    moving piece's state to be (SGD with momentum: one buffer; Adam(W): two moments and a step)."""
+    p = nn.Parameter(torch.zeros(2, dtype=dtype, device="meta"))  # as the rehearsal's own state (a step on the CPU)
+    opt = optimizer_factory([p])
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    return {key: describe(key=key, value=v, param=p) for key, v in opt.state.get(p, {}).items()}
+
+
+def rehearse_redraw(*, skeleton: nn.Module, old_plan: Plan, new_plan: Plan, rank: int, mode: str,
+                    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], template: Described) -> dict[str, int]:
+    """``sdp-plan``'s prediction of this rank's re-draw from ``old_plan`` to ``new_plan``:
+    :func:`sdp.subnet.redraw.redraw` run on the meta device under the live-tensor tracker, from the rank's state after a
+    training step (parameters, gradients, optimizer state, as a run has it), with a :class:`DryWire`.
+    Returns ``peak_bytes`` (the tracker's peak), ``sent_bytes`` and ``received_bytes``."""
+    # built untracked (a deep copy on meta leaves storages the tracker would count), then the old one labelled
+    new_model, new, new_layout = R.masked_on_meta(skeleton=skeleton, plan=new_plan, rank=rank, mode=mode)
+    module, old, old_layout = R.masked_on_meta(skeleton=skeleton, plan=old_plan, rank=rank, mode=mode)
+    tracker = LiveTensorTracker(device_type="meta")
+    with tracker:
+        tracker.label(list(module.parameters()) + list(module.buffers()), "parameters")
+        trained = list(module.parameters()) if mode == "global" else list(M.held_parameters(old_layout, old, rank))
+        optimizer = optimizer_factory(trained)
+        for t in trained:
+            t.grad = torch.zeros_like(t)
+        optimizer.step()
+        tracker.reset_peak()
+        _, carried = moves(old=old, new=new, mode=mode, world=old_plan.world_size)
+        wire = DryWire(template=template, moving=sorted(carried))
+        full = {k: t for k, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers())}
+        R.redraw(module=module, optimizer=optimizer, old=old, old_layout=old_layout, new_model=new_model, new=new,
+                 new_layout=new_layout, rank=rank, world=old_plan.world_size, mode=mode, device="meta", full=full, wire=wire)
+        return {"peak_bytes": tracker.peak, "sent_bytes": wire.sent, "received_bytes": wire.received}
+
+
+def predict_redraw(*, cfg: DictConfig, model: SDPModel, world: int) -> dict[str, Any] | None:
+    """``sdp-plan``'s re-draw prediction (``parallelism.resample_every`` set; else None): the bytes every
+    rank sends and receives at the first re-draw (draw 0 -> draw 1: :func:`sdp.subnet.moves.traffic`
+    on the two plans, each moving piece's optimizer state as :func:`state_template` describes it)."""
+    pc = cfg.parallelism
+    if not pc.get("resample_every"):
+        return None
+    mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
+    old = M.pieces(model, plan_for(model=model, cfg=pc, world_size=world))
+    new = M.pieces(model, plan_for(model=model, cfg=pc, world_size=world, draw=1))
+    values, carried = moves(old=old, new=new, mode=mode, world=world)
+    full = dict(model.named_parameters()) | dict(model.named_buffers())
+    template = state_template(optimizer_factory=build(cfg.optim.optimizer), dtype=next(model.parameters()).dtype)
+    table = traffic(values=values, state=carried, pieces=new, descs={i: template for i in carried},
+                    shapes={k: t.shape for k, t in full.items()}, world=world)
+    return {"predicted": "the first re-draw (draw 0 -> 1)",
+            "every": int(pc.resample_every), "per_rank": [{"rank": r, **t} for r, t in enumerate(table)]}
+
+
+def redraw_peaks(*, cfg: DictConfig, model: SDPModel, world: int) -> list[int]:
+    """Per rank, the predicted peak of the first re-draw (:func:`rehearse_redraw`, draw 0 -> 1)."""
+    pc = cfg.parallelism
+    mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
+    plans = [plan_for(model=model, cfg=pc, world_size=world, draw=d) for d in (0, 1)]
+    factory = build(cfg.optim.optimizer)
+    template = state_template(optimizer_factory=factory, dtype=next(model.parameters()).dtype)
+    return [rehearse_redraw(skeleton=model, old_plan=plans[0], new_plan=plans[1], rank=r, mode=mode,
+                            optimizer_factory=factory, template=template)["peak_bytes"] for r in range(world)]
+
+
+def format_redraw(plan: dict[str, Any]) -> list[str]:
+    """``sdp-plan``'s lines on the first re-draw (none without ``resample_every``): each rank's predicted
+    peak next to its training peak, and the bytes it sends and receives."""
+    facts = plan.get("redraw")
+    if not facts:
+        return []
+    mib = 2**20
+    mem = {m["rank"]: m for m in plan["memory"]["per_rank"]}
+    lines = [f"re-draw every {facts['every']} steps, predicted for {facts['predicted']}:"]
+    for t in facts["per_rank"]:
+        m = mem.get(t["rank"], {})
+        peak = f"peak {m['redraw_peak_bytes'] / mib:.2f} MiB (train {m['train_peak_bytes'] / mib:.2f}), " \
+            if m.get("redraw_peak_bytes") is not None and m.get("train_peak_bytes") is not None else ""
+        lines.append(f"  rank {t['rank']}: {peak}receives {t['received_bytes'] / mib:.2f} MiB, sends {t['sent_bytes'] / mib:.2f} MiB")
+    return lines

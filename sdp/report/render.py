@@ -32,6 +32,7 @@ COLUMNS = (
     Column("eval_loss", "eval loss", "stat", 4),
     Column("eval_loss_workers", "workers' own eval loss", "stat", 4),
     Column("assembly_gap", "assembly gap", "stat", 4),
+    Column("eval_loss_ensemble", "workers' ensemble eval loss", "stat", 4),
     Column("state_mem_x_ddp", "model-state mem ×DDP", "ratio", 3),
     Column("train_peak_mem_x_ddp", "train peak mem ×DDP", "ratio", 3),
     Column("peak_mem_x_ddp", "peak mem ×DDP", "ratio", 3),

@@ -127,6 +127,9 @@ def run_figures(summary: Summary) -> dict[str, float | None]:
         "train_loss": final.train_loss,
         "eval_loss_workers": final.eval_loss_workers,  # eval.subnetworks: each worker's own subnetwork
         "assembly_gap": final.assembly_gap,
+        # eval.ensemble: the workers' subnetworks' mean probability; None in runs that predate it (absent, not 0)
+        "eval_loss_ensemble": final.eval_loss_ensemble,
+        "eval_accuracy_ensemble": None if final.eval_accuracy_ensemble is None else 100.0 * final.eval_accuracy_ensemble,
         "model_state_bytes": float(max(state)) if state else None,
         "param_bytes": _max_over_ranks(mem, "param_bytes"),
         "grad_optim_bytes": float(max(grad_optim)) if grad_optim else None,  # what SDP's masking shrinks

@@ -161,6 +161,17 @@ class Study:
         """The subnetworks that were trained (mean over workers of each one's own eval loss) minus DDP's model."""
         return self.paired(name, "eval_loss_workers", ref_key="eval_loss")
 
+    def paired_ensemble(self, name: str, key: str = "eval_loss") -> Paired:
+        """The ensemble of the workers' subnetworks (their mean predicted probability) minus DDP's model, on
+        ``key`` (eval_loss or eval_accuracy); no pairs where ``name``'s runs predate the ensemble."""
+        return self.paired(name, f"{key}_ensemble", ref_key=key)
+
+    @property
+    def ensembled(self) -> bool:
+        """Whether any row has an ensemble evaluation: the ensemble's columns exist only then, so a study
+        whose runs all predate it renders as it did before them."""
+        return any(row.present("eval_loss_ensemble") for row in self.rows.values())
+
     def gap_by_depth(self, name: str) -> dict[int, Row]:
         """``name``'s row at every depth run: the main sweep's depth and each depth of ``runs/depth``."""
         out = {n: rows[name] for n, rows in self.depth.items() if name in rows}
@@ -210,6 +221,11 @@ class Study:
             workers = self.paired_workers(name)
             rec["Δ workers' loss vs DDP"] = "–" if workers.mean is None else interval(workers)
             rec["assembly gap"] = mean_interval(row.present("assembly_gap"))
+            if self.ensembled:  # "–" in a row whose runs have no ensemble (DDP's, older runs): absent, not 0
+                rec["workers' ensemble loss"] = pm(*row.mean_std("eval_loss_ensemble"))
+                rec["Δ ensemble loss vs DDP"] = interval(self.paired_ensemble(name))
+                if self.metric:
+                    rec["Δ ensemble acc vs DDP (pts)"] = interval(self.paired_ensemble(name, "eval_accuracy"), "+.2f")
             rec[f"to DDP loss x {TARGET_FACTOR}"] = self.reach(row)
             rec["train peak x DDP"] = fmt(self.ratio(name, "train_peak_bytes", source="peaks"))
             rec["state x DDP (by construction)"] = fmt(self.ratio(name, "model_state_bytes", source="peaks"))

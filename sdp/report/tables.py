@@ -35,7 +35,8 @@ METHOD_KEYS = ("parallelism.*", "train.steps", *SCALED_KEYS)
 TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
               "train.budget": "budget", "scale.name": "scale", "eval.bn": "eval BN"}
 METHOD_ORDER = ("DDP", "B-SDP", "B_β-SDP", "N-SDP", "N_β-SDP")
-AGGREGATED = ("eval_accuracy", "eval_loss", "eval_loss_workers", "assembly_gap", "train_loss", "model_state_bytes",
+AGGREGATED = ("eval_accuracy", "eval_loss", "eval_loss_workers", "assembly_gap", "eval_loss_ensemble", "train_loss",
+              "model_state_bytes",
               "train_peak_bytes", "peak_bytes",
               "comm_bytes_per_step", "step_s", "samples_per_s", "straggler_spread", "steps", "total_flops")
 RATIOS = {"model_state_bytes": "state_mem_x_ddp", "train_peak_bytes": "train_peak_mem_x_ddp", "peak_bytes": "peak_mem_x_ddp",

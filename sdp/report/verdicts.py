@@ -14,6 +14,7 @@ from pathlib import Path
 from scipy.stats import t as student_t
 
 from sdp.report.runs import Run, run_figures
+from sdp.report.remedies import remedies_section
 from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, paired_difference
 from sdp.report.study import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, mean_interval,
                               peak_name, pm, verdict)
@@ -64,6 +65,8 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
             continue
         rule = name[len(main):].strip() or "rescale=eval (auto)"
         line = f"- {rule}: assembly gap {_gap(row)}; {verdict(st.paired(name), what='assembled − DDP', unit=unit)}"
+        if row.present("eval_loss_ensemble"):  # runs that predate the ensemble say nothing of it
+            line += f"; {verdict(st.paired_ensemble(name), what='ensemble − DDP', unit=unit)}"
         if name != main:
             line += f"; {verdict(st.paired(name, reference=main), what='assembled − rescale=eval', unit=unit)}"
         out.append(line)
@@ -72,7 +75,9 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
         out += ["", f"Gap against depth ({main}, FLOP-matched to DDP at the same depth; the 95 % t interval over seeds):", ""]
         for n_layers, row in depths.items():
             loss, workers = row.mean_std("eval_loss"), row.mean_std("eval_loss_workers")
-            out.append(f"- {n_layers} blocks: assembled {pm(*loss)}, workers' own {pm(*workers)}, gap {_gap(row)}")
+            ensemble = row.mean_std("eval_loss_ensemble")
+            both = f"workers' own {pm(*workers)}" + ("" if ensemble[0] is None else f", their ensemble {pm(*ensemble)}")
+            out.append(f"- {n_layers} blocks: assembled {pm(*loss)}, {both}, gap {_gap(row)}")
         ordered = list(depths.items())  # by depth
         (low, shallow), (high, deep) = ordered[0], ordered[-1]
         trend = paired_difference(deep.values("assembly_gap"), shallow.values("assembly_gap"))  # same seed, same data
@@ -103,14 +108,21 @@ def claims(st: Study) -> list[str]:
     lines += ["", "### Quality parity above C ≈ 0.3 (FLOP-matched, final eval loss, paired by seed)", ""]
     for name in ("B-SDP C=0.25", "B-SDP C=0.5", "B-SDP C=0.75", "B_β-SDP C=0.5", "N-SDP C=0.5"):
         if name in st.rows:  # "assembled" only where workers trained different models (forward masking)
-            assembled = st.paired_workers(name).mean is not None
+            ensembled = st.paired_ensemble(name).mean is not None  # only rows whose runs evaluated the ensemble
+            assembled = st.paired_workers(name).mean is not None or ensembled
             model = " (assembled model)" if assembled else " (the full model every worker ran)"
             lines.append(f"- {verdict(st.paired(name), what=f'{name}{model} − DDP', unit=unit)}")
-            if assembled:
+            if st.paired_workers(name).mean is not None:
                 own = "its workers' own subnetworks − DDP"
                 lines.append(f"  - {verdict(st.paired_workers(name), what=own, unit=unit)}")
             if acc:
                 lines.append(f"  - accuracy: {verdict(st.paired(name, 'eval_accuracy'), what=f'{name} − DDP', unit='points')}")
+            if ensembled:
+                ens = "the ensemble of its workers' subnetworks (mean probability) − DDP"
+                lines.append(f"  - {verdict(st.paired_ensemble(name), what=ens, unit=unit)}")
+                if acc:
+                    ens_acc = st.paired_ensemble(name, "eval_accuracy")
+                    lines.append(f"  - ensemble accuracy: {verdict(ens_acc, what=f'{name} ensemble − DDP', unit='points')}")
     lines += ["", "### Block vs neuron level at C = 0.5", "",
               f"- {verdict(st.paired('N-SDP C=0.5', reference='B-SDP C=0.5'), what='N-SDP − B-SDP', unit=unit)}",
               "", "### Forward vs backward masking at matched FLOPs (C = 0.5)", "",
@@ -234,7 +246,7 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
           f"from runs/timing (60 steps, seed 0, median after warm-up, run with nothing else on the machine); comm "
           f"bytes from the main runs.", "",
           markdown_table(records), "", "![curves](curves.png) ![peak vs loss](peak_vs_loss.png)", "",
-          "## Verdicts, claim by claim", "", *claims(st), ""]
+          "## Verdicts, claim by claim", "", *claims(st), "", *remedies_section(study=st)]
     (st.dir / "REPORT.md").write_text("\n".join(md))
     return [st.dir / "REPORT.md", st.dir / "table.csv", *plot(st)]
 

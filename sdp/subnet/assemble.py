@@ -1,13 +1,14 @@
-"""Assembling the full model from the workers' subnetworks (evaluation, checkpoints, re-draws).
+"""Assembling the full model from the workers' subnetworks (evaluation, checkpoints).
 
 Why a fresh copy instead of widening the training module in place: the training module, its
 narrowed tensors and the optimizer's references to them must come back exactly as they were, and
 a separate transient model (built from a meta-device skeleton) makes that true by construction.
 
-Two shapes: :func:`assemble` builds the whole model at once (re-draws and checkpoints need every
-tensor together: a transient full copy of parameters and buffers); :class:`PartwiseAssembly`
+Two shapes: :func:`assemble` builds the whole model at once (a model that cannot be cut into parts:
+a transient full copy of parameters and buffers); :class:`PartwiseAssembly`
 builds it one top-level part at a time (stem, each block, head) for evaluation, so a rank holds its
 own state plus one part, never the full model (:mod:`sdp.evaluation` runs the part and drops it).
+Re-draws do not assemble: :mod:`sdp.subnet.redraw` moves only the pieces that change hands.
 
 Order: (1) every rank copies the pieces it has; (2) BatchNorm running statistics are averaged over
 the ranks that computed them (holders under forward masking, the world otherwise); (3) under
@@ -19,6 +20,7 @@ re-estimation is the evaluation protocol's (:mod:`sdp.evaluation`), applied to e
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,18 +80,12 @@ def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[st
         if spec is not None:
             target(p).copy_(view(*spec))
     if n > 1:
-        def ran(p: Piece) -> tuple[int, ...]:
-            return p.holders if (masking == "forward" and not p.shared) else tuple(range(n))
+        def reduce(flat: torch.Tensor, h: tuple[int, ...]) -> None:
+            ctx.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(h))
+            dist.all_reduce(flat, group=groups.get(h))
 
-        stats = [p for p in pieces if not p.is_param and state[p.name].is_floating_point()]
-        for h in sorted({ran(p) for p in stats}, key=lambda h: (len(h), h)):
-            items = [p for p in stats if ran(p) == h]
-            if rank in h and len(h) > 1:
-                views = [target(p) for p in items]
-                flat = flatten(views)
-                ctx.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(h))
-                dist.all_reduce(flat, group=groups.get(h))
-                unflatten(flat / len(h), views)
+        average_statistics(pieces=[p for p in pieces if not p.is_param and state[p.name].is_floating_point()],
+                           target=target, masking=masking, rank=rank, world_size=n, reduce=reduce)
     if masking == "forward" and n > 1:
         world = tuple(range(n))
         for src in range(n):
@@ -105,6 +101,26 @@ def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[st
                 dist.broadcast(buf, src=src)
                 if buf is not t:
                     t.copy_(buf)
+
+
+def average_statistics(*, pieces: list[Piece], target: Callable[[Piece], torch.Tensor], masking: str, rank: int,
+                       world_size: int, reduce: Callable[[torch.Tensor, tuple[int, ...]], None]) -> None:
+    """Average floating-point buffer ``pieces`` (BatchNorm statistics) in place over the ranks that computed
+    them: a unit's holders under forward masking, the world otherwise; one flat ``reduce`` (a sum over the
+    rank set) per set, in one order on every rank. ``target(piece)``: this rank's tensor view of it. Shared by
+    assembly and re-draws (:mod:`sdp.subnet.redraw`), so both average with the same flat layout, bit for bit."""
+    world = tuple(range(world_size))
+
+    def ran(p: Piece) -> tuple[int, ...]:
+        return p.holders if (masking == "forward" and not p.shared) else world
+
+    for h in sorted({ran(p) for p in pieces}, key=lambda h: (len(h), h)):
+        items = [p for p in pieces if ran(p) == h]
+        if rank in h and len(h) > 1:
+            views = [target(p) for p in items]
+            flat = flatten(views)
+            reduce(flat, h)
+            unflatten(flat / len(h), views)
 
 
 def split_blocks(plan: Plan) -> dict[int, bool]:

@@ -257,7 +257,8 @@ def apply(
                 rg = tuple(p.group for p in ps if rank not in p.holders)  # type: ignore[misc]
                 held = nn.Parameter(t.detach().index_select(dim, _group_index(hg, w, t.device)))
                 rest = nn.Parameter(t.detach().index_select(dim, _group_index(rg, w, t.device)), requires_grad=False)
-                inverse = _DeviceIndex(torch.argsort(_group_index(hg + rg, w, t.device)))
+                # on the CPU for a meta model (a re-draw builds its new subnetwork on meta): a meta index has no values
+                inverse = _DeviceIndex(torch.argsort(_group_index(hg + rg, w, torch.device("cpu") if t.is_meta else t.device)))
                 del owner._parameters[leaf]
                 owner.register_parameter(leaf + "_held", held)
                 owner.register_parameter(leaf + "_rest", rest)

@@ -20,8 +20,9 @@ builds the very same plan on every rank from the same model declarations, so no 
   minimax: the worst worker's worst resource first, so that neither memory nor time has a straggler.
   ``balanced`` keeps the worker-overlap graph connected (workers linked when they share a unit)
   wherever that is possible, so that no group of workers trains a part of the network alone.
-- A re-draw (``resample_every``) relabels workers with a seeded permutation (cyclic, balanced: the
-  balance and the connectivity are kept) or draws fresh subsets (random).
+- A re-draw (``resample_every``) follows ``redraw`` (:mod:`sdp.subnet.rolling`): ``relabel`` (default)
+  permutes the workers, seeded (cyclic, balanced: balance and connectivity kept) or draws fresh subsets
+  (random); ``shuffle`` also permutes interchangeable units; ``rolling`` rolls windows (FedRolex).
 - :meth:`Plan.degenerate` names the settings in which SDP is not the paper's regime: k = 1 (no
   unit's gradient is ever averaged) and a disconnected overlap graph; :func:`warn_degenerate` warns
   with them once, in the process that checks the config before any rank starts.
@@ -38,22 +39,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.flop_counter import FlopCounterMode
-
-from sdp.metrics.activations import forward_saved_bytes
-from sdp.models.base import ResidualBlock, SDPModel
+from sdp.models.base import SDPModel
 from sdp.subnet.assign import ASSIGNMENTS, PlanError, assign, components, connectable, relabel
 from sdp.subnet.capped import cap_holder_sets
+from sdp.subnet.rolling import REDRAWS, check_redraw, rolling, shuffle
+from sdp.subnet.units import LEVELS, cross_sliced, declare_units, measure_block_costs, sliced_names  # noqa: F401
 
-__all__ = ["ASSIGNMENTS", "LEVELS", "Plan", "PlanError", "PlanWarning", "Unit", "assign", "build_plan", "check",
-           "num_holders", "warn_degenerate"]
+__all__ = ["ASSIGNMENTS", "LEVELS", "REDRAWS", "Plan", "PlanError", "PlanWarning", "Unit", "assign", "build_plan",
+           "check", "num_holders", "warn_degenerate"]
 
 
 class PlanWarning(UserWarning):
     """A plan that runs but is not the regime SDP is about (k = 1, workers in disconnected groups)."""
-
-LEVELS = ("block", "neuron")
 
 
 @dataclass(frozen=True)
@@ -87,6 +84,8 @@ class Plan:
     shared_params: int
     remainder: dict[int, int] = field(default_factory=dict)
     draw: int = 0
+    redraw: str = "relabel"  # how draws after the first are made (sdp.subnet.rolling)
+    redraw_info: dict[str, Any] = field(default_factory=dict)  # what that rule achieves (rolling: pair coverage)
 
     def held_units(self, rank: int) -> list[int]:
         return [u for u, h in enumerate(self.holders) if rank in h]
@@ -136,6 +135,7 @@ class Plan:
         if len(comps) > 1:
             why = ("it cannot be connected: needs units x (k - 1) >= world_size - 1, here "
                    f"{len(self.units)} x {k - 1} < {n - 1}" if not connectable(n=n, k=k, units=len(self.units))
+                   else "parallelism.redraw='rolling': its windows do not connect it" if self.redraw == "rolling"
                    else f"parallelism.assignment={self.assignment!r} does not keep it connected; balanced does")
             out.append(f"the worker-overlap graph is disconnected: worker groups "
                        f"{' '.join('{' + ','.join(map(str, c)) + '}' for c in comps)} share no unit, so each trains "
@@ -150,6 +150,7 @@ class Plan:
         return {
             "level": self.level, "assignment": self.assignment, "coverage": self.coverage, "k": self.k,
             "world_size": self.world_size, "units": len(self.units), "groups": self.groups, "draw": self.draw,
+            "redraw": self.redraw, "redraw_info": self.redraw_info,
             "holder_sets": len(self.holder_sets()),
             "connected": len(comps) == 1, "components": [list(c) for c in comps],
             "unit_pairs_trained_together": self.pair_coverage(),
@@ -207,104 +208,11 @@ def check(plan: Plan) -> None:
             raise PlanError(f"unit {unit.name} has holders {h}; need exactly k={k} distinct ranks in 0..{n - 1}")
 
 
-def declare_units(model: SDPModel, *, level: str, groups: int, drop_downsample: bool) -> list[tuple[int, int | None]]:
-    """(block index, group) of every unit, from the model's declarations."""
-    if level not in LEVELS:
-        raise PlanError(f"parallelism.level={level!r} is invalid: allowed: {', '.join(LEVELS)}")
-    if level == "neuron" and not any(block.hidden_dims() for _, block in model.sdp_units()):
-        raise PlanError(
-            f"parallelism.level='neuron' is invalid for model {type(model).__name__}: none of its blocks "
-            f"declares hidden dims (ResidualBlock.hidden_dims), so there are no neurons to split; allowed: block"
-        )
-    out: list[tuple[int, int | None]] = []
-    for b, block in model.sdp_units():
-        if block.shared_submodules() and not drop_downsample:
-            continue  # ResIST: a downsampling block stays whole and shared
-        dims = block.hidden_dims() if level == "neuron" else ()
-        if dims and (cross := cross_sliced(block)):
-            tensor, by = next(iter(cross.items()))
-            raise PlanError(
-                f"parallelism.level='neuron' is not supported for model {type(model).__name__}: blocks.{b} "
-                f"({type(block).__name__}) has {tensor} sliced by two hidden dims, {' and '.join(by)}; a piece of "
-                f"it would be held by the workers that hold both groups, which neuron-level masking, sync and "
-                f"assembly do not implement; allowed: parallelism.level=block"
-            )
-        for d in dims:
-            if groups < 1 or d.size % groups:
-                raise PlanError(
-                    f"parallelism.groups={groups} does not split hidden dim {d.name!r} of blocks.{b} "
-                    f"(size {d.size}) into equal groups; use a divisor of {d.size}"
-                )
-        out.extend((b, g) for g in range(groups)) if dims else out.append((b, None))
-    if not out:
-        raise PlanError(f"model {type(model).__name__} declares no SDP units (drop_downsample={drop_downsample})")
-    return out
-
-
-def cross_sliced(block: ResidualBlock) -> dict[str, list[str]]:
-    """Tensor name -> the hidden dims slicing it ("name (dim d)"), for every tensor of ``block`` that
-    more than one slice indexes (a Bottleneck's 3x3 conv: its inputs are one hidden width, its outputs
-    another). Why refused at neuron level: a piece of such a tensor belongs to a pair of groups."""
-    by: dict[str, list[str]] = {}
-    for d in block.hidden_dims():
-        for s in d.slices:
-            by.setdefault(s.tensor, []).append(f"{d.name} (dim {s.dim})")
-    return {t: ds for t, ds in by.items() if len(ds) > 1}
-
-
-def sliced_names(block: ResidualBlock) -> dict[str, tuple[int, int]]:
-    """Relative tensor name -> (dim, elements per hidden unit) for every HiddenSlice of ``block``."""
-    out: dict[str, tuple[int, int]] = {}
-    for d in block.hidden_dims():
-        for s in d.slices:
-            assert s.tensor not in out, f"{s.tensor} is sliced by two hidden dims of {type(block).__name__}"
-            out[s.tensor] = (s.dim, d.unit_width)
-    return out
-
-
-def measure_block_costs(model: SDPModel) -> dict[int, tuple[float, float]]:
-    """Per block (FLOPs of forward+backward of the residual branch, bytes holding the block adds to
-    what the model keeps for backward) per sample, measured by running on the meta device (no memory,
-    no compute).
-
-    The bytes are what the measurement counts (:mod:`sdp.metrics.activations`), taken in context:
-    the whole model's saved bytes minus those of the model with this one block skipped. A block
-    measured alone would count its input, which in a ResNet the previous ReLU keeps anyway (25 % too
-    much for a CIFAR ResNet-18 stage-1 block), and would miss that a dropped downsampling block still
-    keeps its projection shortcut's tensors; in context both come out right, so the plan balances the
-    memory it is judged on."""
-    meta = model if next(model.parameters()).is_meta else None
-    if meta is None:
-        import copy
-
-        meta = copy.deepcopy(model).to("meta")
-    out: dict[int, tuple[float, float]] = {}
-    inputs = meta.example_input(2).to("meta")  # 2 samples: BatchNorm refuses one value per channel
-    with torch.enable_grad():
-        kept_all = forward_saved_bytes(meta, inputs)
-        x = meta.stem(inputs)
-        for b, block in enumerate(meta.blocks):
-            if isinstance(block, ResidualBlock):
-                with FlopCounterMode(display=False) as full:
-                    y = block.forward_full(x)
-                with FlopCounterMode(display=False) as skip:
-                    block.forward_skip(x)
-                block.active = False
-                try:
-                    kept_without = forward_saved_bytes(meta, inputs)
-                finally:
-                    block.active = True
-                out[b] = (1.5 * (full.get_total_flops() - skip.get_total_flops()), (kept_all - kept_without) / 2.0)
-                x = y
-            else:
-                x = block(x)
-    return out
-
-
 def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str = "block", assignment: str = "balanced",
                groups: int = 1, drop_downsample: bool = True, seed: int = 0, draw: int = 0,
                balance: tuple[float, float, float] = (1.0, 1.0, 1.0),
-               block_costs: dict[int, tuple[float, float]] | None = None, max_holder_sets: int | None = None) -> Plan:
+               block_costs: dict[int, tuple[float, float]] | None = None, max_holder_sets: int | None = None,
+               redraw: str = "relabel") -> Plan:
     """Declarations -> units with costs -> holders -> checked :class:`Plan` (same on every rank).
 
     ``balance`` weighs the normalised (params, FLOPs, activation bytes) in the balanced objective: 0
@@ -314,7 +222,8 @@ def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str 
     forward per block, seconds for LLaMA-1B, and depends on the model alone, not on n, C or the draw).
     ``max_holder_sets``: at most this many process groups for holder sets, every worker still holding a
     unit and all connected where any plan can (:mod:`sdp.subnet.capped`; PlanError naming the smallest
-    cap that works otherwise)."""
+    cap that works otherwise). ``redraw``: how draw ``draw`` is made from draw 0 (:mod:`sdp.subnet.rolling`)."""
+    check_redraw(redraw)
     if len(balance) != 3 or any(w < 0 for w in balance) or not any(balance):
         raise PlanError(f"balance={tuple(balance)} is invalid: three weights >= 0 (params, FLOPs, activations), not all 0")
     k = num_holders(coverage=coverage, world_size=world_size)
@@ -341,14 +250,26 @@ def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str 
     unit_costs = [tuple(w * getattr(u, a) / t for w, a, t in zip(balance, ("params", "flops", "act_bytes"), tot))
                   for u in units]
     capped = max_holder_sets is not None  # capped on draw 0, relabelled for the draw (sdp.subnet.capped)
-    holders = assign(costs=unit_costs, world_size=world_size, k=k, method=assignment, seed=seed, draw=0 if capped else draw)
-    if capped:
-        unions = [[i for i, u in enumerate(units) if u.block == b] for b in remainder if remainder[b]]
-        holders = cap_holder_sets(costs=unit_costs, holders=holders, n=world_size, k=k, cap=int(max_holder_sets),
-                                  unions=unions)
-        holders = relabel(holders=holders, n=world_size, seed=seed, draw=draw)
+    blocks, info = [u.block for u in units], {}
+    if redraw == "rolling":  # rolled windows replace the assignment, from draw 0 on
+        if capped:
+            raise PlanError(f"parallelism.max_holder_sets={max_holder_sets} is invalid with parallelism.redraw='rolling' "
+                            f"(its windows fix the holder sets): allowed: null, or redraw=relabel or shuffle")
+        holders, info = rolling(blocks=blocks, groups=[u.group for u in units], n=world_size, k=k, draw=draw)
+    else:  # relabel: as before this key existed; shuffle: from draw 0's plan
+        base = draw if redraw == "relabel" and not capped else 0
+        holders = assign(costs=unit_costs, world_size=world_size, k=k, method=assignment, seed=seed, draw=base)
+        if capped:
+            unions = [[i for i, u in enumerate(units) if u.block == b] for b in remainder if remainder[b]]
+            holders = cap_holder_sets(costs=unit_costs, holders=holders, n=world_size, k=k, cap=int(max_holder_sets),
+                                      unions=unions)
+        if redraw == "shuffle":
+            holders, info = shuffle(holders=holders, blocks=blocks, costs=[(u.params, u.flops, u.act_bytes) for u in units],
+                                    remainder=remainder, n=world_size, seed=seed, draw=draw)
+        elif capped:
+            holders = relabel(holders=holders, n=world_size, seed=seed, draw=draw)
     plan = Plan(world_size=world_size, coverage=coverage, k=k, level=level, assignment=assignment,
                 groups=groups if level == "neuron" else 1, units=tuple(units), holders=holders,
-                shared_params=shared, remainder=remainder, draw=draw)
+                shared_params=shared, remainder=remainder, draw=draw, redraw=redraw, redraw_info=info)
     check(plan)
     return plan

@@ -1,0 +1,79 @@
+"""The remedies section (sdp/report/remedies.py) computed from run directories: built from copies of the
+committed LM study's runs, with the remedy runs' config and summary edited to known values, so every
+figure the section prints can be checked against a hand computation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+from sdp.report.remedies import Remedies, remedies_section
+from sdp.report.stats import t_half_width
+from sdp.report.study import Study
+
+LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm" / "runs"
+
+
+def _run(src: Path, dst: Path, *, config: dict | None = None, final: dict | None = None,
+         resample_bytes: int = 0, resample_s: float = 0.0) -> None:
+    shutil.copytree(src, dst)
+    cfg = yaml.safe_load((dst / "config.yaml").read_text())
+    for key, value in (config or {}).items():
+        node, leaf = key.split(".")
+        cfg[node][leaf] = value
+    (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+    summary = json.loads((dst / "summary.json").read_text())
+    summary["final"].update(final or {})
+    for r in summary["comm"]["per_rank"]:
+        r["outside_training"] = {"resample": {"bytes": resample_bytes, "collectives": 1}} if resample_bytes else {}
+    for r in summary["time"]["per_rank"]:
+        r["phases_s_total"] = {"resample": resample_s}
+    (dst / "summary.json").write_text(json.dumps(summary))
+
+
+def _study(tmp_path: Path) -> Path:
+    runs = tmp_path / "lm" / "runs"
+    ddp = {}
+    for i in range(3):  # DDP seeds 0-2 (the main sweep's first jobs)
+        _run(LM / "main" / str(i), runs / "main" / str(i))
+        ddp[i] = json.loads((LM / "main" / str(i) / "summary.json").read_text())["final"]["eval_loss"]
+    for i in range(6, 9):  # the main sweep's B-SDP C=0.5, seeds 0-2: what the fixed plan's re-run must reproduce
+        _run(LM / "main" / str(i), runs / "main" / str(i))
+    shutil.copytree(LM / "peaks", runs / "peaks")
+    for seed in range(3):
+        src = LM / "main" / str(6 + seed)  # B-SDP C=0.5, seeds 0-2
+        _run(src, runs / "remedies" / f"seed-{seed}" / "0", final={"eval_loss_ensemble": ddp[seed] + 0.01 * (seed + 1)})
+        _run(src, runs / "remedies" / f"seed-{seed}" / "1",
+             config={"parallelism.resample_every": 50, "parallelism.redraw": "rolling"},
+             final={"eval_loss": ddp[seed] + 0.02, "eval_loss_ensemble": ddp[seed] - 0.01},
+             resample_bytes=10_000_000, resample_s=1.0)
+    return tmp_path / "lm"
+
+
+def test_remedy_rows_pair_with_ddp_by_seed_and_count_redraw_cost(tmp_path: Path) -> None:
+    st = Study(study_dir=_study(tmp_path), study="lm")
+    rem = Remedies(study=st)
+    assert sorted(rem.rows) == ["B-SDP C=0.5, fixed plan", "B-SDP C=0.5, rolling every 50"], sorted(rem.rows)
+    ens = rem.paired("B-SDP C=0.5, fixed plan", "eval_loss_ensemble")
+    assert ens.n == 3 and abs(ens.mean - 0.02) < 1e-12, ens
+    assert abs(ens.half_width - t_half_width([0.01, 0.02, 0.03])) < 1e-12, ens
+    rolled = rem.paired("B-SDP C=0.5, rolling every 50", "eval_loss")
+    assert abs(rolled.mean - 0.02) < 1e-12 and rolled.half_width < 1e-9, rolled  # the same +0.02 on every seed
+    records = {r["remedy (B-SDP C=0.5)"]: r for r in rem.records()}
+    fixed, rolling = records["fixed plan"], records["rolling every 50"]
+    # the re-draws' traffic and time are spread over the steps: more bytes and seconds per step than the fixed plan
+    assert float(rolling["comm/step x DDP (incl. re-draws)"]) > float(fixed["comm/step x DDP (incl. re-draws)"]), records
+    assert float(rolling["step s x fixed plan (incl. re-draws)"]) > 1.0 == float(fixed["step s x fixed plan (incl. re-draws)"])
+    assert fixed["train peak x DDP"] != "–" and fixed["assembly gap"] != "–", fixed
+    lines = "\n".join(rem.lines())
+    assert "largest |Δ eval loss| over 3 seeds 0.00e+00" in lines, lines  # the fixed re-run is the main sweep's run
+
+
+def test_no_section_without_remedy_runs(tmp_path: Path) -> None:
+    study = _study(tmp_path)
+    shutil.rmtree(study / "runs" / "remedies")
+    assert remedies_section(study=Study(study_dir=study, study="lm")) == []
+    assert not (study / "remedies.csv").exists()
