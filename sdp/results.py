@@ -107,6 +107,17 @@ def provenance() -> dict[str, Any]:
     return {"versions": versions(), "machine": machine()}
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux: /proc/cpuinfo), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -114,6 +125,9 @@ def machine() -> dict[str, Any]:
         "processor": platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        # CPU kernels differ by model (AVX-512 vs AVX2 paths round differently): bit-for-bit re-runs hold
+        # on the same model only, so the run says which
+        "cpu_model": cpu_model(),
     }
     try:
         import psutil

@@ -44,7 +44,10 @@ STRATEGIES = {
     "sdp_neuron_bwd": ["parallelism=sdp_neuron_bwd"],
     "sdp_c1": ["parallelism=sdp", "parallelism.coverage=1.0"],
 }
-FIRST_REL, WINDOW_REL, STEP_ABS = 0.01, 0.15, 0.75
+# WINDOW_REL: bf16's rounding compounds over the window's steps differently on different CPUs (bf16 kernels
+# with and without native bf16 instructions); the bound catches a broken bf16 path (a loss that does not
+# fall, or diverges), not a CPU's rounding, so it leaves room for both CPU kinds these tests run on
+FIRST_REL, WINDOW_REL, STEP_ABS = 0.01, 0.20, 0.75
 
 
 def _curves(rank: int, world: int, configs: dict) -> dict:
