@@ -18,7 +18,8 @@ finished job and resumes a checkpointed one when the command is run again):
 - ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth (the
   main sweep gives 8 blocks);
 - ``runs/remedies`` (LM, issue 28): B-SDP C = 0.5 with plan re-draws (``parallelism.redraw=shuffle|rolling``,
-  every 50 and 200 steps) and with its fixed plan again (the ensemble column), seeds 0-4, one sweep per seed;
+  every 50 and 200 steps) and with its fixed plan again (the ensemble column), seeds 0-4, one sweep per seed
+  and period (``seed-<s>/R50``, ``seed-<s>/R200``), seeds 0-2 of both periods first;
   ``runs/remedies/peaks``: each re-draw rule once for 20 steps with the tracker on and one re-draw at step 10 (its peak);
 - ``runs/peaks``: every method once more for 20 steps with the live-tensor tracker on (``memory.tracker=true``):
   the training peak of a step does not depend on how long the run is;
@@ -49,9 +50,9 @@ STUDIES = {
                       ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"]],
            "depth": ["variant=b_sdp_c50", "seed=0,1,2", "model.n_layers=4,12"],
            # issue 28: B-SDP C = 0.5 with plan re-draws (shuffled and rolling, every 50 and 200 steps) and the
-           # fixed plan once more (its ensemble column); one sweep per seed, so that a stage stopped early has
-           # every remedy for the seeds it finished
-           "remedies": ["variant=b_sdp_c50,b_sdp_c50_shuffle50,b_sdp_c50_shuffle200,b_sdp_c50_roll50,b_sdp_c50_roll200"]},
+           # fixed plan once more (its ensemble column); one sweep per seed and period
+           "remedies": {"R50": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50",
+                        "R200": "variant=b_sdp_c50_roll200,b_sdp_c50_shuffle200"}},
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],
               # seeds 3-4 for the pair of the image interval target only (the CPU time of the session; the other
@@ -82,8 +83,12 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     if "depth" in spec:
         result.append(("depth", [*common, *spec["depth"], f"hydra.sweep.dir={out_runs / 'depth'}"]))
     if "remedies" in spec:
-        result += [(f"remedies-{seed}", [*common, *spec["remedies"], f"seed={seed}",
-                                         f"hydra.sweep.dir={out_runs / 'remedies' / f'seed-{seed}'}"]) for seed in range(5)]
+        # seeds 0-2 of every period first, then seeds 3-4: a study stopped early has whole rows of 3 seeds
+        order = sorted(((seed, group) for seed in range(5) for group in spec["remedies"]),
+                       key=lambda sg: (sg[0] >= 3, list(spec["remedies"]).index(sg[1]), sg[0]))
+        result += [(f"remedies-{seed}-{group}", [*common, spec["remedies"][group], f"seed={seed}",
+                                                 f"hydra.sweep.dir={out_runs / 'remedies' / f'seed-{seed}' / group}"])
+                   for seed, group in order]
         # a re-draw's peak does not depend on its period: one re-draw (at step PEAK_STEPS // 2) inside a peak run
         result.append(("remedypeaks", [*common, "variant=b_sdp_c50", "parallelism.redraw=shuffle,rolling", "seed=0", "train.budget=iterations", "train.eval_points=1",
                                        f"train.steps={PEAK_STEPS}", "memory.tracker=true",
