@@ -63,7 +63,7 @@ def importable(key: str, value: Any, *, base: type | None = None) -> None:
 
 def validate_train(cfg: DictConfig) -> None:
     """The ``train:`` node, including the reliability keys and the ``train.debug`` fault injection."""
-    from sdp import checkpoint, faults, guards, precision
+    from sdp import checkpoint, checkpoint_resume, faults, guards, precision
 
     tc = cfg.train
     for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
@@ -81,7 +81,7 @@ def validate_train(cfg: DictConfig) -> None:
     positive_float("train.checkpoint_timeout_s", checkpoint.io_timeout_s(cfg))
     if tc.resume is not None and str(tc.resume) != "auto":
         # raises ConfigError naming the path; its files are verified once, when sdp.train.run resolves it again
-        checkpoint.resolve(resume=tc.resume, run_dir=None, verify=False)
+        checkpoint_resume.resolve(resume=tc.resume, run_dir=None, verify=False)
     dbg = tc.debug
     if dbg.fault is not None:
         one_of("train.debug.fault", dbg.fault, faults.FAULTS)

@@ -186,7 +186,7 @@ class Whereabouts:
     def describe(self) -> str:
         """E.g. ``collectives of step 3 went to ranks (0, 1) then world`` (latest last)."""
         when = "set-up (before step 1)" if self.step is None else f"step {self.step}"
-        if not self.groups:  # no collective through sdp.subnet.sync.GroupSet (yet, or at all: DDP, FSDP)
+        if not self.groups:  # no collective through sdp.subnet.holder_groups.GroupSet (yet, or at all: DDP, FSDP)
             return when
         names = ["world" if len(g) == self.world else str(g) for g in self.groups]
         return f"collectives of {when} went to ranks {' then '.join(names)} (latest last)"

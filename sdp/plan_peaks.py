@@ -161,7 +161,8 @@ def _sdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval
     from sdp.parallel.sdp_plan import plan_for, redraw_peaks
     from sdp.subnet import masking as M
     from sdp.metrics.comm import CommCounter
-    from sdp.subnet.sync import GroupSet, OwnerSetSync
+    from sdp.subnet.holder_groups import GroupSet
+    from sdp.subnet.sync import OwnerSetSync
 
     pc = cfg.parallelism
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))

@@ -25,7 +25,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sdp import checkpoint, results, sweep
+from sdp import checkpoint_resume, results, sweep
 from sdp import budget as budgets
 from sdp.config import check_resolved, renamed_overrides, validate
 from sdp.launch import RankFailure, launch
@@ -71,12 +71,12 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
             cfg.train.resume = "auto"  # a job with a checkpoint continues from it
         if plan == "start" and driver and (removed := sweep.clear_leftovers(run_dir)):
             print(f"skip_done: {run_dir} has no checkpoint: starting afresh (cleared {', '.join(removed)})", flush=True)
-    ckpt = checkpoint.resolve(resume=cfg.train.resume, run_dir=run_dir)
+    ckpt = checkpoint_resume.resolve(resume=cfg.train.resume, run_dir=run_dir)
     if ckpt is not None:
-        checkpoint.check_resume(ckpt=ckpt, cfg=cfg)  # a changed schedule, optimizer or model is refused, naming the key
+        checkpoint_resume.check_resume(ckpt=ckpt, cfg=cfg)  # a changed schedule, optimizer or model is refused, naming the key
     cfg.train.resume = str(ckpt) if ckpt is not None else None  # ranks load exactly this directory
     if ckpt is not None and driver:
-        step = checkpoint.prepare_run_dir(ckpt=ckpt, run_dir=run_dir)
+        step = checkpoint_resume.prepare_run_dir(ckpt=ckpt, run_dir=run_dir)
         print(f"resuming from {ckpt} (step {step}); metrics.jsonl holds steps <= {step}", flush=True)
     if driver:
         results.write_config(cfg=cfg, run_dir=run_dir)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from sdp import checkpoint, rng
+from sdp import checkpoint, checkpoint_resume, rng
 from sdp.config import ConfigError
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.mlp import MLP
@@ -109,17 +109,17 @@ def test_rng_streams_survive_weights_only(tmp_path: Path) -> None:
 
 def test_resolve_and_retention(tmp_path: Path) -> None:
     a, sa = make(Plain, seed=0)
-    assert checkpoint.resolve(resume="auto", run_dir=tmp_path) is None  # auto with nothing: fresh start
+    assert checkpoint_resume.resolve(resume="auto", run_dir=tmp_path) is None  # auto with nothing: fresh start
     for k in (2, 4, 6):
         checkpoint.save(run_dir=tmp_path, step=k, strategy=a, scheduler=sa, train_state={}, data_key=KEY, keep=2)
     (tmp_path / "checkpoints" / "step_00000008.tmp").mkdir()  # a crash mid-write is never picked
     assert [k for k, _ in checkpoint.checkpoints(tmp_path)] == [4, 6]  # keep=2
-    assert checkpoint.resolve(resume="auto", run_dir=tmp_path).name == "step_00000006"
-    assert checkpoint.resolve(resume=str(tmp_path), run_dir=None).name == "step_00000006"
-    assert checkpoint.resolve(resume=str(tmp_path / "checkpoints" / "step_00000004"), run_dir=None).name == "step_00000004"
-    assert checkpoint.resolve(resume=None, run_dir=tmp_path) is None
+    assert checkpoint_resume.resolve(resume="auto", run_dir=tmp_path).name == "step_00000006"
+    assert checkpoint_resume.resolve(resume=str(tmp_path), run_dir=None).name == "step_00000006"
+    assert checkpoint_resume.resolve(resume=str(tmp_path / "checkpoints" / "step_00000004"), run_dir=None).name == "step_00000004"
+    assert checkpoint_resume.resolve(resume=None, run_dir=tmp_path) is None
     with pytest.raises(ConfigError, match="does not exist"):
-        checkpoint.resolve(resume=str(tmp_path / "nope"), run_dir=None)
+        checkpoint_resume.resolve(resume=str(tmp_path / "nope"), run_dir=None)
 
 
 def test_prepare_run_dir_keeps_each_step_once(tmp_path: Path) -> None:
@@ -130,9 +130,9 @@ def test_prepare_run_dir_keeps_each_step_once(tmp_path: Path) -> None:
     lines = [json.dumps({"step": k, "loss": float(k)}) for k in range(1, 8)] + ['{"step": 8, "lo']  # killed mid-line
     (old / "metrics.jsonl").write_text("\n".join(lines))
     # Into a new run directory: the rows up to the checkpoint are copied.
-    assert checkpoint.prepare_run_dir(ckpt=checkpoint.step_dir(old, 3), run_dir=new) == 3
+    assert checkpoint_resume.prepare_run_dir(ckpt=checkpoint.step_dir(old, 3), run_dir=new) == 3
     assert [json.loads(x)["step"] for x in (new / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     # In place: later rows and the now-stale later checkpoint go.
-    assert checkpoint.prepare_run_dir(ckpt=checkpoint.step_dir(old, 3), run_dir=old) == 3
+    assert checkpoint_resume.prepare_run_dir(ckpt=checkpoint.step_dir(old, 3), run_dir=old) == 3
     assert [json.loads(x)["step"] for x in (old / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert [k for k, _ in checkpoint.checkpoints(old)] == [3]

@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdp import checkpoint, checkpoint_io
-from sdp.checkpoint import CheckpointWarning
+from sdp import checkpoint, checkpoint_io, checkpoint_resume
+from sdp.checkpoint_resume import CheckpointWarning
 from sdp.errors import ConfigError
 from sdp.parallel.base import DistContext
 from sdp.rundir import checkpoint_meta
@@ -74,14 +74,14 @@ def test_auto_resumes_from_the_previous_whole_checkpoint(tmp_path: Path, damaged
     kept = (latest / damaged).read_bytes()
     o, lt, f = (re.escape(str(p)) for p in (older, latest, latest / damaged))
     with pytest.warns(CheckpointWarning, match=rf"resuming from {o}.*damaged.*{f} {said}"):
-        assert checkpoint.resolve(resume="auto", run_dir=tmp_path) == older
+        assert checkpoint_resume.resolve(resume="auto", run_dir=tmp_path) == older
     # An explicit path whose (latest) checkpoint is damaged is refused, naming the file.
     for explicit in (latest, tmp_path):
         with pytest.raises(ConfigError, match=rf"checkpoint {lt} is damaged: {f} {said}.*{o}"):
-            checkpoint.resolve(resume=str(explicit), run_dir=None)
+            checkpoint_resume.resolve(resume=str(explicit), run_dir=None)
     # Resuming in place: the damaged later checkpoint is moved aside, not deleted.
     with pytest.warns(CheckpointWarning, match=rf"{lt} .* moved aside to {lt}\.damaged"):
-        assert checkpoint.prepare_run_dir(ckpt=older, run_dir=tmp_path) == 3
+        assert checkpoint_resume.prepare_run_dir(ckpt=older, run_dir=tmp_path) == 3
     assert (latest.parent / f"{latest.name}.damaged" / damaged).read_bytes() == kept
     assert [k for k, _ in checkpoint.checkpoints(tmp_path)] == [3]
 
@@ -92,7 +92,7 @@ def test_auto_with_every_checkpoint_damaged_is_refused(tmp_path: Path) -> None:
     truncate(checkpoint_meta(latest))
     o, lt = re.escape(str(older)), re.escape(str(latest))
     with pytest.raises(ConfigError, match=rf"every checkpoint of .* is damaged: {lt} .*; {o} .*shared\.pt"):
-        checkpoint.resolve(resume="auto", run_dir=tmp_path)
+        checkpoint_resume.resolve(resume="auto", run_dir=tmp_path)
     assert older.exists() and latest.exists()
 
 
@@ -103,10 +103,10 @@ def test_checkpoint_without_checksums_is_accepted_with_a_note(tmp_path: Path) ->
     del meta[checkpoint_io.FILES]
     checkpoint_meta(latest).write_text(json.dumps(meta))
     with pytest.warns(CheckpointWarning, match=rf"{re.escape(str(latest))} was written before checkpoints recorded checksums"):
-        assert checkpoint.resolve(resume="auto", run_dir=tmp_path) == latest
+        assert checkpoint_resume.resolve(resume="auto", run_dir=tmp_path) == latest
     (latest / "rank00000.pt").unlink()
     with pytest.raises(ConfigError, match=rf"{re.escape(str(latest / 'rank00000.pt'))} is missing"):
-        checkpoint.resolve(resume=str(latest), run_dir=None)
+        checkpoint_resume.resolve(resume=str(latest), run_dir=None)
 
 
 def test_checkpoint_timeout_is_validated() -> None:

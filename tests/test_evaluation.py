@@ -76,7 +76,7 @@ def test_average_and_models_without_batchnorm_are_left_alone() -> None:
 def test_rescale_auto_resolves_per_model_family(model: str, level: str, masking: str, bn: str, expect: str) -> None:
     from omegaconf import OmegaConf
 
-    from sdp.parallel.sdp import resolve_rescale
+    from sdp.parallel.sdp_config import resolve_rescale
     from sdp.worker import build
     from tests.hydra_cfg import compose_config
 

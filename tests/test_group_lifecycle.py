@@ -22,7 +22,7 @@ MLP = ["model=mlp", "dataset=digits", "model.hidden=64", "model.depth=6", "train
 
 def _live_groups_after_redraws(rank: int, world: int, config: dict) -> list[dict]:
     from sdp.metrics.groups import process_groups
-    from sdp.subnet.sync import group_rank_sets
+    from sdp.subnet.holder_groups import group_rank_sets
 
     strategy, _, _ = make_strategy(config, rank, world)
     out = []

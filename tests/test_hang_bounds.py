@@ -35,7 +35,7 @@ def _stall_in_holder_set(rank: int, world: int) -> dict | None:
     import torch.distributed as dist
 
     from sdp.guards import StepFailure, naming_step
-    from sdp.subnet.sync import GroupSet
+    from sdp.subnet.holder_groups import GroupSet
 
     dist.set_timeout(timedelta(seconds=TIMEOUT_S))  # the default group's: what cluster.timeout_s sets
     groups = GroupSet(world_size=world, holder_sets=[(0, 1), (1, 2)], refresh=False)

@@ -38,7 +38,7 @@ def _create(rank: int, world: int, configs: dict, out: str) -> None:
 
     from sdp.parallel.sdp import plan_for
     from sdp.subnet import masking as M
-    from sdp.subnet.sync import GroupSet
+    from sdp.subnet.holder_groups import GroupSet
     from sdp.worker import build
 
     seen = {}

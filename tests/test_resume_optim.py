@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sdp import checkpoint
+from sdp import checkpoint, checkpoint_resume
 from sdp.errors import ConfigError
 from sdp.rundir import checkpoint_meta
 from tests.helpers import compose, run_job
@@ -57,19 +57,19 @@ def test_changed_hyper_parameter_is_refused_naming_it(tmp_path: Path, base: list
                                                       named: str) -> None:
     ckpt = written_with(tmp_path, base)
     with pytest.raises(ConfigError, match=named):
-        checkpoint.check_resume(ckpt=ckpt, cfg=compose([*BASE, *base, *EXTEND, *change]))
+        checkpoint_resume.check_resume(ckpt=ckpt, cfg=compose([*BASE, *base, *EXTEND, *change]))
 
 
 def test_unchanged_resume_passes(tmp_path: Path) -> None:
-    checkpoint.check_resume(ckpt=written_with(tmp_path, ["optim=adamw"]), cfg=compose([*BASE, "optim=adamw", *EXTEND]))
+    checkpoint_resume.check_resume(ckpt=written_with(tmp_path, ["optim=adamw"]), cfg=compose([*BASE, "optim=adamw", *EXTEND]))
 
 
 def test_checkpoint_without_optimizer_record_is_compared_on_what_it_recorded(tmp_path: Path) -> None:
     """Written before this change: the schedule's keys are still compared; the others cannot be."""
     ckpt = written_with(tmp_path, [], legacy=True)
-    checkpoint.check_resume(ckpt=ckpt, cfg=compose([*BASE, *EXTEND, "optim.optimizer.momentum=0.5"]))
+    checkpoint_resume.check_resume(ckpt=ckpt, cfg=compose([*BASE, *EXTEND, "optim.optimizer.momentum=0.5"]))
     with pytest.raises(ConfigError, match="optim.optimizer.lr=0.1 is invalid for resuming"):
-        checkpoint.check_resume(ckpt=ckpt, cfg=compose([*BASE, *EXTEND, "optim.optimizer.lr=0.1"]))
+        checkpoint_resume.check_resume(ckpt=ckpt, cfg=compose([*BASE, *EXTEND, "optim.optimizer.lr=0.1"]))
 
 
 @pytest.mark.dist

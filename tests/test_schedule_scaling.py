@@ -18,7 +18,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from sdp import budget as budgets
-from sdp import checkpoint
+from sdp import checkpoint, checkpoint_resume
 from sdp.rerun import rerun_argv
 from sdp.results import scrub
 from sdp.sweep import first_difference
@@ -115,10 +115,10 @@ def test_resume_and_extend_steps_see_the_scaled_schedule(tmp_path: Path) -> None
     from sdp.rundir import checkpoint_meta
 
     checkpoint_meta(ckpt).write_text(json.dumps({"step": 10, checkpoint.RESUME_KEY: checkpoint.resume_key(short)}))
-    checkpoint.check_resume(ckpt=ckpt, cfg=short)
+    checkpoint_resume.check_resume(ckpt=ckpt, cfg=short)
     longer, _ = resolved("variant=b_sdp_c50", "train.steps=36", "train.extend_steps=true")
     assert int(longer.optim.warmup_steps) == int(short.optim.warmup_steps) == 12
-    checkpoint.check_resume(ckpt=ckpt, cfg=longer)
+    checkpoint_resume.check_resume(ckpt=ckpt, cfg=longer)
 
 
 def test_rerun_puts_the_schedules_base_values_back(tmp_path: Path) -> None:

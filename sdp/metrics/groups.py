@@ -15,7 +15,7 @@ shares nothing: NCCL gives the child its parent's buffers, channels and proxy on
 was created with ``config.splitShare = 1`` (NCCL ``src/init.cc``), which torch leaves unset; so the
 worker creates the default group with :func:`sdp.distctx.comm_options` (``split_share = 1``), and
 ``process_groups()["split_share"]`` says whether it was. The split needs every rank of the world to
-call ``new_group`` for every set, in the same order, which :class:`sdp.subnet.sync.GroupSet` does (so
+call ``new_group`` for every set, in the same order, which :class:`sdp.subnet.holder_groups.GroupSet` does (so
 ``use_local_synchronization=True`` is *not* used: members-only creation cannot split).
 ``dist.split_group`` only makes disjoint groups in one call, and holder sets overlap. What sharing
 saves is measured, not assumed: summary.json's ``cuda_device_used_bytes`` beside the group count,
@@ -54,7 +54,7 @@ def process_groups() -> dict[str, Any]:
 
 def mesh_process_groups(*, world_size: int, shape: tuple[int, ...]) -> dict[str, Any]:
     """What summary.json's ``process_groups`` will say for a strategy on a DeviceMesh of ``shape`` (FSDP,
-    HSDP, pipeline), in :func:`sdp.subnet.sync.predicted_process_groups`' form: the default group plus,
+    HSDP, pipeline), in :func:`sdp.subnet.holder_groups.predicted_process_groups`' form: the default group plus,
     per dimension smaller than the world, the one group of that dimension this rank is in (a
     dimension spanning the world reuses the default group: ``init_device_mesh``)."""
     sizes = sorted([world_size] + [s for s in shape if s < world_size], reverse=True)

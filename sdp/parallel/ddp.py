@@ -18,7 +18,7 @@ from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy, register
 from sdp.plan_entries import MIB, Entry, Record, activations, optim_bytes, rank_entry
 from sdp.plan_peaks import _ddp_peaks
-from sdp.subnet.sync import predicted_process_groups
+from sdp.subnet.holder_groups import predicted_process_groups
 
 
 class _CountingState:

@@ -27,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from sdp.errors import one_of, require, unit_interval
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
-from sdp.parallel.base import Coverage, LossFn, OptimizerFactory, StepResult, register
+from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, register
+from sdp.parallel.facts import Coverage
 from sdp.parallel.ddp import DDPStrategy
 from sdp.parallel.sdp_plan import compute_fraction
 

@@ -22,46 +22,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
-from sdp.errors import ConfigError, boolean, one_of, positive_float, positive_int, require
+from sdp.errors import require
 from sdp.metrics.memory import measured_phase
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.rundir import RunDir
-from sdp.parallel.base import Coverage, OptimizerFactory, Strategy, register
-from sdp.parallel import sdp_plan
-from sdp.parallel.sdp_plan import BALANCE_KEYS, plan_for  # noqa: F401 (plan_for re-exported: used widely)
+from sdp.parallel.base import OptimizerFactory, Strategy, register
+from sdp.parallel.facts import Coverage
+from sdp.parallel import sdp_config, sdp_plan
+from sdp.parallel.sdp_config import resolve_rescale
+from sdp.parallel.sdp_plan import plan_for  # noqa: F401 (plan_for re-exported: used widely)
 from sdp.plan_entries import Entry
 from sdp.plan_peaks import _sdp_peaks
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map
 from sdp.subnet import redraw as R
-from sdp.subnet.plan import ASSIGNMENTS, LEVELS, REDRAWS, Plan, PlanError
-from sdp.subnet.sync import GroupSet, OwnerSetSync
-from sdp.registry import build
-
-
-RESCALES = ("auto", "none", "eval", "train")
-
-
-def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
-    """``parallelism.rescale`` with ``auto`` resolved (see conf/parallelism/sdp.yaml): ``none`` under
-    backward masking; ``none`` at neuron level when every unit's branch ends in a normalisation layer
-    and the protocol re-estimates it on the assembled model (the norm then restores the widened
-    branch's trained magnitude, so k/n would shrink it: measured, benchmarks/eval_protocols.py);
-    ``eval`` otherwise (block level: a dropped branch contributes nothing, stochastic-depth rule)."""
-    if cfg.rescale != "auto":
-        return str(cfg.rescale)
-    if cfg.masking == "backward":
-        return "none"
-    units = [block for _, block in model.sdp_units()]
-    if cfg.level == "neuron" and eval_bn == "reestimate" and units and all(b.normalised_branch for b in units):
-        return "none"
-    return "eval"
+from sdp.subnet.plan import Plan
+from sdp.subnet.holder_groups import GroupSet
+from sdp.subnet.sync import OwnerSetSync
 
 
 @register("sdp")
@@ -73,47 +55,8 @@ class SDPStrategy(Strategy):
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-        one_of("parallelism.level", cfg.level, LEVELS)
-        one_of("parallelism.masking", cfg.masking, sdp_plan.MASKINGS)
-        cls.coverage(cfg=cfg, world_size=world_size, n_units=None)
-        one_of("parallelism.assignment", cfg.assignment, ASSIGNMENTS)
-        positive_int("parallelism.groups", cfg.groups)
-        require(cfg.resample_every is None or (isinstance(cfg.resample_every, int) and cfg.resample_every >= 1),
-                "parallelism.resample_every", cfg.resample_every, "null (fixed plan) or an integer >= 1")
-        one_of("parallelism.redraw", cfg.get("redraw", "relabel"), REDRAWS)  # absent from configs written before it
-        require(cfg.get("redraw") != "rolling" or cfg.get("max_holder_sets") is None, "parallelism.max_holder_sets",
-                cfg.get("max_holder_sets"), "null with parallelism.redraw=rolling (its windows fix the holder sets)")
-        one_of("parallelism.refresh", cfg.refresh, ("holders", "global"))
-        require(cfg.masking == "backward" or cfg.refresh == "holders", "parallelism.refresh", cfg.refresh,
-                "global refresh exists only for masking=backward (forward masking keeps no non-held values)")
-        one_of("parallelism.rescale", cfg.rescale, RESCALES)
-        require(cfg.masking == "forward" or cfg.rescale in ("none", "auto"), "parallelism.rescale", cfg.rescale,
-                "backward masking runs the full model in every forward, so only none (or auto) is meaningful")
-        require(isinstance(cfg.drop_downsample, bool), "parallelism.drop_downsample", cfg.drop_downsample, "true or false")
-        positive_float("parallelism.bucket_cap_mb", cfg.bucket_cap_mb)
-        boolean("parallelism.overlap", cfg.overlap)
-        positive_int("parallelism.plan_seed", cfg.plan_seed, minimum=0)
-        if cfg.get("max_holder_sets") is not None:
-            positive_int("parallelism.max_holder_sets", cfg.max_holder_sets)
-            require(str(cfg.assignment) == "balanced", "parallelism.max_holder_sets", cfg.max_holder_sets,
-                    f"caps the balanced assignment only (parallelism.assignment={cfg.assignment!r}): set assignment=balanced")
-        b = cfg.balance
-        require(isinstance(b, DictConfig) and set(b) == set(BALANCE_KEYS), "parallelism.balance",
-                b, f"a mapping with exactly the keys {', '.join(BALANCE_KEYS)}")
-        for r in BALANCE_KEYS:
-            positive_float(f"parallelism.balance.{r}", b[r], allow_zero=True)
-        require(any(b[r] for r in BALANCE_KEYS), "parallelism.balance", b, "at least one weight > 0")
-        root = full_cfg  # the plan needs the model declarations
-        if "model" in root:
-            node = OmegaConf.create(OmegaConf.to_container(root.model, resolve=True))  # resolve against the root
-            with torch.device("meta"):
-                model = build(node)
-            try:
-                from sdp.subnet.plan import warn_degenerate  # k = 1, disconnected workers: warned once, before any rank
-
-                warn_degenerate(plan_for(model=model, cfg=cfg, world_size=world_size))
-            except PlanError as exc:  # the plan's own words, with the config's model name
-                raise ConfigError(f"{exc} (model={node.get('name', type(model).__name__)})") from None
+        """Every SDP key, and the plan drawn once on the meta device (:func:`sdp.parallel.sdp_config.validate`)."""
+        sdp_config.validate(strategy=cls, cfg=cfg, full_cfg=full_cfg, world_size=world_size)
 
     # ---- what the driver, the budget and the report ask (sdp_plan holds the bodies) ----------------
     @classmethod

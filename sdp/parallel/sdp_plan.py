@@ -28,7 +28,8 @@ from sdp.subnet.moves import moves, traffic
 from sdp.subnet.carry import Described, describe
 from sdp.subnet.frontier import format_frontier, frontier
 from sdp.subnet.plan import Plan, PlanError, build_plan, num_holders
-from sdp.subnet.sync import GroupSet, OwnerSetSync, predicted_process_groups
+from sdp.subnet.holder_groups import GroupSet, predicted_process_groups
+from sdp.subnet.sync import OwnerSetSync
 
 BALANCE_KEYS = ("params", "flops", "activations")
 MASKINGS = ("forward", "backward")

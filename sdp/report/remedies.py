@@ -155,8 +155,8 @@ class Remedies:
             diffs = [abs(again[s] - before[s]) for s in again if s in before and None not in (again[s], before[s])]
             if diffs:
                 out.append(f"- Check: the fixed plan's re-run against the main sweep's {self.fixed.rsplit(',', 1)[0]}: "
-                           f"largest |Δ eval loss| over {len(diffs)} seeds {max(diffs):.2e} (0 = the same training and "
-                           "evaluation, so the new columns are of the very runs the table reports)")
+                           f"largest |Δ eval loss| over {len(diffs)} seeds {max(diffs):.2e} (0 on the same CPU model; "
+                           "another CPU's kernels round differently: machine.cpu_model in summary.json)")
         return out
 
 
@@ -179,4 +179,6 @@ def remedies_section(*, study: Study) -> list[str]:
             "workers' subnetworks' predicted probabilities. Peaks: one 20-step run per rule with one re-draw "
             "(live-tensor tracker, fullest rank) over DDP's training peak. Comm: payload bytes per step with the "
             "re-draws' traffic spread over the steps. Step time: median step plus re-draw seconds per step, over "
-            "the fixed plan's re-run.", "", markdown_table(records), "", *rem.lines(), ""]
+            "the fixed plan's re-run. The ensemble is not a model of DDP's cost: it runs all n workers' "
+            "subnetworks at inference (n x C = 2x the full model's forward FLOPs at n = 4, C = 0.5), while the "
+            "assembled model runs the full model once.", "", markdown_table(records), "", *rem.lines(), ""]

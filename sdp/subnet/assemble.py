@@ -30,7 +30,8 @@ from sdp.models.base import ResidualBlock, SDPModel
 from sdp.distctx import DistContext, average_buffers, flatten, unflatten
 from sdp.subnet.masking import Local, Piece, locate, view
 from sdp.subnet.plan import Plan
-from sdp.subnet.sync import GroupSet, broadcast_pieces
+from sdp.subnet.holder_groups import GroupSet
+from sdp.subnet.sync import broadcast_pieces
 
 
 def tensor_map(model: nn.Module) -> dict[str, torch.Tensor]:

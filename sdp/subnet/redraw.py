@@ -40,7 +40,7 @@ from sdp.subnet.carry import Described, descriptions, gather_descriptions, rebui
 from sdp.subnet.masking import Local, Piece, locate, view
 from sdp.subnet.moves import Move, moves, schedule, traffic
 from sdp.subnet.plan import Plan
-from sdp.subnet.sync import GroupSet
+from sdp.subnet.holder_groups import GroupSet
 
 
 class Wire:
