@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdp.bench.runs import ROOT, compose, parser, spawn_ranks
+from sdp.bench.runs import ROOT, compose, parser, recorded, spawn_ranks
 from sdp.report.compare import capacity_markdown
 from sdp.results import provenance
 
@@ -208,11 +208,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--render-only", action="store_true", help="table and plot again from --out/capacity.json")
     args = ap.parse_args(argv)
     raw = args.out / "capacity.json"
-    if args.render_only and not raw.exists():
-        raise SystemExit(f"--render-only: no {raw} (the trials) under --out {args.out}")
-    if args.render_only:
-        result = json.loads(raw.read_text())
-    else:
+    result = recorded(raw, render_only=args.render_only, what="the trials")
+    if result is None:
         at_start = provenance()  # the tree the trials ran from
         args.out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()

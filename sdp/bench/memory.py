@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sdp.bench.runs import ROOT, parser, run_one, split_spec
+from sdp.bench.runs import ROOT, parser, recorded, run_one, split_spec
 from sdp.report.compare import MEMORY_PEAKS, memory_markdown
 from sdp.results import provenance
 from sdp.summary import Summary, read_summary
@@ -64,13 +64,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--render-only", action="store_true", help="re-render from the run directories under --out")
     args = ap.parse_args(argv)
     record = args.out / "memory.json"
-    if args.render_only and not record.exists():
-        raise SystemExit(f"--render-only: no {record} (the runs' overrides and provenance) under --out {args.out}")
-    recorded = json.loads(record.read_text()) if args.render_only else {}
-    result: dict[str, Any] = {k: recorded[k] for k in ("versions", "machine")} if recorded else provenance()
+    saved = recorded(record, render_only=args.render_only, what="the runs' overrides and provenance") or {}
+    result: dict[str, Any] = {k: saved[k] for k in ("versions", "machine")} if saved else provenance()
     texts = []
     for suite in args.suite:
-        common = recorded[suite]["common"] if recorded else SUITES[suite] + args.extra
+        common = saved[suite]["common"] if saved else SUITES[suite] + args.extra
         rows: dict[str, dict[str, Any]] = {}
         for label, run in map(split_spec, args.runs):
             s = read_summary(args.out / suite / label) if args.render_only else \

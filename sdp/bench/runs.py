@@ -13,6 +13,7 @@ same way (:func:`sdp.launch.root_cause`).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +54,16 @@ def sdp_train(args: list[str], *, root: Path = ROOT, capture: bool = False,
     pythonpath = f"{root}:{os.environ['PYTHONPATH']}" if os.environ.get("PYTHONPATH") else str(root)
     return subprocess.run([sys.executable, "-m", "sdp.train", *args], cwd=root, capture_output=capture, text=True,
                           env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})})
+
+
+def recorded(path: Path, *, render_only: bool, what: str) -> dict[str, Any] | None:
+    """Under ``--render-only`` the JSON a suite wrote at ``path`` (``what`` it holds), else None; a missing
+    file stops with its path, so a re-render never silently measures again."""
+    if not render_only:
+        return None
+    if not path.exists():
+        raise SystemExit(f"--render-only: no {path} ({what}) under --out {path.parent}")
+    return json.loads(path.read_text())
 
 
 def split_spec(spec: str) -> tuple[str, str]:

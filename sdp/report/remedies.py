@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Any
-
-from sdp.report.runs import Run, find_runs, run_figures
+from sdp.report.runs import Run, _max_over_ranks, find_runs, run_figures
 from sdp.report.stats import Paired, paired_difference
 from sdp.report.study import Row, Study, fmt, interval, markdown_table, mean_interval, row_name
 
@@ -43,14 +41,6 @@ def _collect(runs: list[Run], *, key) -> dict[str, Row]:
             name = key(run)
             rows.setdefault(name, Row(name)).runs[int(run.seed)] = run
     return rows
-
-
-def _per_rank_max(run: Run, *, path: tuple[str, ...], key: str) -> float | None:
-    per_rank: Any = run.summary
-    for p in path:
-        per_rank = getattr(per_rank, p, None) if not isinstance(per_rank, dict) else per_rank.get(p)
-    values = [r.get(key) for r in per_rank or [] if isinstance(r, dict) and r.get(key) is not None]
-    return float(max(values)) if values else None
 
 
 def comm_per_step(run: Run) -> float | None:
@@ -108,7 +98,7 @@ class Remedies:
         else:
             rule = next(iter(self.rows[name].runs.values())).flat.get("parallelism.redraw", "relabel")
             row = self.peaks.get(str(rule))
-            value = None if row is None else _mean(row, lambda r: _per_rank_max(r, path=("memory_per_rank",), key=key)
+            value = None if row is None else _mean(row, lambda r: _max_over_ranks(r.summary.memory_per_rank, key)
                                                     if key == "redraw_peak_bytes" else run_figures(r.summary)[key])
         return None if value is None else value / ddp
 
