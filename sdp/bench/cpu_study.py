@@ -84,13 +84,14 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
         result.append(("depth", [*common, *spec["depth"], f"hydra.sweep.dir={out_runs / 'depth'}"]))
     if "remedies" in spec:
         # seeds 0-2 of every period first, then seeds 3-4: a study stopped early has whole rows of 3 seeds
-        order = sorted(((seed, group) for seed in range(5) for group in spec["remedies"]),
+        seeds = range(spec.get("remedy_seeds", 5))
+        order = sorted(((seed, group) for seed in seeds for group in spec["remedies"]),
                        key=lambda sg: (sg[0] >= 3, list(spec["remedies"]).index(sg[1]), sg[0]))
         result += [(f"remedies-{seed}-{group}", [*common, spec["remedies"][group], f"seed={seed}",
                                                  f"hydra.sweep.dir={out_runs / 'remedies' / f'seed-{seed}' / group}"])
                    for seed, group in order]
         # a re-draw's peak does not depend on its period: one re-draw (at step PEAK_STEPS // 2) inside a peak run
-        result.append(("remedypeaks", [*common, "variant=b_sdp_c50", "parallelism.redraw=shuffle,rolling", "seed=0", "train.budget=iterations", "train.eval_points=1",
+        result.append(("remedypeaks", [*common, "variant=b_sdp_c50", f"parallelism.redraw={spec.get('redraw_rules', 'shuffle,rolling')}", "seed=0", "train.budget=iterations", "train.eval_points=1",
                                        f"train.steps={PEAK_STEPS}", "memory.tracker=true",
                                        f"parallelism.resample_every={PEAK_STEPS // 2}",
                                        f"hydra.sweep.dir={out_runs / 'remedies' / 'peaks'}"]))
