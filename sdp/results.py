@@ -14,6 +14,7 @@ Extend them, never break them.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -148,7 +149,18 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = RunDir(run_dir).metrics
-    if not path.exists():
+    """The run's metrics rows, from ``metrics.jsonl`` or, in a committed run ``sdp-bench slim-runs`` compressed,
+    ``metrics.jsonl.gz`` (every reader comes here, so both forms read alike); [] when neither exists. Both at
+    once is refused: which rows are the run's would be a guess."""
+    paths = RunDir(run_dir)
+    plain, packed = paths.metrics, paths.metrics_gz
+    if plain.exists() and packed.exists():
+        raise ValueError(f"{paths.root} holds both {plain.name} and {packed.name}; allowed: one of them "
+                         f"(sdp-bench slim-runs {paths.root} keeps the rows of {plain.name} only)")
+    if packed.exists():
+        text = gzip.decompress(packed.read_bytes()).decode()
+    elif plain.exists():
+        text = plain.read_text()
+    else:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

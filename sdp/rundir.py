@@ -8,7 +8,8 @@ from ``sdp`` (the checkpoint, logger and sweep modules all use it).
 Layout of ``<root>/`` (Hydra's job output directory):
 
 - ``config.yaml``: the resolved, scrubbed config (:func:`sdp.results.write_config`);
-- ``metrics.jsonl``: one JSON row per logged step from rank 0;
+- ``metrics.jsonl``: one JSON row per logged step from rank 0 (``metrics.jsonl.gz`` in a committed run that
+  ``sdp-bench slim-runs`` compressed; :func:`sdp.results.read_metrics` reads either);
 - ``summary.json``: rank 0's :class:`sdp.summary.Summary`, written once at the end;
 - ``plan.json``: SDP's coverage plan (which worker holds which unit);
 - ``checkpoints/step_00000012/`` with ``meta.json`` (:mod:`sdp.checkpoint`);
@@ -25,6 +26,7 @@ from pathlib import Path
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
+METRICS_GZ = METRICS + ".gz"  # the same rows, gzip-compressed (sdp.bench.slim_runs)
 SUMMARY = "summary.json"
 PLAN = "plan.json"
 CHECKPOINTS = "checkpoints"
@@ -51,6 +53,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / METRICS
+
+    @property
+    def metrics_gz(self) -> Path:
+        return self.root / METRICS_GZ
 
     @property
     def summary(self) -> Path:

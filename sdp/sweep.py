@@ -8,7 +8,7 @@ before any rank starts (:func:`job_plan`), from what its run directory holds:
   and returns that summary, so the multirun-end report covers it like any other job;
 - a checkpoint: *resume* (``train.skip_done`` implies ``train.resume=auto``);
 - nothing yet, or only the rows of a run killed before its first checkpoint: *start* (leftover
-  ``metrics.jsonl`` and failure files are cleared, so no step appears twice);
+  ``metrics.jsonl`` (or its compressed form) and failure files are cleared, so no step appears twice);
 - a ``config.yaml`` that differs: refused, naming the first key that differs.
 
 The comparison is of the resolved config as ``config.yaml`` records it (after the budget has set
@@ -26,10 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 from sdp import checkpoint
 from sdp.errors import ConfigError
 from sdp.results import RUN_CONTROL_KEYS, scrub
-from sdp.rundir import FAILURE, METRICS, RunDir
+from sdp.rundir import FAILURE, METRICS, METRICS_GZ, RunDir
 from sdp.summary import Summary, read_json
 
-LEFTOVERS = (METRICS, FAILURE)
+LEFTOVERS = (METRICS, METRICS_GZ, FAILURE)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:

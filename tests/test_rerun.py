@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sdp.results import cpu_model
+from sdp.results import cpu_model, read_metrics
 from sdp.rerun import rerun_argv
 from tests.helpers import CORE, REPO, sdp_env
 
@@ -56,7 +56,7 @@ def test_committed_run_reruns_bit_for_bit(tmp_path: Path) -> None:
         for key, value in recorded["final"].items():
             expected = value if value is None else pytest.approx(value, rel=1e-6, abs=0)
             assert same[key] == expected, (key, same, recorded["final"], recorded["machine"])
-    losses = lambda d: [r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "loss" in r]  # noqa: E731
+    losses = lambda d: [r["loss"] for r in read_metrics(d) if "loss" in r]  # noqa: E731 (committed: metrics.jsonl.gz)
     if recorded["machine"].get("cpu_model") == cpu_model():
         assert losses(out) == losses(COMMITTED)
     else:  # float rounding of another CPU's kernels, compounded over the steps: close, not equal

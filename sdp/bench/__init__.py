@@ -21,6 +21,7 @@ SUITES: dict[str, str] = {
     "capacity": "the largest LLaMA each strategy trains within a per-rank memory budget",
     "eval-protocols": "the same trained weights under every eval.bn protocol and evaluation-time rescale",
     "cpu-study": "the CPU-scale study (--study lm|image): every run, then its report (--render-only: the report)",
+    "slim-runs": "no measurement: committed run directories keep what reports, sdp-rerun and skip_done read (PATH...)",
 }
 
 

@@ -88,8 +88,9 @@ def load_run(path: Path) -> Run:
     return Run(path=paths.root, config=config, overrides=overrides, summary=read_summary(paths))
 
 
-def find_runs(sweep_dir: Path) -> list[Run]:
-    """Every run directory below ``sweep_dir`` (or ``sweep_dir`` itself if it is one), in job order."""
+def run_dirs(sweep_dir: Path) -> list[Path]:
+    """The paths of every run directory below ``sweep_dir`` (or ``sweep_dir`` itself if it is one), in job
+    order: what :func:`find_runs` reads and ``sdp-bench slim-runs`` slims, found by the same rule."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"sweep directory {sweep_dir} does not exist")
@@ -99,7 +100,12 @@ def find_runs(sweep_dir: Path) -> list[Run]:
         if any(p.startswith(".") or p in SKIP_DIRS for p in rel):
             continue
         found.append(cfg_file.parent)
-    return [load_run(p) for p in sorted(found, key=_natural)]
+    return sorted(found, key=_natural)
+
+
+def find_runs(sweep_dir: Path) -> list[Run]:
+    """Every run directory below ``sweep_dir`` (or ``sweep_dir`` itself if it is one), in job order."""
+    return [load_run(p) for p in run_dirs(sweep_dir)]
 
 
 def _max_over_ranks(per_rank: list[dict[str, Any]], key: str) -> float | None:
