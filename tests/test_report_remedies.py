@@ -77,3 +77,24 @@ def test_no_section_without_remedy_runs(tmp_path: Path) -> None:
     shutil.rmtree(study / "runs" / "remedies")
     assert remedies_section(study=Study(study_dir=study, study="lm")) == []
     assert not (study / "remedies.csv").exists()
+
+
+def test_step_time_comes_from_the_quiet_timing_runs_when_the_study_has_them(tmp_path: Path) -> None:
+    """With runs/remedies/timing, a row's step time is its rule's timing-run median plus one re-draw's
+    seconds over the row's period R, over the fixed plan's timing median: not the sweep's own wall-clock."""
+    study = _study(tmp_path)
+    src = LM / "main" / "6"
+    timing = study / "runs" / "remedies" / "timing"
+    _run(src, timing / "0")  # the fixed plan
+    _run(src, timing / "1", config={"parallelism.resample_every": 50, "parallelism.redraw": "rolling"}, resample_s=3.0)
+    summary = json.loads((timing / "1" / "summary.json").read_text())
+    summary["strategy_info"]["redraws"] = 2  # two re-draws of 1.5 s each
+    (timing / "1" / "summary.json").write_text(json.dumps(summary))
+    medians = [r["step_s_median"] for r in summary["time"]["per_rank"]]
+    rem = Remedies(study=Study(study_dir=study, study="lm"))
+    assert sorted(rem.timing) == ["fixed", "rolling"], sorted(rem.timing)
+    assert sorted(rem.rows) == ["B-SDP C=0.5, fixed plan", "B-SDP C=0.5, rolling every 50"], sorted(rem.rows)  # timing runs are not rows
+    records = {r["remedy (B-SDP C=0.5)"]: r for r in rem.records()}
+    expected = max(m + 1.5 / 50 for m in medians) / max(medians)
+    assert records["rolling every 50"]["step s x fixed plan (incl. re-draws)"] == f"{expected:.3f}", (records, expected)
+    assert records["fixed plan"]["step s x fixed plan (incl. re-draws)"] == "1.000", records

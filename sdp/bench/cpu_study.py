@@ -21,6 +21,8 @@ finished job and resumes a checkpointed one when the command is run again):
   every 50 and 200 steps) and with its fixed plan again (the ensemble column), seeds 0-4, one sweep per seed
   and period (``seed-<s>/R50``, ``seed-<s>/R200``), seeds 0-2 of both periods first;
   ``runs/remedies/peaks``: each re-draw rule once for 20 steps with the tracker on and one re-draw at step 10 (its peak);
+  ``runs/remedies/timing``: the fixed plan and each rule once for 110 steps with two re-draws, tracker off, nothing
+  else running (the step time: median step plus one re-draw's seconds over R);
 - ``runs/peaks``: every method once more for 20 steps with the live-tensor tracker on (``memory.tracker=true``):
   the training peak of a step does not depend on how long the run is;
 - ``runs/timing``: every method for 60 steps, seed 0, tracker off, no subnetwork evaluation: the step times
@@ -52,7 +54,8 @@ STUDIES = {
            # issue 28: B-SDP C = 0.5 with plan re-draws (shuffled and rolling, every 50 and 200 steps) and the
            # fixed plan once more (its ensemble column); one sweep per seed and period
            "remedies": {"R50": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50",
-                        "R200": "variant=b_sdp_c50_roll200,b_sdp_c50_shuffle200"}},
+                        "R200": "variant=b_sdp_c50_roll200,b_sdp_c50_shuffle200"},
+           "remedy_timing": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50"},
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],
               # seeds 3-4 for the pair of the image interval target only (the CPU time of the session; the other
@@ -60,6 +63,7 @@ STUDIES = {
               "seeds": ["variant=ddp,b_sdp_c50"]},
 }
 PEAK_STEPS, TIMING_STEPS = 20, 60
+REMEDY_TIMING_STEPS = 110  # re-draws at steps 50 and 100 of the *_50 variants, then ten more steps
 MORE_SEEDS = (3, 4)  # beyond the experiment YAML's seeds 0-2
 
 
@@ -90,6 +94,11 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
         result += [(f"remedies-{seed}-{group}", [*common, spec["remedies"][group], f"seed={seed}",
                                                  f"hydra.sweep.dir={out_runs / 'remedies' / f'seed-{seed}' / group}"])
                    for seed, group in order]
+        # a re-draw's time does not depend on its period either: each rule alone for REMEDY_TIMING_STEPS steps with
+        # two re-draws (every 50), tracker off and no subnetwork evaluation, as runs/timing does for the main table
+        result.append(("remedytiming", [*common, spec["remedy_timing"], "seed=0", "train.budget=iterations", "train.eval_points=1",
+                                        f"train.steps={REMEDY_TIMING_STEPS}", "memory.tracker=false", "eval.subnetworks=false",
+                                        f"hydra.sweep.dir={out_runs / 'remedies' / 'timing'}"]))
         # a re-draw's peak does not depend on its period: one re-draw (at step PEAK_STEPS // 2) inside a peak run
         result.append(("remedypeaks", [*common, "variant=b_sdp_c50", f"parallelism.redraw={spec.get('redraw_rules', 'shuffle,rolling')}", "seed=0", "train.budget=iterations", "train.eval_points=1",
                                        f"train.steps={PEAK_STEPS}", "memory.tracker=true",
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser(suite="cpu-study", doc=__doc__)
     ap.add_argument("--study", choices=sorted(STUDIES), required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-study")
-    ap.add_argument("--only", default=None, help="comma-separated stages to run: main,seeds,extras,depth,remedies,remedypeaks,peaks,timing (default all)")
+    ap.add_argument("--only", default=None, help="comma-separated stages to run: main,seeds,extras,depth,remedies,remedytiming,remedypeaks,peaks,timing (default all)")
     ap.add_argument("--render-only", action="store_true", help="write the report from existing runs")
     args = ap.parse_args(argv)
     if not args.render_only:

@@ -62,6 +62,26 @@ def step_s(run: Run) -> float | None:
     return max(values) if values else None
 
 
+def rule(run: Run) -> str:
+    """How a run's plan moves, whatever its period: ``fixed`` or the ``parallelism.redraw`` rule."""
+    every = run.flat.get("parallelism.resample_every")
+    return "fixed" if every in (None, "null") else str(run.flat.get("parallelism.redraw", "relabel"))
+
+
+def timed_step_s(run: Run, *, every: int | None) -> float | None:
+    """A quiet timing run's step time for a re-draw period ``every``: its median step plus one re-draw's
+    measured seconds (the mean over its re-draws) divided by the period, on the slowest rank. Why: a re-draw's
+    cost does not depend on R, and the long sweeps' own wall-clock is not used (other jobs may have run)."""
+    count = float((run.summary.strategy_info or {}).get("redraws", 0) or 0)
+    values = []
+    for r in (run.summary.time or {}).get("per_rank") or []:
+        if r.get("step_s_median") is None:
+            continue
+        per_redraw = (r.get("phases_s_total") or {}).get("resample", 0.0) / count if count else 0.0
+        values.append(r["step_s_median"] + (per_redraw / every if every else 0.0))
+    return max(values) if values else None
+
+
 def _mean(row: Row, fn) -> float | None:
     vals = [v for v in (fn(r) for r in row.runs.values()) if v is not None]
     return sum(vals) / len(vals) if vals else None
@@ -73,8 +93,10 @@ class Remedies:
     def __init__(self, *, study: Study) -> None:
         self.st = study
         base = study.dir / "runs" / "remedies"
-        self.rows = _collect([r for r in find_runs(base) if "peaks" not in Path(r.path).relative_to(base).parts],
+        self.rows = _collect([r for r in find_runs(base) if not {"peaks", "timing"} & set(Path(r.path).relative_to(base).parts)],
                              key=remedy_name)
+        # step times from quiet short runs (one per rule), as the main table's come from runs/timing
+        self.timing = _collect(find_runs(base / "timing"), key=rule) if (base / "timing").is_dir() else {}
         peaks = find_runs(base / "peaks") if (base / "peaks").is_dir() else []
         self.peaks = _collect(peaks, key=lambda r: str(r.flat.get("parallelism.redraw", "relabel")))
         self.fixed = next((n for n in self.rows if n.endswith("fixed plan")), None)
@@ -102,14 +124,27 @@ class Remedies:
                                                     if key == "redraw_peak_bytes" else run_figures(r.summary)[key])
         return None if value is None else value / ddp
 
+    def step_ratio(self, name: str, row: Row, fixed: Row | None) -> float | None:
+        """The row's step time (re-draws included) over the fixed plan's: from the quiet timing runs when the
+        study has them, else from the sweep's own runs (one sweep, one machine, whatever else ran beside it)."""
+        if self.timing:
+            run = next(iter(row.runs.values()))
+            every = run.flat.get("parallelism.resample_every")
+            mine, base = self.timing.get(rule(run)), self.timing.get("fixed")
+            if mine is None or base is None:
+                return None
+            sec = _mean(mine, lambda r: timed_step_s(r, every=None if every in (None, "null") else int(every)))
+            ref = _mean(base, lambda r: timed_step_s(r, every=None))
+        else:
+            sec, ref = _mean(row, step_s), None if fixed is None else _mean(fixed, step_s)
+        return None if sec is None or not ref else sec / ref
+
     def records(self) -> list[dict[str, str]]:
         fixed = self.rows.get(self.fixed) if self.fixed else None
-        fixed_s = None if fixed is None else _mean(fixed, step_s)
         ddp_comm = _mean(self.st.ddp, comm_per_step)
         out = []
         for name, row in self.rows.items():
             comm = _mean(row, comm_per_step)
-            sec = _mean(row, step_s)
             out.append({
                 "remedy (B-SDP C=0.5)": name.split(", ", 1)[1], "seeds": ",".join(map(str, sorted(row.runs))),
                 "re-draws": fmt(_mean(row, lambda r: float((r.summary.strategy_info or {}).get("redraws", 0) or 0)), ".0f"),
@@ -120,7 +155,7 @@ class Remedies:
                 "train peak x DDP": fmt(self.peak_ratio(name, "train_peak_bytes")),
                 "re-draw peak x DDP train peak": fmt(self.peak_ratio(name, "redraw_peak_bytes")),
                 "comm/step x DDP (incl. re-draws)": fmt(None if comm is None or not ddp_comm else comm / ddp_comm),
-                "step s x fixed plan (incl. re-draws)": fmt(None if sec is None or not fixed_s else sec / fixed_s),
+                "step s x fixed plan (incl. re-draws)": fmt(self.step_ratio(name, row, fixed)),
             })
         return out
 
@@ -169,6 +204,9 @@ def remedies_section(*, study: Study) -> list[str]:
             "workers' subnetworks' predicted probabilities. Peaks: one 20-step run per rule with one re-draw "
             "(live-tensor tracker, fullest rank) over DDP's training peak. Comm: payload bytes per step with the "
             "re-draws' traffic spread over the steps. Step time: median step plus re-draw seconds per step, over "
-            "the fixed plan's re-run. The ensemble is not a model of DDP's cost: it runs all n workers' "
+            + ("the fixed plan's, from short runs made with nothing else on the machine (runs/remedies/timing: one "
+               "run per rule, seed 0, two re-draws; one re-draw's seconds over the period R). "
+               if rem.timing else "the fixed plan's re-run. ")
+            + "The ensemble is not a model of DDP's cost: it runs all n workers' "
             "subnetworks at inference (n x C = 2x the full model's forward FLOPs at n = 4, C = 0.5), while the "
             "assembled model runs the full model once.", "", markdown_table(records), "", *rem.lines(), ""]
