@@ -143,6 +143,8 @@ class SDP:
     """Seed of random assignment and of plan re-draws."""
 
 
-# parallelism.name -> schema, for a recorded config.yaml (written untyped) and for the registration.
+# ConfigStore names under schema/parallelism/ (conf/parallelism/*.yaml: `- /schema/parallelism/<family>@_here_`).
+FAMILIES = {"ddp": DDP, "ddp_ac": DDPAC, "drop": Drop, "fsdp": FSDP, "pipeline": Pipeline, "sdp": SDP}
+# parallelism.name -> schema, for a recorded config.yaml (written untyped).
 PRESETS = {"ddp": DDP, "ddp_ac": DDPAC, "ddp_layerdrop": Drop, "ddp_stochastic_depth": Drop, "fsdp": FSDP,
            "pipeline": Pipeline, "sdp": SDP}

@@ -22,15 +22,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sdp.driver import fields
 from sdp.driver.schema import CLUSTERS, Job, Optim, Train
-from sdp.driver.schema_parallel import PRESETS
+from sdp.driver.schema_parallel import FAMILIES, PRESETS
 from sdp.errors import ConfigError
 
 # ConfigStore names (group schema/...) that conf/*.yaml extend, e.g. `- /schema/parallelism/sdp@_here_`.
-STORED: dict[str, Any] = {"schema/optim": Optim,
-          **{f"schema/cluster/{name}": node for name, node in CLUSTERS.items()},
-          **{f"schema/parallelism/{name}": node for name, node in
-             {"ddp": PRESETS["ddp"], "ddp_ac": PRESETS["ddp_ac"], "drop": PRESETS["ddp_layerdrop"],
-              "fsdp": PRESETS["fsdp"], "pipeline": PRESETS["pipeline"], "sdp": PRESETS["sdp"]}.items()}}
+STORED: dict[str, Any] = {"schema/optim": Optim, **{f"schema/cluster/{name}": node for name, node in CLUSTERS.items()},
+                          **{f"schema/parallelism/{name}": node for name, node in FAMILIES.items()}}
 
 
 def open_node(schema: type) -> DictConfig:
