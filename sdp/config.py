@@ -3,8 +3,11 @@
 Why up front: a typo must cost seconds, not a cluster allocation. Every error names the key, the
 value and what is allowed (torchtitan's ``ParallelDims`` validation is the model). Unknown group
 options (``model=nope``) are refused by Hydra itself, listing the options; everything else is here:
-names and importable ``_target_``\ s, dataset paths, sizes and rates, the cluster, the reliability keys
-(``train.resume`` must resolve, ``train.debug`` must name a rank and step of the job), then one build
+the types, choices and ranges of every key (the typed schema, :mod:`sdp.driver.typed`: a config
+composed from ``conf/`` is typed by Hydra itself), then what involves more than one key or the
+world outside the config: names and importable ``_target_``\ s, dataset paths, the cluster, the
+reliability keys (``train.resume`` must resolve, ``train.debug`` must name a rank and step of the
+job), the memory budget's tracker, then one build
 of the data index, the model (meta device) and the optimizer (:mod:`sdp.preflight`), the model's
 operations under ``train.deterministic`` on CUDA (:mod:`sdp.determinism`), and last each
 strategy's own ``validate``. ``tests/test_validation.py`` holds the catalogue of bad inputs.
@@ -62,33 +65,18 @@ def importable(key: str, value: Any, *, base: type | None = None) -> None:
 
 
 def validate_train(cfg: DictConfig) -> None:
-    """The ``train:`` node, including the reliability keys and the ``train.debug`` fault injection."""
-    from sdp import checkpoint, checkpoint_resume, faults, guards, precision
+    """The ``train:`` node's rules beyond its schema: ``train.resume`` must resolve, ``train.debug`` must name a
+    rank and step of the job (types, choices and ranges: :func:`sdp.driver.typed.parse`, run first)."""
+    from sdp import checkpoint_resume
 
     tc = cfg.train
-    for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
-        positive_int(f"train.{key}", tc[key])
-    for key in ("eval_every", "warmup_steps", "num_workers", "checkpoint_every", "checkpoint_keep"):
-        positive_int(f"train.{key}", tc[key], minimum=0)
-    if tc.get("eval_points") is not None:
-        positive_int("train.eval_points", tc.eval_points)
-    one_of("train.nan_policy", tc.nan_policy, guards.POLICIES)
-    precision.check(tc.precision)
-    boolean("train.deterministic", tc.deterministic)
-    boolean("train.tf32", tc.get("tf32", True))  # absent from a config.yaml recorded before the key (sdp-rerun)
-    boolean("train.extend_steps", tc.extend_steps)
-    boolean("train.skip_done", tc.skip_done)
-    positive_float("train.checkpoint_timeout_s", checkpoint.io_timeout_s(cfg))
     if tc.resume is not None and str(tc.resume) != "auto":
         # raises ConfigError naming the path; its files are verified once, when sdp.train.run resolves it again
         checkpoint_resume.resolve(resume=tc.resume, run_dir=None, verify=False)
     dbg = tc.debug
     if dbg.fault is not None:
-        one_of("train.debug.fault", dbg.fault, faults.FAULTS)
-        positive_int("train.debug.fault_rank", dbg.fault_rank, minimum=0)
         require(dbg.fault_rank < cfg.cluster.world_size, "train.debug.fault_rank", dbg.fault_rank,
                 f"must be a rank of the job, < cluster.world_size={cfg.cluster.world_size}")
-        positive_int("train.debug.fault_step", dbg.fault_step)
         if str(tc.budget) == "iterations":  # other budgets set train.steps later: checked again once resolved
             check_resolved(cfg)
 
@@ -126,12 +114,15 @@ def validate_strategy(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> None:
     """Check everything that can be checked without starting a rank."""
     from sdp.rankenv import external_launcher
+    from sdp.driver.typed import parse
     from sdp.models.base import SDPModel
     from sdp.parallel import STRATEGIES
     from sdp.registry import import_plugins
 
     import_plugins(cfg)  # strategies defined outside sdp/ register themselves on import
     one_of("parallelism.name", cfg.parallelism.name, STRATEGIES.names())
+    check_renamed(cfg)  # before parse: a moved key is named with its new place, not as unknown to the schema
+    parse(cfg)  # types (a recorded config.yaml; a composed one was typed by Hydra), choices and ranges of every key
     importable("model._target_", cfg.model.get("_target_"), base=SDPModel)
     importable("dataset._target_", cfg.dataset.get("_target_"))
     from sdp.data.common import preflight
@@ -139,10 +130,6 @@ def validate(cfg: DictConfig) -> None:
     preflight(cfg.dataset)  # dataset files: a missing root or a bad shard fails here, named, before any rank
     importable("optim.optimizer._target_", cfg.optim.optimizer.get("_target_"))
     cl = cfg.cluster
-    positive_int("cluster.world_size", cl.world_size)
-    one_of("cluster.device", cl.device, ("cpu", "cuda"))
-    one_of("cluster.backend", cl.backend, ("auto", "gloo", "nccl"))
-    positive_float("cluster.timeout_s", cl.timeout_s)
     if external_launcher():
         import os
 
@@ -163,21 +150,10 @@ def validate(cfg: DictConfig) -> None:
     if cl.device == "cpu":
         require(cl.backend != "nccl", "cluster.backend", cl.backend, "NCCL needs cluster.device=cuda; use gloo or auto on CPU")
     validate_train(cfg)
-    check_renamed(cfg)
-    from sdp.evaluation import validate_eval
-
-    validate_eval(cfg)
-    boolean("memory.tracker", cfg.memory.tracker)
     if cfg.memory.budget_mb is not None:
-        positive_float("memory.budget_mb", cfg.memory.budget_mb)
         require(bool(cfg.memory.tracker) or cl.device == "cuda", "memory.budget_mb", cfg.memory.budget_mb,
                 "on CPU the budget is enforced by the live-tensor tracker: set memory.tracker=true")
-    positive_int("seed", cfg.seed, minimum=0)
-    positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)
-    one_of("optim.schedule", cfg.optim.schedule, ("constant", "cosine", "linear"))
-    positive_int("optim.warmup_steps", cfg.optim.warmup_steps, minimum=0)
-    one_of("logger.wandb.mode", cfg.logger.wandb.mode, ("online", "offline", "disabled"))
-    positive_float("logger.wandb.init_timeout_s", cfg.logger.wandb.init_timeout_s)
+    positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)  # the optimizer's own arguments have no schema
     from sdp.preflight import build_once
 
     build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on, named here

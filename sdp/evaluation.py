@@ -56,7 +56,6 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdp import eval_ensemble
-from sdp.errors import boolean, one_of, positive_int
 from sdp.data.base import DataBundle
 from sdp.distctx import DistContext, flatten, unflatten
 from sdp.eval_ops import (  # noqa: F401 (LOSS_CHUNK_TOKENS, loss_and_correct, world_sum: re-exported)
@@ -64,16 +63,7 @@ from sdp.eval_ops import (  # noqa: F401 (LOSS_CHUNK_TOKENS, loss_and_correct, w
     val_totals, world_sum)
 from sdp.eval_parts import Partwise, partwise_totals
 
-BN_PROTOCOLS = ("reestimate", "average")
-
-
-def validate_eval(cfg: DictConfig) -> None:
-    """The ``eval:`` node (called by :func:`sdp.config.validate`)."""
-    one_of("eval.bn", cfg.eval.bn, BN_PROTOCOLS)
-    positive_int("eval.bn_batches", cfg.eval.bn_batches)
-    positive_int("eval.part_batches", part_batches(cfg))
-    boolean("eval.subnetworks", cfg.eval.subnetworks)
-    boolean("eval.ensemble", ensemble(cfg))
+BN_PROTOCOLS = ("reestimate", "average")  # eval.bn (its choices in sdp/driver/schema.py)
 
 
 def part_batches(cfg: DictConfig) -> Any:

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from sdp.config import validate
-from sdp.errors import boolean, positive_int, require
+from sdp.errors import positive_int, require
 from sdp.models.base import SDPModel
 from sdp.parallel import STRATEGIES, Strategy
 from sdp.plan_entries import MIB, Entry, communicators
@@ -89,11 +89,10 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 
 def plan_options(cfg: DictConfig) -> tuple[str | None, bool]:
-    """The ``plan:`` node (read by sdp-plan only, so checked here, not by sdp-train's validation)."""
+    """The ``plan:`` node (read by sdp-plan only; its types are the schema's, sdp/driver/schema.py)."""
     output, frontier = cfg.plan.output, cfg.plan.frontier
-    require(output is None or (isinstance(output, str) and bool(output)), "plan.output", output, "null or a file path")
-    boolean("plan.frontier", frontier)
-    return output, frontier
+    require(output is None or bool(output), "plan.output", output, "null or a file path")
+    return output, bool(frontier)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from sdp import checkpoint_resume, results, sweep
 from sdp import budget as budgets
 from sdp.config import check_resolved, renamed_overrides, validate
+from sdp.driver.typed import register
 from sdp.launch import RankFailure, launch
 from sdp.rankenv import external_launcher
 from sdp.loggers import wandb_run_id
@@ -42,6 +43,8 @@ if not OmegaConf.has_resolver("sdp_uid"):
 # Products of config values, e.g. cluster.world_size = ${sdp_mul:${cluster.nodes},${cluster.tasks_per_node}}.
 if not OmegaConf.has_resolver("sdp_mul"):
     OmegaConf.register_new_resolver("sdp_mul", lambda *xs: math.prod(int(x) for x in xs))
+
+register()  # the typed schemas conf/*.yaml extend (sdp/driver/schema.py), stored before anything composes conf/
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 DEFAULT_JOB = ["experiment=compare"]  # what `sdp-train` alone runs (the first Quick start command of the README)

@@ -110,10 +110,10 @@ def test_checkpoint_without_checksums_is_accepted_with_a_note(tmp_path: Path) ->
 
 
 def test_checkpoint_timeout_is_validated() -> None:
-    from sdp.config import validate_train
+    from sdp.driver.typed import parse  # the schema's range (sdp/driver/schema.py), checked in the driver's parse
 
     with pytest.raises(ConfigError, match=r"train.checkpoint_timeout_s=0 is invalid: must be a number > 0"):
-        validate_train(compose(["train.checkpoint_timeout_s=0"]))
+        parse(compose(["train.checkpoint_timeout_s=0"]))
 
 
 # ---- multi-rank ----------------------------------------------------------------------------------

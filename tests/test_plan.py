@@ -114,14 +114,16 @@ def test_sdp_train_prints_the_plan_warnings_once_not_per_rank(tmp_path: Path) ->
 
 
 def test_plan_options_refuse_bad_values_naming_the_key() -> None:
+    from hydra.errors import ConfigCompositionException
+
     from sdp.config import ConfigError
     from sdp.planner import plan_options
 
     assert plan_options(compose(["plan.frontier=true", "plan.output=p.json"])) == ("p.json", True)
-    with pytest.raises(ConfigError, match=r"plan.frontier='maybe' is invalid: must be true or false"):
+    with pytest.raises(ConfigCompositionException, match=r"plan.frontier=maybe"):  # typed: refused by Hydra
         plan_options(compose(["plan.frontier=maybe"]))
-    with pytest.raises(ConfigError, match=r"plan.output=3 is invalid: null or a file path"):
-        plan_options(compose(["plan.output=3"]))
+    with pytest.raises(ConfigError, match=r"plan.output='' is invalid: null or a file path"):
+        plan_options(compose(["plan.output=''"]))
 
 
 def test_frontier_of_a_config_and_its_refusal_for_backward_masking() -> None:

@@ -1,0 +1,148 @@
+"""The typed config (sdp/driver/schema.py, schema_parallel.py): every preset composes into its schema, a
+wrong type is refused by Hydra/OmegaConf while composing and a wrong choice or range by the driver's one
+parse, each naming the key; recorded run configs (written before some keys existed) still parse; the
+schemas' choices are the code's own. Single process, Hydra's compose API only."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from sdp.driver import schema, schema_parallel
+from sdp.driver.schema import CLUSTERS, Eval, Job, Optim, Train
+from sdp.driver.schema_parallel import PRESETS
+from sdp.driver.typed import parse
+from sdp.errors import ConfigError
+from tests.hydra_cfg import compose_config
+
+REPO = Path(__file__).resolve().parent.parent
+PRESET_FILES = sorted(p.stem for p in (REPO / "conf" / "parallelism").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESET_FILES)
+def test_every_parallelism_preset_composes_into_its_schema(preset: str) -> None:
+    cfg = compose_config(f"parallelism={preset}")
+    kind = OmegaConf.get_type(cfg.parallelism)
+    assert kind is PRESETS[str(cfg.parallelism.name)], (preset, kind)
+    assert OmegaConf.get_type(cfg.train) is Train and OmegaConf.get_type(cfg.eval) is Eval, preset
+    assert OmegaConf.get_type(cfg.optim) is Optim and OmegaConf.get_type(cfg.cluster) is CLUSTERS["local"], preset
+    assert OmegaConf.missing_keys(cfg) == set(), f"{preset}: keys the YAML does not set: {OmegaConf.missing_keys(cfg)}"
+    typed = parse(cfg)
+    assert typed.parallelism is cfg.parallelism and typed.train is cfg.train, "a composed config is used as it is"
+
+
+@pytest.mark.parametrize("overrides", [["cluster=slurm"], ["cluster=slurm_gpu"], ["optim=adamw"], ["experiment=smoke"],
+                                       ["experiment=cpu_study_lm", "variant=b_sdp_c100"]])
+def test_other_groups_compose_typed(overrides: list[str]) -> None:
+    cfg = compose_config(*overrides)
+    assert OmegaConf.get_type(cfg.cluster) is CLUSTERS[str(cfg.cluster.name)], overrides
+    assert OmegaConf.missing_keys(cfg) == set(), (overrides, OmegaConf.missing_keys(cfg))
+    parse(cfg)
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("train.steps=abc", "train.steps", ["'abc'", "Integer"]),                      # int
+    ("train.batch_size=3.5", "train.batch_size", ["3.5", "Integer"]),
+    ("parallelism.coverage=high", "parallelism.coverage", ["'high'", "Union[int, float]"]),  # number
+    ("cluster.timeout_s=soon", "cluster.timeout_s", ["'soon'", "Union[int, float]"]),
+    ("train.deterministic=maybe", "train.deterministic", ["'maybe'", "bool"]),      # bool
+    ("memory.tracker=sometimes", "memory.tracker", ["'sometimes'", "bool"]),
+])
+def test_a_wrong_type_is_refused_while_composing(override: str, key: str, words: list[str]) -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config("parallelism=sdp", override)
+    message = f"{info.value} {info.value.__cause__}"
+    for part in [key, *words]:
+        assert part in message, f"{override}: expected {part!r} in: {message}"
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("parallelism.masking=sideways", "parallelism.masking='sideways' is invalid: allowed: forward, backward"),
+    ("train.precision=fp16", "train.precision='fp16' is invalid: allowed: fp32, bf16"),
+    ("cluster.device=tpu", "cluster.device='tpu' is invalid: allowed: cpu, cuda"),
+    ("parallelism.coverage=1.5", "parallelism.coverage=1.5 is invalid: must be a number in (0, 1]"),
+    ("train.steps=0", "train.steps=0 is invalid: must be an integer >= 1"),
+    ("parallelism.balance.flops=-1", "parallelism.balance.flops=-1 is invalid: must be a number >= 0"),
+])
+def test_a_wrong_choice_or_range_is_refused_by_the_parse(override: str, expect: str) -> None:
+    cfg = compose_config("parallelism=sdp", override)  # a str or number of the right type: composes
+    with pytest.raises(ConfigError) as info:
+        parse(cfg)
+    assert str(info.value) == expect, str(info.value)
+
+
+def test_a_preset_of_another_family_refuses_keys_it_lacks() -> None:
+    with pytest.raises(ConfigCompositionException, match="coverage"):
+        compose_config("parallelism=ddp", "parallelism.coverage=0.5")
+
+
+def test_values_print_as_written() -> None:
+    """Union[int, float], not float: ``coverage: 1`` and ``bucket_cap_mb: 25`` stay ints (config.yaml unchanged)."""
+    cfg = compose_config("experiment=cpu_study_lm", "variant=b_sdp_c100", "parallelism.bucket_cap_mb=0.01")
+    assert repr(cfg.parallelism.coverage) == "1" and repr(cfg.parallelism.bucket_cap_mb) == "0.01"
+    assert repr(compose_config("parallelism=ddp").parallelism.bucket_cap_mb) == "25"
+
+
+RESULTS = REPO / "benchmarks" / "results"
+# One recorded run per suite (benchmarks/results/<suite>/<sub>/<set>/...) and the studies' main runs: every era
+# and shape of config.yaml, in seconds (sdp-rerun and train.skip_done read them).
+RECORDED = sorted({*{p.relative_to(RESULTS).parts[:3]: p for p in sorted(RESULTS.rglob("config.yaml"), reverse=True)
+                     if ".hydra" not in p.parts}.values(), *RESULTS.glob("cpu-study/*/runs/main/0/config.yaml")})
+
+
+def test_recorded_run_configs_parse() -> None:
+    """``sdp-rerun`` composes a run's config.yaml as written (untyped); the driver's parse types it. Some were
+    written before a key existed (train.tf32, eval.ensemble): absent keys stay absent, nothing is refused."""
+    assert len(RECORDED) >= 5, RECORDED
+    older = []
+    for path in RECORDED:
+        cfg = OmegaConf.load(path)
+        typed = parse(cfg)
+        assert OmegaConf.get_type(typed.train) is Train, path
+        older += [path] if "tf32" not in cfg.train else []
+    assert older, "no recorded config predates train.tf32 any more: pick another key for this test"
+    cfg = OmegaConf.load(older[0])
+    cfg.train.steps = "abc"
+    with pytest.raises(ConfigError, match=r"train.steps is invalid: Value 'abc' of type 'str' could not be converted to Integer"):
+        parse(cfg)
+    cfg = OmegaConf.load(older[0])
+    cfg.train.nan_policy = "ignore"
+    with pytest.raises(ConfigError, match=r"train.nan_policy='ignore' is invalid: allowed: stop, skip"):
+        parse(cfg)
+
+
+def test_schema_choices_are_the_codes_own() -> None:
+    """The schema states each choice for the reader; the modules that act on a value keep their own tuple."""
+    from sdp import budget, evaluation, faults, guards, precision
+    from sdp.parallel import pipeline_plan, sdp_config, sdp_plan
+    from sdp.subnet import assign, rolling, units
+
+    def choices(cls: type, name: str) -> tuple:
+        return next(f.metadata["choices"] for f in dataclasses.fields(cls) if f.name == name)
+
+    pairs = [((Train, "nan_policy"), guards.POLICIES), ((Train, "precision"), precision.PRECISIONS),
+             ((Train, "budget"), budget.BUDGETS), ((Train, "flops_ratio"), budget.FLOPS_RATIOS),
+             ((schema.Debug, "fault"), faults.FAULTS), ((Eval, "bn"), evaluation.BN_PROTOCOLS),
+             ((PRESETS["sdp"], "level"), units.LEVELS), ((PRESETS["sdp"], "masking"), sdp_plan.MASKINGS),
+             ((PRESETS["sdp"], "assignment"), assign.ASSIGNMENTS), ((PRESETS["sdp"], "redraw"), rolling.REDRAWS),
+             ((PRESETS["sdp"], "rescale"), sdp_config.RESCALES), ((PRESETS["pipeline"], "schedule"), pipeline_plan.SCHEDULES)]
+    for (cls, name), code in pairs:
+        assert set(choices(cls, name)) == set(code), (cls.__name__, name, choices(cls, name), code)
+
+
+def test_every_field_has_a_type_and_a_docstring() -> None:
+    for module in (schema, schema_parallel):
+        tree = ast.parse(Path(module.__file__).read_text())
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            body = cls.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign):
+                    nxt = body[i + 1] if i + 1 < len(body) else None
+                    documented = isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
+                    assert documented, f"{module.__name__}.{cls.name}.{ast.unparse(stmt.target)} has no docstring"
+    assert [f.name for f in dataclasses.fields(Job)][:3] == ["seed", "plugins", "train"], "the root's key order"
