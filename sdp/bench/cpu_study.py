@@ -17,7 +17,7 @@ finished job and resumes a checkpointed one when the command is run again):
   rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``);
 - ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth (the
   main sweep gives 8 blocks);
-- ``runs/remedies`` (LM, issue 28): B-SDP C = 0.5 with plan re-draws (``parallelism.redraw=shuffle|rolling``,
+- ``runs/remedies`` (LM, issue 28; the image study: the LM's best two rules, seeds 0-2): B-SDP C = 0.5 with plan re-draws (``parallelism.redraw=shuffle|rolling``,
   every 50 and 200 steps) and with its fixed plan again (the ensemble column), seeds 0-4, one sweep per seed
   and period (``seed-<s>/R50``, ``seed-<s>/R200``), seeds 0-2 of both periods first;
   ``runs/remedies/peaks``: each re-draw rule once for 20 steps with the tracker on and one re-draw at step 10 (its peak);
@@ -60,7 +60,12 @@ STUDIES = {
               "extras": [["variant=fsdp", "seed=0"]],
               # seeds 3-4 for the pair of the image interval target only (the CPU time of the session; the other
               # rows keep seeds 0-2: widening this list renumbers the sweep, which skip_done refuses, clearly)
-              "seeds": ["variant=ddp,b_sdp_c50"]},
+              "seeds": ["variant=ddp,b_sdp_c50"],
+              # issue 28: the LM study's best two re-draw rules by assembled - DDP over seeds 0-2 (rolling and
+              # shuffle every 200), and the fixed plan again for its ensemble column; 3 seeds
+              "remedies": {"R200": "variant=b_sdp_c50,b_sdp_c50_roll200,b_sdp_c50_shuffle200"},
+              "remedy_seeds": 3,
+              "remedy_timing": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50"},
 }
 PEAK_STEPS, TIMING_STEPS = 20, 60
 REMEDY_TIMING_STEPS = 110  # re-draws at steps 50 and 100 of the *_50 variants, then ten more steps
