@@ -89,9 +89,9 @@ def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
     one_of("train.budget", budget, BUDGETS)
     base = int(tc.steps)
     per_sample, masked, n_units, flops_error = model_flops(cfg)
-    strategy = STRATEGIES.get(str(cfg.parallelism.name))
+    spec = STRATEGIES.get(str(cfg.parallelism.name))
     ready = prepared(cfg, build_now=False)  # the plan validation drew (SDP's k), shared with the ranks
-    cov = strategy.coverage(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), n_units=n_units, prepared=ready)
+    cov = spec.coverage(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), n_units=n_units, prepared=ready)
     if cov is not None:
         require(cov.fraction is not None, cov.key, cov.value,
                 f"needs the model's unit count to give the fraction computed, which could not be counted ({flops_error})")
@@ -99,7 +99,7 @@ def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
     global_batch = int(tc.batch_size) * int(cfg.cluster.world_size)
     fraction: float | None = 1.0
     if cov is not None:
-        fraction = strategy.flops_fraction(cfg=cfg.parallelism, coverage=cov, masked=masked) if masked is not None else None
+        fraction = spec.flops_fraction(cfg=cfg.parallelism, coverage=cov, masked=masked) if masked is not None else None
     info: dict[str, Any] = {"budget": budget, "base_steps": base, "global_batch": global_batch,
                             "coverage": coverage, "coverage_key": cov.key if cov else None,
                             "coverage_nominal": cov.value if cov else None,

@@ -36,6 +36,7 @@ def sdp_peaks(*, cfg: DictConfig, model: SDPModel, plan: Plan, batch: int, eval_
     rehearsed (:func:`sdp.plan_peaks.rehearse`) with its owner-set buckets' flat buffers (overlapped:
     :func:`_overlap_stand_in`); evaluation part by part next to the rank's state (:func:`rehearse_partwise`),
     or a whole assembled copy for a model that cannot be cut; with ``resample_every`` the first re-draw."""
+    assert plan is not None, "SDP's peak rehearsal reads the driver's plan (sdp.preflight.prepared), got none"
     pc, world = cfg.parallelism, plan.world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     pieces = M.pieces(model, plan)

@@ -75,6 +75,7 @@ def plan_lists(plan: Plan) -> dict[str, Any]:
 def predict(*, cfg: DictConfig, model: SDPModel, plan: Plan, facts: dict[str, Any]) -> list[Entry]:
     """SDP: this rank's masked subnetwork (the driver's ``plan`` and the strategy's masking applied on meta),
     owner-set gradient buckets and refresh broadcasts from :class:`sdp.subnet.sync.OwnerSetSync`."""
+    assert plan is not None, "SDP's prediction reads the driver's plan (sdp.preflight.prepared), got none"
     pc, world = cfg.parallelism, plan.world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     facts["plan"] = plan.summary()  # as summary.json["plan"]: units -> holders, holder sets, connectivity
