@@ -8,9 +8,9 @@ the result and recorded in ``config.yaml``, the details in ``summary.json["budge
   model's FLOPs per step runs ``round(train.steps / r)`` steps, as the paper's FLOP matching extends
   training by 1/C. ``train.flops_ratio=coverage`` takes ``r = C`` (the paper's rule); ``measured``
   takes ``r`` from the model's FLOP count. Both come from the strategy
-  (:meth:`sdp.parallel.base.Strategy.coverage`: ``C`` is the realised fraction of the model's units a
-  worker computes per step, e.g. k / n for SDP, a mean survival probability for a drop baseline;
-  :meth:`~sdp.parallel.base.Strategy.flops_fraction`: the measured ``r``). A strategy without a
+  (:meth:`sdp.parallel.spec.StrategySpec.coverage`: ``C`` is the realised fraction of the model's units a
+  worker computes per step, e.g. the driver's SDP plan's k / n, a mean survival probability for a drop
+  baseline; :meth:`~sdp.parallel.spec.StrategySpec.flops_fraction`: the measured ``r``). A strategy without a
   coverage computes the full model: ``r = 1`` (activation recomputation is not counted: budgets count
   model FLOPs);
 - ``tokens``: ``ceil(train.tokens / (global batch x sequence length))`` steps for every method.
@@ -46,7 +46,7 @@ from sdp.errors import ConfigError, one_of, positive_int, require
 from sdp.metrics.flops import masked_fractions
 from sdp.models.base import forward_flop_counts
 from sdp.parallel import STRATEGIES
-from sdp.registry import build
+from sdp.preflight import meta_model, prepared
 
 BUDGETS = ("iterations", "flops", "tokens")
 FLOPS_RATIOS = ("coverage", "measured")
@@ -66,10 +66,10 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
 
 def model_flops(cfg: DictConfig) -> tuple[int | None, dict[str, float] | None, int | None, str | None]:
     """(training FLOPs per sample of the full model, masked share per unit level, number of units, why
-    not) from a meta-device build."""
+    not) from the driver's meta-device build (:func:`sdp.preflight.meta_model`)."""
     try:
+        model = meta_model(cfg)
         with torch.device("meta"):
-            model = build(cfg.model)
             per_sample = int(model.flops_per_sample())
             masked = masked_fractions(counts=forward_flop_counts(model), model=model)
             n_units = len(model.sdp_units())
@@ -81,16 +81,17 @@ def model_flops(cfg: DictConfig) -> tuple[int | None, dict[str, float] | None, i
 def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
     """The number of optimizer steps ``cfg`` asks for under its budget, and what was counted.
 
-    Pure in the config (the model is built on the meta device only to count FLOPs); raises
-    :class:`ConfigError` naming the key for an impossible budget.
+    Pure in the config (the driver's meta-device model counts FLOPs; the strategy's prepared plan gives
+    SDP's k); raises :class:`ConfigError` naming the key for an impossible budget.
     """
     tc = cfg.train
     budget = str(tc.budget)
     one_of("train.budget", budget, BUDGETS)
     base = int(tc.steps)
     per_sample, masked, n_units, flops_error = model_flops(cfg)
-    strategy = STRATEGIES.get(str(cfg.parallelism.name))
-    cov = strategy.coverage(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), n_units=n_units)
+    spec = STRATEGIES.get(str(cfg.parallelism.name))
+    ready = prepared(cfg, build_now=False)  # the plan validation drew (SDP's k), shared with the ranks
+    cov = spec.coverage(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), n_units=n_units, prepared=ready)
     if cov is not None:
         require(cov.fraction is not None, cov.key, cov.value,
                 f"needs the model's unit count to give the fraction computed, which could not be counted ({flops_error})")
@@ -98,7 +99,7 @@ def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
     global_batch = int(tc.batch_size) * int(cfg.cluster.world_size)
     fraction: float | None = 1.0
     if cov is not None:
-        fraction = strategy.flops_fraction(cfg=cfg.parallelism, coverage=cov, masked=masked) if masked is not None else None
+        fraction = spec.flops_fraction(cfg=cfg.parallelism, coverage=cov, masked=masked) if masked is not None else None
     info: dict[str, Any] = {"budget": budget, "base_steps": base, "global_batch": global_batch,
                             "coverage": coverage, "coverage_key": cov.key if cov else None,
                             "coverage_nominal": cov.value if cov else None,

@@ -105,10 +105,14 @@ def validate_determinism(cfg: DictConfig) -> None:
 
 
 def validate_strategy(cfg: DictConfig) -> None:
-    """The strategy's own checks, given its ``parallelism`` node and the whole config."""
+    """The strategy's own checks, given its ``parallelism`` node and the whole config, then what it builds
+    once from the driver's meta model for the ranks (:func:`sdp.preflight.prepared`: SDP's plan, checked)."""
     from sdp.parallel import STRATEGIES
+    from sdp.preflight import prepared
 
     STRATEGIES.get(str(cfg.parallelism.name)).validate(cfg=cfg.parallelism, full_cfg=cfg, world_size=int(cfg.cluster.world_size))
+    if "model" in cfg and "train" in cfg:
+        prepared(cfg)
 
 
 def validate(cfg: DictConfig) -> None:

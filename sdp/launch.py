@@ -44,7 +44,8 @@ FAILURE_GRACE_S = 3.0  # how long a rank whose report is alone waits for an earl
 ATTEMPT_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
 
 
-def run_external(*, config: dict[str, Any], run_dir: Path, budget: dict[str, Any] | None = None) -> Summary | None:
+def run_external(*, config: dict[str, Any], run_dir: Path, budget: dict[str, Any] | None = None,
+                 prepared: Any = None) -> Summary | None:
     """Run this process's rank; if it fails, raise the failure of the rank that failed first.
 
     When one rank raises, its peers only see a closed connection once it has exited; each failing
@@ -57,7 +58,7 @@ def run_external(*, config: dict[str, Any], run_dir: Path, budget: dict[str, Any
     from sdp.worker import run_rank
 
     try:
-        return run_rank(config, str(run_dir), budget)
+        return run_rank(config, str(run_dir), budget, prepared)
     except Exception:
         rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
         folder = RunDir(run_dir).failures("-".join(os.environ.get(k, "") for k in ATTEMPT_ENV))
@@ -113,15 +114,17 @@ def stopped(sig: int) -> BaseException:
     return SystemExit(128 + int(sig))
 
 
-def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = None) -> Summary | None:
+def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = None, prepared: Any = None) -> Summary | None:
     """Run the job's ranks and return rank 0's summary (None on other ranks of an external job).
 
-    ``budget``: what the driver counted to resolve ``train.steps``; rank 0 puts it in summary.json."""
+    ``budget``: what the driver counted to resolve ``train.steps``; rank 0 puts it in summary.json.
+    ``prepared``: what the strategy built once in the driver for every rank (SDP's plan, picklable:
+    :meth:`sdp.parallel.spec.StrategySpec.prepare`)."""
     from sdp.worker import run_rank
 
     config = OmegaConf.to_container(cfg, resolve=True)
     if external_launcher():
-        return run_external(config=config, run_dir=run_dir, budget=budget)
+        return run_external(config=config, run_dir=run_dir, budget=budget, prepared=prepared)
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -140,7 +143,7 @@ def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = No
         logs_specs=DefaultLogsSpecs(log_dir=str(RunDir(run_dir).rank_logs)),
     )
     try:
-        outputs = elastic_launch(launch_cfg, run_rank)(config, str(run_dir), budget)
+        outputs = elastic_launch(launch_cfg, run_rank)(config, str(run_dir), budget, prepared)
     except SignalException as exc:
         raise stopped(exc.sigval) from None
     except ChildFailedError as exc:

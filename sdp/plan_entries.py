@@ -1,6 +1,6 @@
 """The per-rank entries ``sdp-plan`` writes, and the rules every strategy's prediction shares.
 
-Each strategy predicts its own memory and communication (:meth:`sdp.parallel.base.Strategy.predict`,
+Each strategy predicts its own memory and communication (:meth:`sdp.parallel.spec.StrategySpec.predict`,
 run in the driver on the meta device); this module holds what those predictions have in common: the
 optimizer-state rule, the meta-device activation meter, and the shape of one rank's ``memory`` and
 ``comm`` entries (the ``memory.per_rank`` and ``comm.per_rank`` fields of ``summary.json``, so

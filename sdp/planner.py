@@ -2,14 +2,15 @@
 
 Same Hydra config as ``sdp-train``; nothing is launched and the model is built on the meta device,
 so a 1B-parameter model on 8 workers is planned in seconds. The strategy makes its own prediction
-(:meth:`sdp.parallel.base.Strategy.predict` and ``predict_peaks``, with the shared rules of
+(:meth:`sdp.parallel.spec.StrategySpec.predict` and ``predict_peaks``, with the shared rules of
 :mod:`sdp.plan_entries`), reusing the code it runs (its plan, masking, buckets, cut or sharding
 rule) rather than a second model of it; activations come from a meta-device forward through the
 same saved-tensor meter the trainer measures with. ``plan.output=<file>`` writes JSON with the
 ``memory.per_rank`` and ``comm.per_rank`` keys of ``summary.json``, so prediction and measurement
 compare field by field (``tests/test_plan.py``), plus the facts the strategy adds (e.g. its unit
-plan, as in ``summary.json``), which it also prints (``Strategy.format_facts``). This module names
-no strategy: adding one needs no edit here.
+plan, as in ``summary.json``), which it also prints (a spec's own ``format_facts``, where it has one). Both
+read what the driver built once for the ranks (:func:`sdp.preflight.prepared`: SDP's plan), so the
+prediction is of the very plan a run trains. This module names no strategy: adding one needs no edit here.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from omegaconf import DictConfig
 from sdp.config import validate
 from sdp.errors import positive_int, require
 from sdp.models.base import SDPModel
-from sdp.parallel import STRATEGIES, Strategy
+from sdp.parallel import STRATEGIES, StrategySpec
 from sdp.plan_entries import MIB, Entry, communicators
 from sdp.plan_peaks import predict_peaks
+from sdp.preflight import meta_model, prepared
 from sdp.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
 from sdp.registry import build
 
@@ -40,15 +42,15 @@ COMM_NOTE = ("groups: process groups per rank, the default one included; NCCL co
 
 def predict(cfg: DictConfig) -> dict[str, Any]:
     """Per-rank predicted memory and comm of ``cfg`` (validated first, as sdp-train does), made by the
-    strategy (:meth:`~sdp.parallel.base.Strategy.predict`)."""
+    strategy (:meth:`~sdp.parallel.spec.StrategySpec.predict`) from what the driver prepared for the ranks."""
     validate(cfg)
     name, world = str(cfg.parallelism.name), int(cfg.cluster.world_size)
-    strategy = STRATEGIES.get(name)
+    spec, ready = STRATEGIES.get(name), prepared(cfg)  # SDP's plan: the one validation drew
     with torch.device("meta"):
-        model = build(cfg.model)
+        model = build(cfg.model)  # a build of its own: a prediction may change it (activation checkpointing)
     facts: dict[str, Any] = {}  # strategy-specific facts for the plan (e.g. its unit plan)
-    entries = strategy.predict(cfg=cfg, model=model, world=world, facts=facts)
-    add_peaks(cfg=cfg, model=model, entries=entries, strategy=strategy)
+    entries = spec.predict(cfg=cfg, model=model, world=world, facts=facts, prepared=ready)
+    add_peaks(cfg=cfg, model=model, entries=entries, spec=spec, prepared=ready)
     per_group = cfg.cluster.comm_bytes_per_group  # read by sdp-plan only: checked here
     positive_int("cluster.comm_bytes_per_group", per_group, minimum=0)
     for (mem, _), comms in zip(entries, communicators(per_group=per_group, groups=facts.get("process_groups"), world=world)):
@@ -60,16 +62,22 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
             "notes": ["; ".join([BASE_NOTE, *notes])]}
 
 
-def add_peaks(*, cfg: DictConfig, model: SDPModel, entries: list[Entry], strategy: type[Strategy]) -> None:
+def add_peaks(*, cfg: DictConfig, model: SDPModel, entries: list[Entry], spec: type[StrategySpec], prepared: Any) -> None:
     """Add the predicted set-up, train and eval peaks (:mod:`sdp.plan_peaks`) to each rank's memory entry."""
-    peaks = predict_peaks(cfg=cfg, model=model, world=len(entries), state=[m for m, _ in entries], strategy=strategy)
+    peaks = predict_peaks(cfg=cfg, model=model, world=len(entries), state=[m for m, _ in entries], spec=spec,
+                          prepared=prepared)
     for (mem, _), p in zip(entries, peaks or [{}] * len(entries)):
         mem.update(p)
 
 
 def frontier(cfg: DictConfig) -> dict[str, Any]:
-    """``plan.frontier=true``: the strategy's plan against every other (:meth:`Strategy.plan_frontier`)."""
-    return STRATEGIES.get(str(cfg.parallelism.name)).plan_frontier(cfg=cfg)
+    """``plan.frontier=true``: the strategy's plan against every other; a question only SDP answers (its
+    spec's own ``plan_frontier``), refused for any other strategy."""
+    spec = STRATEGIES.get(str(cfg.parallelism.name))
+    own = getattr(spec, "plan_frontier", None)
+    if own is None:
+        raise ValueError(f"plan.frontier=true scores SDP with forward masking, got parallelism.name={spec.name!r}")
+    return own(cfg=cfg, model=meta_model(cfg), prepared=prepared(cfg))
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -100,8 +108,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     output, with_frontier = plan_options(cfg)
     plan = predict(cfg)
     print(format_plan(plan), flush=True)
-    for line in STRATEGIES.get(plan["strategy"]).format_facts(plan):
-        print(line, flush=True)
+    for line in getattr(STRATEGIES.get(plan["strategy"]), "format_facts", lambda _facts: [])(plan):
+        print(line, flush=True)  # the strategy's own facts (SDP: its plan), where it has any
     if with_frontier:
         plan["frontier"] = frontier(cfg)
         print(plan["frontier"].pop("text"), flush=True)

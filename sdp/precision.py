@@ -2,7 +2,7 @@
 
 Why one key and one context: a bf16 FSDP run against fp32 everything else is not a comparison. Every
 strategy runs its forward (and the loss) inside :func:`autocast`, entered from a single place
-(:meth:`sdp.parallel.base.Strategy.forward_loss`; the pipeline stages call the same context from
+(:meth:`sdp.parallel.base.Strategy._forward_loss`; the pipeline stages call the same context from
 their ``forward``), so the same ops run in the same dtype whatever the parallelism.
 
 - ``fp32``: no autocast; everything in float32.

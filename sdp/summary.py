@@ -71,9 +71,9 @@ class Summary:
     strategy: str | None = None
     """``parallelism.name``."""
     label: str | None = None
-    """The method's name in reports (:meth:`sdp.parallel.base.Strategy.method_label`); None in older runs."""
+    """The method's name in reports (:meth:`sdp.parallel.spec.StrategySpec.method_label`); None in older runs."""
     coverage: dict[str, Any] | None = None
-    """The strategy's coverage (:class:`sdp.parallel.facts.Coverage` as a dict: key, symbol, value,
+    """The strategy's coverage (:class:`sdp.parallel.spec.Coverage` as a dict: key, symbol, value,
     realised fraction), or None for a strategy without one and in older runs."""
     model: str | None = None
     """``model.name``."""

@@ -30,6 +30,7 @@ from sdp import budget as budgets
 from sdp.config import check_resolved, renamed_overrides, validate
 from sdp.driver.typed import register
 from sdp.launch import RankFailure, launch
+from sdp.preflight import prepared
 from sdp.rankenv import external_launcher
 from sdp.loggers import wandb_run_id
 from sdp.rundir import RunDir
@@ -87,7 +88,8 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
             wandb_run_id(run_dir=run_dir, ckpt=ckpt)  # one W&B run per job, across resumes and requeues
     started = time.time()
     try:
-        summary = launch(cfg=cfg, run_dir=run_dir, budget=budget)
+        # what the strategy built once from the driver's meta model (SDP's plan): every rank runs exactly it
+        summary = launch(cfg=cfg, run_dir=run_dir, budget=budget, prepared=prepared(cfg))
     except RankFailure as exc:
         # The job-level verdict, next to whatever metrics.jsonl already holds.
         results.write_json(RunDir(run_dir).failure, {"rank": exc.rank, "exitcode": exc.exitcode,

@@ -89,11 +89,13 @@ def make_logger(*, cfg: DictConfig, ctx: DistContext, run_dir: Path, config: dic
 
 
 @record
-def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None = None) -> Summary | None:
+def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None = None,
+             prepared: Any = None) -> Summary | None:
     """Entry point of every rank; returns the summary on rank 0 and None elsewhere.
 
     ``budget`` (the driver's step count resolution, :mod:`sdp.budget`) goes into summary.json with the
-    throughput figures derived from it, so rank 0 writes the file once and complete."""
+    throughput figures derived from it, so rank 0 writes the file once and complete. ``prepared``: what
+    the strategy built once in the driver (SDP's plan), handed to the strategy, which builds nothing of it again."""
     cfg = OmegaConf.create(config)
     import_plugins(cfg)  # a strategy defined outside sdp/ registers itself on import (as in the driver)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -130,7 +132,8 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         data: DataBundle = build(cfg.dataset)
         peak.ignore(dataset_tensors(data))  # the in-memory dataset is not the strategy's memory
         peak.start()  # the set-up peak: model build, masking, wrapping, optimizer
-        strategy: Strategy = STRATEGIES.get(str(cfg.parallelism.name))(cfg=cfg.parallelism, full_cfg=cfg, ctx=ctx)
+        spec = STRATEGIES.get(str(cfg.parallelism.name))
+        strategy: Strategy = spec.runtime(cfg=cfg.parallelism, full_cfg=cfg, ctx=ctx, prepared=prepared)
         model = build_model(cfg, data, meta=strategy.materialises_held)
         rng.seed_rank_streams(int(cfg.seed) * 7919 + rank + 1)  # per-rank streams (dropout, stochastic depth)
         strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
@@ -225,7 +228,8 @@ def collect_summary(
     step_s = max(medians) if medians else None
     return Summary(
         strategy=str(cfg.parallelism.name),
-        **type(strategy).report_facts(cfg=cfg),  # label, coverage: the report's method and C columns
+        # label, coverage: the report's method and C columns (SDP's k / n: the plan the ranks ran)
+        **STRATEGIES.get(str(cfg.parallelism.name)).report_facts(cfg=cfg, prepared=strategy.prepared),
         model=str(cfg.model.get("name", "")),
         dataset=str(cfg.dataset.get("name", "")),
         world_size=ctx.world_size,

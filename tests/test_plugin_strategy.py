@@ -1,8 +1,9 @@
 """A strategy that exists only in this test: one module and one YAML outside ``sdp/``, and sdp-train,
 sdp-plan, sdp-report and the FLOP-matched budget all run with it (no file in ``sdp/`` names it).
 
-The module subclasses SDP under a new name and label; its YAML lives in a conf dir of the test added to
-Hydra's search path (``hydra.searchpath``) and inherits ``parallelism/sdp.yaml`` from the package's conf;
+The module holds both halves of a strategy: the spec the driver asks (SDP's, under a new name and label,
+registered with ``@register``) and the runtime class it names, which the ranks run (it marks summary.json);
+its YAML lives in a conf dir of the test added to Hydra's search path (``hydra.searchpath``) and inherits ``parallelism/sdp.yaml`` from the package's conf;
 ``plugins=[...]`` makes the driver and every spawned rank import the module (its directory is on
 PYTHONPATH). The report runs in a process that never imports the module: it reads the label and
 coverage that the strategy wrote into summary.json.
@@ -22,14 +23,22 @@ from tests.helpers import CORE, REPO, sdp_env
 
 MODULE = '''
 from sdp.parallel import register
-from sdp.parallel.sdp import SDPStrategy
+from sdp.parallel.sdp import SDPSpec, SDPStrategy
+
+
+class PluginRuntime(SDPStrategy):
+    """What each rank runs: SDP's step, evaluation and checkpoints, plus a mark in summary.json."""
+
+    def summary_extra(self):
+        return {**super().summary_extra(), "plugin_runtime": True}
 
 
 @register("sdp_plugin_test")
-class PluginSDP(SDPStrategy):
-    """SDP under another name: what the planner, budget and report know of it, they ask it."""
+class PluginSDP(SDPSpec):
+    """SDP under another name: what the planner, budget and report know of it, they ask this spec."""
 
     label = "Plugin-SDP"
+    runtime = PluginRuntime
 '''
 
 YAML = """# a strategy preset outside sdp's conf/: SDP's keys, another name
@@ -70,6 +79,7 @@ def test_a_strategy_defined_outside_sdp_trains_plans_reports_and_is_flop_matched
     budget = summary["budget"]
     assert budget["coverage"] == 0.5 and budget["steps"] == 4 and summary["steps"] == 4, budget
     assert summary["strategy_info"]["plan"]["k"] == 1, summary["strategy_info"]["plan"]
+    assert summary["strategy_info"].get("plugin_runtime") is True, "the ranks must run the spec's runtime class"
 
     plan_file = tmp_path / "plan.json"
     _run(["-m", "sdp.planner", *common, f"plan.output={plan_file}"], env=env)

@@ -34,7 +34,7 @@ def _run(rank: int, world: int, configs: dict) -> dict:
         launched_in_backward: list[int] = []
         for step in range(STEPS):
             x, y = batch(data, cfg, step=step, rank=rank, world_size=world)
-            strategy.forward_backward(inputs=x, targets=y, loss_fn=loss_fn, timer=_NoTimer())
+            strategy._forward_backward(inputs=x, targets=y, loss_fn=loss_fn, timer=_NoTimer())
             launched_in_backward.append(len(strategy.sync._inflight))
             strategy.sync.reduce_grads()
             step_grads = {}

@@ -25,7 +25,7 @@ class _NoTimer:
 def _held_grads(rank: int, world: int, config: dict) -> dict:
     strategy, data, cfg = make_strategy(config, rank, world)
     x, y = batch(data, cfg, step=0, rank=rank, world_size=world)
-    strategy.forward_backward(inputs=x, targets=y, loss_fn=loss_fn, timer=_NoTimer())
+    strategy._forward_backward(inputs=x, targets=y, loss_fn=loss_fn, timer=_NoTimer())
     strategy.sync.reduce_grads()
     out = {}
     for p in strategy.pieces:

@@ -2,7 +2,7 @@
 
 Why FLOPs from the model's count rather than a profiler: ``flops_per_sample`` (forward + backward,
 ``torch.utils.flop_counter`` on the meta device) times the global batch times the fraction of the
-model the workers compute (:meth:`sdp.parallel.base.Strategy.flops_fraction`: 1 for a strategy that
+model the workers compute (:meth:`sdp.parallel.spec.StrategySpec.flops_fraction`: 1 for a strategy that
 runs the whole model) is the useful work of a step, the same for every strategy; activation
 recomputation is overhead, not useful work, as in the usual MFU definition. The budget module
 already counts it once per run in the driver (``summary.json["budget"]["flops_per_step"]``);
@@ -58,7 +58,7 @@ def masked_fraction(*, counts: dict[str, int], model: Any, level: str) -> float:
 
 def masked_fractions(*, counts: dict[str, int], model: Any) -> dict[str, float]:
     """:func:`masked_fraction` at every level (``{"block": .., "neuron": ..}``): the model's facts, counted
-    once; a strategy picks its own level (:meth:`sdp.parallel.base.Strategy.flops_fraction`)."""
+    once; a strategy picks its own level (:meth:`sdp.parallel.spec.StrategySpec.flops_fraction`)."""
     return {level: masked_fraction(counts=counts, model=model, level=level) for level in LEVELS}
 
 

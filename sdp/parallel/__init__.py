@@ -1,6 +1,8 @@
 """Parallel strategies, one small module each, all registered in ``STRATEGIES``.
 
-Importing this package imports every strategy module in it, so adding a strategy is adding a file.
+``STRATEGIES`` maps ``parallelism.name`` to a :class:`~sdp.parallel.spec.StrategySpec` (what the driver
+asks), whose ``runtime`` is the :class:`~sdp.parallel.base.Strategy` each rank runs. Importing this
+package imports every strategy module in it, so adding a strategy is adding a file.
 """
 
 from __future__ import annotations
@@ -8,10 +10,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from sdp.parallel.base import STRATEGIES, DistContext, StepResult, Strategy, register
+from sdp.parallel.base import DistContext, StepResult, Strategy
+from sdp.parallel.spec import STRATEGIES, Coverage, StrategySpec, register
 
 for _info in pkgutil.iter_modules(__path__):
-    if _info.name != "base" and not _info.name.startswith("_"):
+    if _info.name not in ("base", "spec") and not _info.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_info.name}")
 
-__all__ = ["STRATEGIES", "DistContext", "StepResult", "Strategy", "register"]
+__all__ = ["STRATEGIES", "Coverage", "DistContext", "StepResult", "Strategy", "StrategySpec", "register"]

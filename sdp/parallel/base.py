@@ -1,14 +1,17 @@
-"""The strategy interface and registry: how the trainer talks to DDP, FSDP, pipeline and SDP alike.
+"""What a rank runs: the runtime half of a strategy, the interface the trainer talks to DDP, FSDP,
+pipeline and SDP alike through.
 
 A strategy owns everything that differs between parallelisms: how the model is wrapped or cut, how
 one training step runs forward, backward, gradient synchronisation and the optimizer update, which
-part of the global batch this rank consumes, and what evaluation runs on. The trainer only calls
-these methods, so it never names a strategy.
+part of the global batch this rank consumes, and what evaluation runs on. The trainer, the worker,
+evaluation and checkpoints only call the public methods of :class:`Strategy`, so they never name a
+strategy; what a subclass changes inside the one step are the protected ``_hooks``.
 
-A strategy also answers, from the config alone and before any rank starts, what the modules outside
-``sdp/parallel/`` would otherwise have to guess from config keys (its name in reports, coverage, share
-of DDP's FLOPs, ``sdp-plan`` prediction): those classmethods are :class:`sdp.parallel.facts.StrategyFacts`,
-which :class:`Strategy` inherits.
+What the driver asks before any rank starts (validation, report label, coverage, FLOP fraction,
+``sdp-plan`` prediction, what it builds once for the ranks) is the other half, the registered
+:class:`sdp.parallel.spec.StrategySpec`, which names its runtime class (torchtitan's ``TrainSpec``
+plays that part there): driver code never instantiates a rank's state, rank code never asks a
+driver question.
 """
 
 from __future__ import annotations
@@ -27,9 +30,7 @@ from sdp.metrics import memory
 from sdp.distctx import DistContext, average_buffers, average_tensors  # noqa: F401 (re-exported)
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
-from sdp.parallel.facts import StrategyFacts
 from sdp.precision import autocast
-from sdp.registry import Registry
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,15 +48,20 @@ class StepResult:
     count: int
 
 
-class Strategy(StrategyFacts, ABC):
-    """Base class: subclasses implement ``setup``; ``train_step`` is one template with hooks (a strategy
-    whose step is another shape overrides it); the rest has defaults."""
+class Strategy(ABC):
+    """Base class of what a rank runs: subclasses implement ``setup``; ``train_step`` is one template with
+    protected hooks (a strategy whose step is another shape overrides it); the rest has defaults.
+
+    ``prepared``: what the driver built once for the ranks (:meth:`sdp.parallel.spec.StrategySpec.prepare`,
+    SDP's plan), None for strategies that need nothing or when constructed outside the driver (tests)."""
 
     # True: ``setup`` receives the model on the meta device and materialises what this rank holds
     # itself (sdp.models.init); False: the fully materialised model.
     materialises_held: bool = False
 
-    def __init__(self, *, cfg: DictConfig, full_cfg: DictConfig, ctx: DistContext) -> None:
+    def __init__(self, *, cfg: DictConfig, full_cfg: DictConfig, ctx: DistContext, prepared: Any = None) -> None:
+        self.name = str(cfg.get("name") or type(self).__name__) if hasattr(cfg, "get") else type(self).__name__
+        self.prepared = prepared
         self.cfg = cfg
         self.full_cfg = full_cfg
         self.ctx = ctx
@@ -76,41 +82,41 @@ class Strategy(StrategyFacts, ABC):
         """Forward, backward, gradient sync and optimizer update for this rank's batch slice.
 
         The one step of every data-parallel strategy, written once; what differs comes from the hooks
-        :meth:`step_context` (FSDP: intercept its collectives), :meth:`before_step` (SDP: re-draw the
-        plan), :meth:`sync_grads` (SDP: holder-set all-reduces; DDP's happen inside backward) and
-        :meth:`after_step` (SDP backward masking: refresh). A strategy whose step is another shape
+        :meth:`_step_context` (FSDP: intercept its collectives), :meth:`_before_step` (SDP: re-draw the
+        plan), :meth:`_sync_grads` (SDP: holder-set all-reduces; DDP's happen inside backward) and
+        :meth:`_after_step` (SDP backward masking: refresh). A strategy whose step is another shape
         (pipeline: one schedule for forward and backward) overrides this method."""
         assert self.optimizer is not None, f"strategy {self.name!r} used before setup()"
-        with self.step_context():
-            self.before_step(step=step, timer=timer)
-            loss = self.forward_backward(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
-            self.sync_grads(timer=timer)
+        with self._step_context():
+            self._before_step(step=step, timer=timer)
+            loss = self._forward_backward(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
+            self._sync_grads(timer=timer)
             with timer.phase("optimizer"):
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)
-            self.after_step(timer=timer)
+            self._after_step(timer=timer)
         return StepResult(loss_sum=loss.detach() * inputs.shape[0], count=int(inputs.shape[0]))
 
-    def forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
-        """:meth:`forward_loss`, then backward timed as the ``backward`` phase and the gradient bytes noted."""
-        loss = self.forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
+    def _forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
+        """:meth:`_forward_loss`, then backward timed as the ``backward`` phase and the gradient bytes noted."""
+        loss = self._forward_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
         with timer.phase("backward"):
             loss.backward()
-        self.note_grads()
+        self._note_grads()
         return loss
 
     # ---- hooks of the template step (defaults: nothing) -------------------------------------------
-    def step_context(self) -> Any:
+    def _step_context(self) -> Any:
         """A context around the whole step (default: none)."""
         return nullcontext()
 
-    def before_step(self, *, step: int, timer: PhaseTimer) -> None:
+    def _before_step(self, *, step: int, timer: PhaseTimer) -> None:
         """Runs before the forward (0-based ``step``)."""
 
-    def sync_grads(self, *, timer: PhaseTimer) -> None:
+    def _sync_grads(self, *, timer: PhaseTimer) -> None:
         """Gradient synchronisation between backward and the optimizer step, where not inside backward."""
 
-    def after_step(self, *, timer: PhaseTimer) -> None:
+    def _after_step(self, *, timer: PhaseTimer) -> None:
         """Runs after the optimizer step."""
 
     # ---- the forward, in the run's precision ------------------------------------------------------
@@ -118,7 +124,7 @@ class Strategy(StrategyFacts, ABC):
         """``train.precision``'s context (:func:`sdp.precision.autocast`); every forward runs inside it."""
         return autocast(precision=self.precision, device=self.ctx.device)
 
-    def forward_loss(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
+    def _forward_loss(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
         """The one forward every strategy's ``train_step`` runs: the wrapped module and the loss under
         :meth:`autocast`, timed as the ``forward`` phase. Backward and the optimizer run outside it
         (fp32 master weights and gradients)."""
@@ -156,11 +162,12 @@ class Strategy(StrategyFacts, ABC):
         yield None
 
     def unwrapped(self) -> nn.Module:
+        """The model under any wrapper (DDP's ``.module``): what state dicts and the parameter digest read."""
         assert self.module is not None, f"strategy {self.name!r} used before setup()"
         return getattr(self.module, "module", self.module)
 
     # ---- measurement -----------------------------------------------------------------------------
-    def note_grads(self) -> None:
+    def _note_grads(self) -> None:
         """Call after backward, before grads are freed: records the gradient bytes held."""
         assert self.module is not None
         self._grad_bytes_peak = max(self._grad_bytes_peak, memory.grad_bytes(self.module))
@@ -213,16 +220,3 @@ class Strategy(StrategyFacts, ABC):
         assert self.optimizer is not None, f"strategy {self.name!r} has no optimizer to restore"
         self.unwrapped().load_state_dict({**state["shared"]["model"], **state["local"]["buffers"]})
         self.optimizer.load_state_dict(state["shared"]["optimizer"])
-
-
-STRATEGIES: Registry[type[Strategy]] = Registry(kind="strategy", key="parallelism.name")
-
-
-def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
-    """Class decorator: ``@register("ddp")`` makes ``parallelism.name=ddp`` build this class."""
-
-    def deco(cls: type[Strategy]) -> type[Strategy]:
-        cls.name = name
-        return STRATEGIES.register(name)(cls)
-
-    return deco

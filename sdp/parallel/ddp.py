@@ -4,7 +4,8 @@ all-reduces, so DDP's communication is measured exactly like SDP's."""
 from __future__ import annotations
 
 import warnings
-from typing import Any
+import copy
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -15,9 +16,10 @@ from omegaconf import DictConfig
 
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
-from sdp.parallel.base import OptimizerFactory, Strategy, register
-from sdp.plan_entries import MIB, Entry, Record, activations, optim_bytes, rank_entry
-from sdp.plan_peaks import _ddp_peaks
+from sdp.parallel.base import OptimizerFactory, Strategy
+from sdp.parallel.spec import StrategySpec, register
+from sdp.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.plan_peaks import rehearse
 from sdp.subnet.holder_groups import predicted_process_groups
 
 
@@ -88,20 +90,51 @@ def ddp_buckets(sizes: list[int], *, cap_mb: float) -> int:
     return count + (1 if used else 0)
 
 
-@register("ddp")
 class DDPStrategy(Strategy):
     """Every rank holds the full model; gradients are averaged over the world each step."""
 
-    label = "DDP"
+    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
+        model.to(self.ctx.device)
+        self.module = wrap_ddp(model, cfg=self.cfg, comm=self.ctx.comm, device=self.ctx.device)
+        self.optimizer = optimizer_factory(self.module.parameters())
 
-    # ---- sdp-plan (the whole DDP family: a full replica on every rank) ------------------------------
+    # train_step: the base template; DDP's all-reduce overlaps with the backward phase (no _sync_grads).
+
+    def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
+        assert isinstance(self.module, DistributedDataParallel)
+        model = self.unwrapped()
+        prime_buckets(self.module, example=model.example_input(2).to(self.ctx.device), comm=self.ctx.comm)
+        super().load_checkpoint_state(state)
+
+
+def ddp_peaks(*, cfg: DictConfig, model: SDPModel, batch: int, eval_batch: int, world: int,
+              prepare: Callable[[SDPModel], Any]) -> list[dict[str, int]]:
+    """The DDP family's peak rehearsal: the replica's (``prepare``: what the strategy's ``setup`` does to
+    the model before wrapping it, e.g. activation checkpointing); the reducer's buckets from the start."""
+    mine = copy.deepcopy(model)
+    prepare(mine)
+    r = rehearse(module=mine, trainable=list(mine.parameters()), batch=batch, eval_batch=eval_batch, cfg=cfg,
+                 example=model.example_input)
+    buckets = nbytes(mine.parameters())
+    one = {"setup_peak_bytes": r["setup"] + buckets, "train_peak_bytes": r["train"], "eval_peak_bytes": r["eval"]}
+    return [dict(one) for _ in range(world)]
+
+
+@register("ddp")
+class DDPSpec(StrategySpec):
+    """The DDP family in the driver: a full replica on every rank."""
+
+    label = "DDP"
+    runtime = DDPStrategy
+
     @classmethod
     def prepare_for_plan(cls, *, model: SDPModel, cfg: DictConfig) -> None:
         """What ``setup`` does to the model before wrapping it, applied to the planner's meta model
         (``cfg``: the parallelism node). Plain DDP: nothing."""
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
+    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+                prepared: Any = None) -> list[Entry]:
         """DDP family: full replica on every rank; one all-reduce of every gradient per step."""
         cls.prepare_for_plan(model=model, cfg=cfg.parallelism)
         params = list(model.parameters())
@@ -116,19 +149,6 @@ class DDPStrategy(Strategy):
 
     @classmethod
     def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
-                      state: list[dict[str, Any]]) -> list[dict[str, int]] | None:
-        return _ddp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch,
-                          prepare=lambda m: cls.prepare_for_plan(model=m, cfg=cfg.parallelism))
-
-    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
-        model.to(self.ctx.device)
-        self.module = wrap_ddp(model, cfg=self.cfg, comm=self.ctx.comm, device=self.ctx.device)
-        self.optimizer = optimizer_factory(self.module.parameters())
-
-    # train_step: the base template; DDP's all-reduce overlaps with the backward phase (no sync_grads).
-
-    def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
-        assert isinstance(self.module, DistributedDataParallel)
-        model = self.unwrapped()
-        prime_buckets(self.module, example=model.example_input(2).to(self.ctx.device), comm=self.ctx.comm)
-        super().load_checkpoint_state(state)
+                      state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
+        return ddp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch,
+                         prepare=lambda m: cls.prepare_for_plan(model=m, cfg=cfg.parallelism))

@@ -23,8 +23,9 @@ from torch.utils.checkpoint import checkpoint
 from sdp.errors import positive_int
 from sdp.metrics.activations import note_retained
 from sdp.models.base import SDPModel
-from sdp.parallel.base import OptimizerFactory, register
-from sdp.parallel.ddp import DDPStrategy
+from sdp.parallel.base import OptimizerFactory
+from sdp.parallel.ddp import DDPSpec, DDPStrategy
+from sdp.parallel.spec import register
 
 
 @contextmanager
@@ -68,11 +69,23 @@ def apply_checkpointing(model: SDPModel, *, every: int) -> list[int]:
     return chosen
 
 
-@register("ddp_ac")
 class DDPActivationCheckpointStrategy(DDPStrategy):
     """DDP whose blocks trade recomputation for activation memory."""
 
+    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
+        self.checkpointed = apply_checkpointing(model, every=int(self.cfg.ac_every))
+        super().setup(model=model, optimizer_factory=optimizer_factory)
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {"checkpointed_blocks": self.checkpointed}
+
+
+@register("ddp_ac")
+class DDPActivationCheckpointSpec(DDPSpec):
+    """DDP+AC in the driver: DDP's prediction with the checkpointed blocks applied to the meta model."""
+
     label = "DDP+AC"
+    runtime = DDPActivationCheckpointStrategy
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
@@ -81,10 +94,3 @@ class DDPActivationCheckpointStrategy(DDPStrategy):
     @classmethod
     def prepare_for_plan(cls, *, model: SDPModel, cfg: DictConfig) -> None:
         apply_checkpointing(model, every=int(cfg.ac_every))
-
-    def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
-        self.checkpointed = apply_checkpointing(model, every=int(self.cfg.ac_every))
-        super().setup(model=model, optimizer_factory=optimizer_factory)
-
-    def summary_extra(self) -> dict[str, Any]:
-        return {"checkpointed_blocks": self.checkpointed}

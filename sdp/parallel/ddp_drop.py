@@ -27,9 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 from sdp.errors import one_of, require, unit_interval
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
-from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, register
-from sdp.parallel.facts import Coverage
-from sdp.parallel.ddp import DDPStrategy
+from sdp.parallel.base import LossFn, OptimizerFactory, StepResult
+from sdp.parallel.ddp import DDPSpec, DDPStrategy
+from sdp.parallel.spec import Coverage, register
 from sdp.parallel.sdp_plan import compute_fraction
 
 
@@ -58,34 +58,6 @@ def reset_blocks(blocks: Sequence[ResidualBlock]) -> None:
 
 class _DropStrategy(DDPStrategy):
     """DDP plus a per-rank, per-batch block draw; the full model (all blocks, scale 1) at evaluation."""
-
-    decays: tuple[str, ...] = ("uniform",)
-    plan_note = "stochastic depth / LayerDrop predicted with every block kept"
-
-    @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-        unit_interval("parallelism.survival_prob", cfg.survival_prob)
-        one_of("parallelism.decay", cfg.decay, cls.decays)
-        require(isinstance(cfg.rescale, bool), "parallelism.rescale", cfg.rescale, "must be true or false")
-
-    @classmethod
-    def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None) -> Coverage | None:
-        """The mean of :func:`survival_probs`: ``p`` under ``decay=uniform``; the linear decay's mean needs
-        the block count ``n_units`` (fraction None without it)."""
-        p = cfg.survival_prob
-        unit_interval("parallelism.survival_prob", p)
-        fraction: float | None = float(p)
-        if str(cfg.decay) != "uniform":
-            probs = survival_probs(n=int(n_units), p=float(p), decay=str(cfg.decay)) if n_units else None
-            fraction = sum(probs) / len(probs) if probs else None
-        return Coverage(key="parallelism.survival_prob", symbol="p", value=p, fraction=fraction)
-
-    @classmethod
-    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
-        """A dropped block skips its forward and backward, like SDP's forward masking at C = the mean
-        survival probability, so a drop baseline at ``p`` is FLOP-matched exactly like SDP at C = p."""
-        assert coverage.fraction is not None, f"{cls.name}: no block count for decay={cfg.decay!r}"
-        return compute_fraction(masked=masked["block"], coverage=coverage.fraction, masking="forward")
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         units = model.sdp_units()
@@ -136,8 +108,43 @@ class _DropStrategy(DDPStrategy):
         }
 
 
+class _DropSpec(DDPSpec):
+    """The drop baselines in the driver: DDP's prediction (every block kept), a coverage of the mean
+    survival probability and FLOP matching like SDP's forward masking at that coverage."""
+
+    runtime = _DropStrategy
+
+    decays: tuple[str, ...] = ("uniform",)
+    plan_note = "stochastic depth / LayerDrop predicted with every block kept"
+
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+        unit_interval("parallelism.survival_prob", cfg.survival_prob)
+        one_of("parallelism.decay", cfg.decay, cls.decays)
+        require(isinstance(cfg.rescale, bool), "parallelism.rescale", cfg.rescale, "must be true or false")
+
+    @classmethod
+    def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None, prepared: Any = None) -> Coverage | None:
+        """The mean of :func:`survival_probs`: ``p`` under ``decay=uniform``; the linear decay's mean needs
+        the block count ``n_units`` (fraction None without it)."""
+        p = cfg.survival_prob
+        unit_interval("parallelism.survival_prob", p)
+        fraction: float | None = float(p)
+        if str(cfg.decay) != "uniform":
+            probs = survival_probs(n=int(n_units), p=float(p), decay=str(cfg.decay)) if n_units else None
+            fraction = sum(probs) / len(probs) if probs else None
+        return Coverage(key="parallelism.survival_prob", symbol="p", value=p, fraction=fraction)
+
+    @classmethod
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
+        """A dropped block skips its forward and backward, like SDP's forward masking at C = the mean
+        survival probability, so a drop baseline at ``p`` is FLOP-matched exactly like SDP at C = p."""
+        assert coverage.fraction is not None, f"{cls.name}: no block count for decay={cfg.decay!r}"
+        return compute_fraction(masked=masked["block"], coverage=coverage.fraction, masking="forward")
+
+
 @register("ddp_stochastic_depth")
-class DDPStochasticDepthStrategy(_DropStrategy):
+class DDPStochasticDepthSpec(_DropSpec):
     """Stochastic depth (Huang et al. 2016): linear decay of survival with depth, or uniform."""
 
     label = "DDP+StochDepth"
@@ -146,7 +153,7 @@ class DDPStochasticDepthStrategy(_DropStrategy):
 
 
 @register("ddp_layerdrop")
-class DDPLayerDropStrategy(_DropStrategy):
+class DDPLayerDropSpec(_DropSpec):
     """LayerDrop (Fan et al. 2019): the same drop rate for every block."""
 
     label = "DDP+LayerDrop"

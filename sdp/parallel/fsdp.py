@@ -16,13 +16,14 @@ Why these choices:
   shard group and all-reduced across replicas.
 - Precision comes from ``train.precision`` (:func:`sdp.precision.fsdp_policies`): bf16 all-gathers
   and computes in bf16 and reduce-scatters in float32, BatchNorm layers sharded apart in float32;
-  the forward runs under the same autocast as every other strategy (``Strategy.forward_loss``).
+  the forward runs under the same autocast as every other strategy (``Strategy._forward_loss``).
 - Communication is counted by intercepting the ``torch.distributed`` collectives FSDP issues
   (:func:`sdp.metrics.collectives.count_collectives`); memory counts local shards (``to_local``).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -41,9 +42,10 @@ from sdp.metrics.groups import mesh_process_groups
 from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.precision import fsdp_policies
-from sdp.parallel.base import OptimizerFactory, Strategy, average_buffers, register
-from sdp.plan_entries import Entry, Record, activations, optim_bytes, rank_entry
-from sdp.plan_peaks import _fsdp_peaks
+from sdp.parallel.base import OptimizerFactory, Strategy, average_buffers
+from sdp.parallel.spec import StrategySpec, register
+from sdp.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.plan_peaks import rehearse
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -64,58 +66,11 @@ def mesh_layout(*, replicate: int, world: int) -> tuple[tuple[int, ...], tuple[s
     return (world,), ("shard",)
 
 
-@register("fsdp")
 class FSDPStrategy(Strategy):
     """Parameters, gradients and optimizer state sharded over the shard dimension of the mesh."""
 
-    label = "FSDP"
     # the worker builds the model on meta; setup shards it there and materialises only this rank's shards
     materialises_held = True
-
-    @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-        replicate = cfg.replicate
-        positive_int("parallelism.replicate", replicate)
-        require(world_size % replicate == 0, "parallelism.replicate", replicate,
-                f"must divide cluster.world_size={world_size} (HSDP mesh = replicate x shard)")
-        require(isinstance(cfg.reshard_after_forward, bool), "parallelism.reshard_after_forward",
-                cfg.reshard_after_forward, "must be true or false")
-
-    @classmethod
-    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
-        """FSDP2: each block and the root (stem + head) is a unit; per step every unit is all-gathered
-        (blocks twice when resharded after forward, the root once), its gradients reduce-scattered
-        (padded to a multiple of the shard count), and under HSDP all-reduced across replicas."""
-        pc = cfg.parallelism
-        rep = int(pc.replicate)
-        shards = world // rep
-        block_ids = {id(p) for b in model.blocks for p in b.parameters()}
-        units = [(list(b.parameters()), 2 if bool(pc.reshard_after_forward) else 1) for b in model.blocks]
-        units.append(([p for p in model.parameters() if id(p) not in block_ids], 1))
-        acts = activations(model, model.example_input(int(cfg.train.batch_size)).to("meta"))
-        facts["process_groups"] = mesh_process_groups(world_size=world, shape=mesh_layout(replicate=rep, world=world)[0])
-        out = []
-        for r in range(world):
-            s = r % shards
-            local = [p.numel() // max(p.shape[0], 1) * shard_rows(p.shape[0], rank=s, shards=shards) * p.element_size()
-                     for p in model.parameters()]
-            records: list[Record] = []
-            for params, gathers in units:
-                if not params:
-                    continue
-                padded = sum(math.ceil(p.shape[0] / shards) * (p.numel() // max(p.shape[0], 1)) * p.element_size() for p in params)
-                records += [("all_gather", padded * shards, shards)] * gathers + [("reduce_scatter", padded * shards, shards)]
-                if rep > 1:
-                    records.append(("all_reduce", padded, rep))
-            held = sum(local)
-            optim = optim_bytes(held=held, tensors=len(local), optim=cfg.optim)
-            out.append(rank_entry(rank=r, params=held, grads=held, optim=optim, acts=acts, records=records))
-        return out
-
-    @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
-                      state: list[dict[str, Any]]) -> list[dict[str, int]] | None:
-        return _fsdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch, state=state)
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         ctx = self.ctx
@@ -148,7 +103,7 @@ class FSDPStrategy(Strategy):
         self.module = model
         self.optimizer = optimizer_factory(model.parameters())  # after sharding: holds the DTensor shards
 
-    def step_context(self) -> Any:
+    def _step_context(self) -> Any:
         """The base template step with FSDP's collectives intercepted and counted: the forward phase
         includes each block's parameter all-gather, the backward phase the re-gathers and the gradient
         reduce-scatters, the optimizer phase is local (every rank updates its own shards)."""
@@ -215,3 +170,83 @@ class FSDPStrategy(Strategy):
             "param_dtype": "bf16" if self.precision == "bf16" else "fp32", "reduce_dtype": "fp32",
             "sharded_modules": len(fsdp_modules(self.module)) if self.module is not None else 0,
         }
+
+
+def fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+                state: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """FSDP2 on top of the full replica's rehearsal: the model is sharded on the meta device and each rank
+    materialises its shards only (set-up: the shards, the unsharded buffers and one module's full
+    tensors in flight, :func:`sdp.models.init.materialise_sharded`); a training step holds the sharded
+    state, the replica's activation transient, the root unsharded, and for the largest block its
+    unsharded parameters twice (running + prefetched) and its unsharded gradients and reduce-scatter
+    input; evaluation unshards every unit (the full parameters) with one all-gather buffer in flight."""
+    full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=batch, eval_batch=eval_batch,
+                    cfg=cfg, example=model.example_input)
+    block_ids = {id(p) for b in model.blocks for p in b.parameters()}
+    root = nbytes(p for p in model.parameters() if id(p) not in block_ids)
+    largest = max((nbytes(b.parameters()) for b in model.blocks), default=0)
+    params_full = nbytes(model.parameters())
+    one_module = max((nbytes(t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None)
+                      for m in model.modules()), default=0)
+    buffers = nbytes(model.buffers())
+    out = []
+    for mem in state:
+        state = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
+        out.append({"setup_peak_bytes": mem["param_bytes"] + buffers + one_module,
+                    "train_peak_bytes": state + (full["train"] - full["state"]) + root + 4 * largest,
+                    "eval_peak_bytes": state + params_full + (full["eval"] - full["state"]) + largest})
+    return out
+
+
+@register("fsdp")
+class FSDPSpec(StrategySpec):
+    """FSDP2 in the driver: the mesh's validation, its traffic and sharded state, its peak rule."""
+
+    label = "FSDP"
+    runtime = FSDPStrategy
+
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+        replicate = cfg.replicate
+        positive_int("parallelism.replicate", replicate)
+        require(world_size % replicate == 0, "parallelism.replicate", replicate,
+                f"must divide cluster.world_size={world_size} (HSDP mesh = replicate x shard)")
+        require(isinstance(cfg.reshard_after_forward, bool), "parallelism.reshard_after_forward",
+                cfg.reshard_after_forward, "must be true or false")
+
+    @classmethod
+    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+                prepared: Any = None) -> list[Entry]:
+        """FSDP2: each block and the root (stem + head) is a unit; per step every unit is all-gathered
+        (blocks twice when resharded after forward, the root once), its gradients reduce-scattered
+        (padded to a multiple of the shard count), and under HSDP all-reduced across replicas."""
+        pc = cfg.parallelism
+        rep = int(pc.replicate)
+        shards = world // rep
+        block_ids = {id(p) for b in model.blocks for p in b.parameters()}
+        units = [(list(b.parameters()), 2 if bool(pc.reshard_after_forward) else 1) for b in model.blocks]
+        units.append(([p for p in model.parameters() if id(p) not in block_ids], 1))
+        acts = activations(model, model.example_input(int(cfg.train.batch_size)).to("meta"))
+        facts["process_groups"] = mesh_process_groups(world_size=world, shape=mesh_layout(replicate=rep, world=world)[0])
+        out = []
+        for r in range(world):
+            s = r % shards
+            local = [p.numel() // max(p.shape[0], 1) * shard_rows(p.shape[0], rank=s, shards=shards) * p.element_size()
+                     for p in model.parameters()]
+            records: list[Record] = []
+            for params, gathers in units:
+                if not params:
+                    continue
+                padded = sum(math.ceil(p.shape[0] / shards) * (p.numel() // max(p.shape[0], 1)) * p.element_size() for p in params)
+                records += [("all_gather", padded * shards, shards)] * gathers + [("reduce_scatter", padded * shards, shards)]
+                if rep > 1:
+                    records.append(("all_reduce", padded, rep))
+            held = sum(local)
+            optim = optim_bytes(held=held, tensors=len(local), optim=cfg.optim)
+            out.append(rank_entry(rank=r, params=held, grads=held, optim=optim, acts=acts, records=records))
+        return out
+
+    @classmethod
+    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+                      state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
+        return fsdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch, state=state)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -41,10 +41,10 @@ from sdp.metrics.collectives import count_collectives
 from sdp.metrics.groups import mesh_process_groups
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel, count_params
-from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers, register
+from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers
+from sdp.parallel.spec import StrategySpec, register
 from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan
 from sdp.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
-from sdp.registry import build
 
 
 class StageModule(nn.Module):
@@ -53,7 +53,7 @@ class StageModule(nn.Module):
     ``precision`` is the strategy's :meth:`~sdp.parallel.base.Strategy.autocast`: the schedule runs
     forward and backward inside one call, so the stage's forward enters the run's precision itself
     (the backward then runs outside it, as for every other strategy). The last stage returns float32
-    logits so that the schedule's loss is computed in float32, as ``Strategy.forward_loss`` does."""
+    logits so that the schedule's loss is computed in float32, as ``Strategy._forward_loss`` does."""
 
     def __init__(self, *, model: SDPModel, lo: int, hi: int, first: bool, last: bool,
                  precision: Callable[[], Any] = nullcontext) -> None:
@@ -88,64 +88,13 @@ def stage_of(model: SDPModel, plan: PipelinePlan, s: int, *, precision: Callable
                        precision=precision)
 
 
-@register("pipeline")
 class PipelineStrategy(Strategy):
     """GPipe / 1F1B / interleaved 1F1B over ``world / dp`` ranks, optionally replicated dp times."""
 
-    label = "Pipeline"
-
-    @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-        check_layout(cfg=cfg, world_size=world_size)
-        root = full_cfg
-        if "model" in root and "train" in root:
-            with torch.device("meta"):  # the real model's structure, no memory
-                model = build(OmegaConf.create(OmegaConf.to_container(root.model, resolve=True)))
-            make_plan(cfg=cfg, world_size=world_size, model=model, batch_size=int(root.train.batch_size))
-
-    @classmethod
-    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
-        """Stage parameters of each rank (the strategy's own cut); per microbatch a stage receives its
-        input and sends its input's gradient, sends its output and receives that gradient; with dp > 1
-        one all-reduce of the stage gradients. Activations: one microbatch's saved bytes times the
-        microbatches in flight (1F1B: stages after this one + 1; GPipe: all)."""
-        pc, batch = cfg.parallelism, int(cfg.train.batch_size)
-        plan = make_plan(cfg=pc, world_size=world, model=model, batch_size=batch)
-        facts["process_groups"] = mesh_process_groups(world_size=world, shape=(plan.dp, plan.pp))  # setup's mesh
-        mbs = int(pc.microbatches)
-        mb_size = batch * plan.pp // mbs  # the replica's batch (batch x pp) split into microbatches
-        x = model.example_input(mb_size).to("meta")
-        boundary = [x]  # input of stage s, s = 0..num_stages
-        with torch.no_grad():
-            for s in range(plan.num_stages):
-                boundary.append(stage_of(model, plan, s)(boundary[-1]))
-        out = []
-        for r in range(world):
-            pp_rank = r % plan.pp
-            stages = plan.stages_of(pp_rank)
-            mods = [stage_of(model, plan, s) for s in stages]
-            params = [p for m in mods for p in m.parameters()]
-            records: list[Record] = []
-            acts = 0
-            for s, m in zip(stages, mods):
-                if s > 0:
-                    records += [("recv", nbytes([boundary[s]]), 2), ("send", nbytes([boundary[s]]), 2)] * mbs
-                if s < plan.num_stages - 1:
-                    records += [("send", nbytes([boundary[s + 1]]), 2), ("recv", nbytes([boundary[s + 1]]), 2)] * mbs
-                inp = boundary[s].detach().requires_grad_(boundary[s].is_floating_point())
-                in_flight = mbs if str(pc.schedule) == "gpipe" else min(mbs, plan.num_stages - s)
-                acts += in_flight * activations(m, inp, loss=s == plan.num_stages - 1)
-            if plan.dp > 1:
-                records.append(("all_reduce", nbytes(params), plan.dp))
-            out.append(rank_entry(rank=r, params=nbytes(params), grads=nbytes(params),
-                                  optim=optim_bytes(held=nbytes(params), tensors=len(params), optim=cfg.optim), acts=acts,
-                                  records=records))
-        return out
-
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         ctx = self.ctx
-        plan = make_plan(cfg=self.cfg, world_size=ctx.world_size, model=model,
-                         batch_size=int(self.full_cfg.train.batch_size))
+        plan = self.prepared if self.prepared is not None else make_plan(  # the driver's cut (PipelineSpec.prepare)
+            cfg=self.cfg, world_size=ctx.world_size, model=model, batch_size=int(self.full_cfg.train.batch_size))
         self.plan = plan
         # every dimension's groups get the job's timeout and NCCL options (sdp.distctx.mesh_overrides)
         self.mesh = init_device_mesh(ctx.device.type, (plan.dp, plan.pp), mesh_dim_names=("dp", "pp"),
@@ -200,7 +149,7 @@ class PipelineStrategy(Strategy):
             with timer.phase("forward_backward"):  # all microbatches, interleaved, with stage sends
                 self.schedule.step(*((inputs,) if first else ()), target=targets if last else None,
                                    losses=losses if last else None, return_outputs=False)
-            self.note_grads()
+            self._note_grads()
             if self.plan.dp > 1:
                 with timer.phase("comm"):  # not overlapped: after the schedule
                     self._sync_grads()
@@ -284,3 +233,61 @@ class PipelineStrategy(Strategy):
             "stage_params": self.stage_params,
             "stage_owner_pp_rank": [self.plan.owner(s) for s in range(self.plan.num_stages)],
         }
+
+
+@register("pipeline")
+class PipelineSpec(StrategySpec):
+    """The pipeline in the driver: its layout checked, its cut made once (:meth:`prepare`), its prediction."""
+
+    label = "Pipeline"
+    runtime = PipelineStrategy
+
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+        check_layout(cfg=cfg, world_size=world_size)
+
+    @classmethod
+    def prepare(cls, *, cfg: DictConfig, model: SDPModel) -> PipelinePlan:
+        """The cut of the real model's structure (meta) into stages, checked: what every rank runs."""
+        return make_plan(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), model=model,
+                         batch_size=int(cfg.train.batch_size))
+
+    @classmethod
+    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+                prepared: Any = None) -> list[Entry]:
+        """Stage parameters of each rank (the strategy's own cut); per microbatch a stage receives its
+        input and sends its input's gradient, sends its output and receives that gradient; with dp > 1
+        one all-reduce of the stage gradients. Activations: one microbatch's saved bytes times the
+        microbatches in flight (1F1B: stages after this one + 1; GPipe: all)."""
+        pc, batch = cfg.parallelism, int(cfg.train.batch_size)
+        plan = prepared if prepared is not None else make_plan(cfg=pc, world_size=world, model=model, batch_size=batch)
+        facts["process_groups"] = mesh_process_groups(world_size=world, shape=(plan.dp, plan.pp))  # setup's mesh
+        mbs = int(pc.microbatches)
+        mb_size = batch * plan.pp // mbs  # the replica's batch (batch x pp) split into microbatches
+        x = model.example_input(mb_size).to("meta")
+        boundary = [x]  # input of stage s, s = 0..num_stages
+        with torch.no_grad():
+            for s in range(plan.num_stages):
+                boundary.append(stage_of(model, plan, s)(boundary[-1]))
+        out = []
+        for r in range(world):
+            pp_rank = r % plan.pp
+            stages = plan.stages_of(pp_rank)
+            mods = [stage_of(model, plan, s) for s in stages]
+            params = [p for m in mods for p in m.parameters()]
+            records: list[Record] = []
+            acts = 0
+            for s, m in zip(stages, mods):
+                if s > 0:
+                    records += [("recv", nbytes([boundary[s]]), 2), ("send", nbytes([boundary[s]]), 2)] * mbs
+                if s < plan.num_stages - 1:
+                    records += [("send", nbytes([boundary[s + 1]]), 2), ("recv", nbytes([boundary[s + 1]]), 2)] * mbs
+                inp = boundary[s].detach().requires_grad_(boundary[s].is_floating_point())
+                in_flight = mbs if str(pc.schedule) == "gpipe" else min(mbs, plan.num_stages - s)
+                acts += in_flight * activations(m, inp, loss=s == plan.num_stages - 1)
+            if plan.dp > 1:
+                records.append(("all_reduce", nbytes(params), plan.dp))
+            out.append(rank_entry(rank=r, params=nbytes(params), grads=nbytes(params),
+                                  optim=optim_bytes(held=nbytes(params), tensors=len(params), optim=cfg.optim), acts=acts,
+                                  records=records))
+        return out

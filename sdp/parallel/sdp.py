@@ -10,9 +10,9 @@ masking materialises (on the CPU, seeded per module, :mod:`sdp.models.init`) onl
 rank holds, narrowing neuron-level tensors as it goes, so no rank ever holds the full model and the
 device never sees a non-held parameter; backward masking materialises everything (it keeps all
 values by definition). The values equal those of the full build, so C = 1 equals DDP bit for bit.
-Evaluation assembles the model one part at a time (stem, each block, head: built from its holders,
-run, dropped), so evaluation never holds the full model either; its traffic is ``comm.phase = "eval"``
-and its largest transient part ``eval_assembled_bytes``.
+Evaluation assembles the model one part at a time (stem, each block, head: built from its holders, run,
+dropped), so it never holds the full model either (traffic: ``comm.phase = "eval"``, largest part:
+``eval_assembled_bytes``). What the driver asks is :class:`SDPSpec`, whose plan every rank receives.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.rundir import RunDir
-from sdp.parallel.base import OptimizerFactory, Strategy, register
-from sdp.parallel.facts import Coverage
+from sdp.parallel.base import OptimizerFactory, Strategy
+from sdp.parallel.spec import Coverage, StrategySpec, register
 from sdp.parallel import sdp_config, sdp_plan
-from sdp.parallel.sdp_config import resolve_rescale
-from sdp.parallel.sdp_plan import plan_for  # noqa: F401 (plan_for re-exported: used widely)
+from sdp.parallel.sdp_config import plan_keys, resolve_rescale
+from sdp.parallel.sdp_peaks import sdp_peaks
+from sdp.parallel.sdp_plan import plan_for, plan_lists  # noqa: F401 (re-exported: used widely)
 from sdp.plan_entries import Entry
-from sdp.plan_peaks import _sdp_peaks
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map
 from sdp.subnet import redraw as R
@@ -46,51 +46,10 @@ from sdp.subnet.holder_groups import GroupSet
 from sdp.subnet.sync import OwnerSetSync
 
 
-@register("sdp")
 class SDPStrategy(Strategy):
-    """Forward or backward masking at block or neuron level, owner-set gradient averaging."""
+    """Forward or backward masking at block or neuron level, owner-set gradient averaging (on the ranks)."""
 
     materialises_held = True  # forward masking materialises only the held units and the shared parts
-    label_keys = ("level", "masking")  # B-SDP, B_β-SDP, N-SDP, N_β-SDP
-
-    @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-        """Every SDP key, and the plan drawn once on the meta device (:func:`sdp.parallel.sdp_config.validate`)."""
-        sdp_config.validate(strategy=cls, cfg=cfg, full_cfg=full_cfg, world_size=world_size)
-
-    # ---- what the driver, the budget and the report ask (sdp_plan holds the bodies) ----------------
-    @classmethod
-    def method_label(cls, *, cfg: DictConfig) -> str:
-        """The paper's name of the level and masking (a subclass's own ``label`` wins)."""
-        return cls.label or sdp_plan.LABELS.get((str(cfg.level), str(cfg.masking)), f"SDP ({cfg.level}, {cfg.masking})")
-
-    @classmethod
-    def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None) -> Coverage | None:
-        fraction = sdp_plan.realised_coverage(coverage=cfg.coverage, world_size=world_size)
-        return Coverage(key="parallelism.coverage", symbol="C", value=cfg.coverage, fraction=fraction)
-
-    @classmethod
-    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
-        assert coverage.fraction is not None, f"SDP's coverage is always realised as k / n, got {coverage}"
-        return sdp_plan.compute_fraction(masked=masked[str(cfg.level)], coverage=coverage.fraction,
-                                         masking=str(cfg.masking))
-
-    @classmethod
-    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
-        return sdp_plan.predict(cfg=cfg, model=model, world=world, facts=facts)
-
-    @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
-                      state: list[dict[str, Any]]) -> list[dict[str, int]] | None:
-        return _sdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch)
-
-    @classmethod
-    def plan_frontier(cls, *, cfg: DictConfig) -> dict[str, Any]:
-        return sdp_plan.plan_frontier(cfg)
-
-    @classmethod
-    def format_facts(cls, facts: dict[str, Any]) -> list[str]:
-        return [sdp_plan.format_plan_summary(facts["plan"]), *sdp_plan.format_redraw(facts)]
 
     # ---- set-up ---------------------------------------------------------------------------------
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
@@ -102,7 +61,9 @@ class SDPStrategy(Strategy):
         self.redraw_log: list[dict[str, Any]] = []  # the re-draws this process ran (a resumed run: since it resumed)
         self.eval_copy_bytes = 0
         self.rescale = resolve_rescale(cfg=cfg, eval_bn=str(self.full_cfg.eval.bn), model=model)
-        plan = plan_for(model=model, cfg=cfg, world_size=ctx.world_size)
+        if self.prepared is None:  # built outside the driver (tests, benchmarks): the same plan, drawn here
+            self.prepared = plan_for(model=model, cfg=cfg, world_size=ctx.world_size)
+        plan: Plan = self.prepared  # the driver's plan (SDPSpec.prepare): k and the holders come from it
         if self.mode != "forward":
             init.materialise(model)  # backward masking keeps every value by definition
         self._mask(model, plan=plan)
@@ -137,9 +98,8 @@ class SDPStrategy(Strategy):
             self.groups.redraw(holder_sets=sets, refresh=self.mode == "backward")
         if getattr(self, "sync", None) is not None:
             self.sync.close()  # a re-draw: the old subnetwork's gradient hooks go
-        self.sync = OwnerSetSync(rank=ctx.rank, pieces=self.pieces, layout=self.layout, groups=self.groups,
-                                 comm=ctx.comm, mode=self.mode, bucket_cap_mb=float(self.cfg.bucket_cap_mb),
-                                 overlap=bool(self.cfg.overlap))
+        self.sync = OwnerSetSync(rank=ctx.rank, pieces=self.pieces, layout=self.layout, groups=self.groups, comm=ctx.comm,
+                                 mode=self.mode, bucket_cap_mb=float(self.cfg.bucket_cap_mb), overlap=bool(self.cfg.overlap))
 
     def _trainable(self) -> list[nn.Parameter]:
         assert self.module is not None
@@ -149,17 +109,17 @@ class SDPStrategy(Strategy):
 
     # ---- one step ---------------------------------------------------------------------------------
     # train_step: the base template with these hooks.
-    def before_step(self, *, step: int, timer: PhaseTimer) -> None:
+    def _before_step(self, *, step: int, timer: PhaseTimer) -> None:
         every = self.cfg.resample_every
         if every and step > 0 and step % int(every) == 0:
             with timer.phase("resample"):
                 self._redraw(draw=step // int(every))
 
-    def sync_grads(self, *, timer: PhaseTimer) -> None:
+    def _sync_grads(self, *, timer: PhaseTimer) -> None:
         with timer.phase("comm"):  # with overlap: only the wait for the launched buckets (exposed comm)
             self.sync.reduce_grads()
 
-    def after_step(self, *, timer: PhaseTimer) -> None:
+    def _after_step(self, *, timer: PhaseTimer) -> None:
         if self.mode == "backward":
             with timer.phase("comm"):
                 self.sync.refresh()
@@ -272,10 +232,10 @@ class SDPStrategy(Strategy):
         local = state["local"]
         saved = local["extra"]["plan"]
         if saved != plan_lists(self.plan):
-            require(bool(self.cfg.resample_every) and saved["draw"] > 0, "parallelism", _plan_keys(self.cfg),
+            require(bool(self.cfg.resample_every) and saved["draw"] > 0, "parallelism", plan_keys(self.cfg),
                     f"must build the checkpoint's plan to resume (saved {saved}, now {plan_lists(self.plan)})")
             self._redraw(draw=int(saved["draw"]))  # its traffic: comm phase "resample"; the state is loaded below
-            require(saved == plan_lists(self.plan), "parallelism", _plan_keys(self.cfg),
+            require(saved == plan_lists(self.plan), "parallelism", plan_keys(self.cfg),
                     f"re-draw {saved['draw']} gives {plan_lists(self.plan)}, the checkpoint holds {saved}")
         assert self.module is not None
         self.module.load_state_dict(local["model"])
@@ -283,12 +243,58 @@ class SDPStrategy(Strategy):
         self.redraws = int(local["extra"]["redraws"])
 
 
-def plan_lists(plan: Plan) -> dict[str, Any]:
-    """What identifies a plan, as plain types (``weights_only``-loadable, comparable with ``==``)."""
-    return {"world_size": plan.world_size, "k": plan.k, "level": plan.level, "groups": plan.groups, "draw": plan.draw,
-            "units": [[u.block, -1 if u.group is None else u.group] for u in plan.units],
-            "holders": [list(h) for h in plan.holders]}
+@register("sdp")
+class SDPSpec(StrategySpec):
+    """SDP in the driver: its keys, its plan drawn once (:meth:`prepare`), label, coverage k / n, FLOP fraction,
+    ``sdp-plan`` prediction (bodies: :mod:`~sdp.parallel.sdp_config`, ``sdp_plan``, ``sdp_peaks``)."""
 
+    runtime, label_keys = SDPStrategy, ("level", "masking")  # labels: B-SDP, B_β-SDP, N-SDP, N_β-SDP
 
-def _plan_keys(cfg: DictConfig) -> str:
-    return ", ".join(f"{k}={cfg[k]}" for k in ("level", "coverage", "assignment", "balance", "groups", "plan_seed", "resample_every"))
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+        """Every SDP key (:func:`sdp.parallel.sdp_config.validate`); the plan itself is :meth:`prepare`'s."""
+        sdp_config.validate(cfg=cfg, world_size=world_size)
+
+    @classmethod
+    def prepare(cls, *, cfg: DictConfig, model: SDPModel) -> Plan:
+        """The plan, drawn once in the driver and handed to every rank (:func:`sdp.parallel.sdp_config.prepare`)."""
+        return sdp_config.prepare(cfg=cfg, model=model)
+
+    @classmethod
+    def method_label(cls, *, cfg: DictConfig) -> str:
+        """The paper's name of the level and masking (a subclass's own ``label`` wins)."""
+        return cls.label or sdp_plan.LABELS.get((str(cfg.level), str(cfg.masking)), f"SDP ({cfg.level}, {cfg.masking})")
+
+    @classmethod
+    def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None, prepared: Any = None) -> Coverage | None:
+        """C as configured, realised as k / n: the driver's plan's k, else (config alone: the report of a run
+        without summary, a budget outside the driver) the plan's rule, :func:`sdp_config.holders`."""
+        k = prepared.k if prepared is not None else sdp_config.holders(cfg=cfg, world_size=world_size)
+        return Coverage(key="parallelism.coverage", symbol="C", value=cfg.coverage, fraction=k / world_size)
+
+    @classmethod
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
+        assert coverage.fraction is not None, f"SDP's coverage is realised as the plan's k / n, got {coverage}"
+        return sdp_plan.compute_fraction(masked=masked[str(cfg.level)], coverage=coverage.fraction,
+                                         masking=str(cfg.masking))
+
+    @classmethod
+    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+                prepared: Any = None) -> list[Entry]:
+        return sdp_plan.predict(cfg=cfg, model=model, plan=prepared, facts=facts)
+
+    @classmethod
+    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+                      state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
+        return sdp_peaks(cfg=cfg, model=model, plan=prepared, batch=batch, eval_batch=eval_batch)
+
+    # ---- SDP's own questions (sdp-plan asks them only of a strategy that has them) ----------------------
+    @classmethod
+    def plan_frontier(cls, *, cfg: DictConfig, model: SDPModel, prepared: Plan) -> dict[str, Any]:
+        """``sdp-plan plan.frontier=true``: the floor and Pareto frontier of the plan (:func:`sdp_plan.plan_frontier`)."""
+        return sdp_plan.plan_frontier(cfg=cfg, model=model, plan=prepared)
+
+    @classmethod
+    def format_facts(cls, facts: dict[str, Any]) -> list[str]:
+        """Lines ``sdp-plan`` prints after its table: the plan and the re-draw rule."""
+        return [sdp_plan.format_plan_summary(facts["plan"]), *sdp_plan.format_redraw(facts)]

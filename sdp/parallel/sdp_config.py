@@ -1,24 +1,23 @@
-"""SDP's keys under ``parallelism``: what is checked before any rank starts, and ``rescale=auto`` resolved.
+"""SDP's keys under ``parallelism``: what is checked before any rank starts, the plan drawn once in the
+driver, and ``rescale=auto`` resolved.
 
-Apart from :mod:`sdp.parallel.sdp` (the strategy that runs on the ranks) because both run on the
-config alone: :meth:`SDPStrategy.validate <sdp.parallel.sdp.SDPStrategy.validate>` runs :func:`validate`
-in the driver (building the model on the meta device to draw its plan once, so an impossible plan is
-refused before any rank starts), and :func:`resolve_rescale` turns ``parallelism.rescale=auto`` into the
-rule the ranks apply, from the model's declarations and the evaluation protocol.
+Apart from :mod:`sdp.parallel.sdp` (the strategy that runs on the ranks) because they run on the config
+and the driver's meta model: :meth:`SDPSpec.validate <sdp.parallel.sdp.SDPSpec.validate>` runs
+:func:`validate` on the keys, :meth:`SDPSpec.prepare <sdp.parallel.sdp.SDPSpec.prepare>` runs :func:`prepare`
+(the plan, from the model built once on the meta device, so an impossible plan is refused before any rank
+starts and every rank trains the very plan the driver checked and predicted), and :func:`resolve_rescale`
+turns ``parallelism.rescale=auto`` into the rule the ranks apply.
 """
 
 from __future__ import annotations
 
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from sdp.errors import ConfigError, boolean, one_of, positive_float, positive_int, require
+from sdp.errors import ConfigError, boolean, one_of, positive_float, positive_int, require, unit_interval
 from sdp.models.base import SDPModel
 from sdp.parallel import sdp_plan
-from sdp.parallel.base import Strategy
 from sdp.parallel.sdp_plan import BALANCE_KEYS, plan_for
-from sdp.registry import build
-from sdp.subnet.plan import ASSIGNMENTS, LEVELS, REDRAWS, PlanError
+from sdp.subnet.plan import ASSIGNMENTS, LEVELS, REDRAWS, Plan, PlanError, num_holders, warn_degenerate
 
 
 RESCALES = ("auto", "none", "eval", "train")
@@ -40,12 +39,13 @@ def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
     return "eval"
 
 
-def validate(*, strategy: type[Strategy], cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-    """The body of :meth:`SDPStrategy.validate <sdp.parallel.sdp.SDPStrategy.validate>` (``strategy``: the class
-    it was called on, whose :meth:`~sdp.parallel.base.Strategy.coverage` checks ``parallelism.coverage``)."""
+def validate(*, cfg: DictConfig, world_size: int) -> None:
+    """The body of :meth:`SDPSpec.validate <sdp.parallel.sdp.SDPSpec.validate>`: every key of the ``parallelism``
+    node ``cfg`` (``parallelism.coverage``: k >= 1 holders on ``world_size`` workers, :func:`holders`); the
+    plan itself is :func:`prepare`'s."""
     one_of("parallelism.level", cfg.level, LEVELS)
     one_of("parallelism.masking", cfg.masking, sdp_plan.MASKINGS)
-    strategy.coverage(cfg=cfg, world_size=world_size, n_units=None)
+    holders(cfg=cfg, world_size=world_size)
     one_of("parallelism.assignment", cfg.assignment, ASSIGNMENTS)
     positive_int("parallelism.groups", cfg.groups)
     require(cfg.resample_every is None or (isinstance(cfg.resample_every, int) and cfg.resample_every >= 1),
@@ -73,14 +73,32 @@ def validate(*, strategy: type[Strategy], cfg: DictConfig, full_cfg: DictConfig,
     for r in BALANCE_KEYS:
         positive_float(f"parallelism.balance.{r}", b[r], allow_zero=True)
     require(any(b[r] for r in BALANCE_KEYS), "parallelism.balance", b, "at least one weight > 0")
-    root = full_cfg  # the plan needs the model declarations
-    if "model" in root:
-        node = OmegaConf.create(OmegaConf.to_container(root.model, resolve=True))  # resolve against the root
-        with torch.device("meta"):
-            model = build(node)
-        try:
-            from sdp.subnet.plan import warn_degenerate  # k = 1, disconnected workers: warned once, before any rank
 
-            warn_degenerate(plan_for(model=model, cfg=cfg, world_size=world_size))
-        except PlanError as exc:  # the plan's own words, with the config's model name
-            raise ConfigError(f"{exc} (model={node.get('name', type(model).__name__)})") from None
+
+def holders(*, cfg: DictConfig, world_size: int) -> int:
+    """k = round(C n) from the ``parallelism`` node alone (:func:`sdp.subnet.plan.num_holders`, the rule the
+    plan is built with), a ConfigError naming ``parallelism.coverage`` when it gives no holder; where the
+    driver's plan exists, its ``k`` is read instead."""
+    unit_interval("parallelism.coverage", cfg.coverage)
+    try:
+        return num_holders(coverage=float(cfg.coverage), world_size=world_size)
+    except PlanError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def prepare(*, cfg: DictConfig, model: SDPModel) -> Plan:
+    """The body of :meth:`SDPSpec.prepare <sdp.parallel.sdp.SDPSpec.prepare>`: the plan of the whole job config
+    ``cfg`` for ``model`` (built on the meta device), drawn once in the driver; an impossible plan is a
+    ConfigError in the plan's own words with the config's model name, and a degenerate one (k = 1,
+    disconnected workers) is warned about once, before any rank starts."""
+    try:
+        plan = plan_for(model=model, cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size))
+    except PlanError as exc:
+        raise ConfigError(f"{exc} (model={cfg.model.get('name', type(model).__name__)})") from None
+    warn_degenerate(plan)
+    return plan
+
+
+def plan_keys(cfg: DictConfig) -> str:
+    """The keys that decide the plan, as ``key=value`` (what a refused resume names)."""
+    return ", ".join(f"{k}={cfg[k]}" for k in ("level", "coverage", "assignment", "balance", "groups", "plan_seed", "resample_every"))

@@ -1,7 +1,7 @@
 """SDP in the driver: its plan from the config, and what ``sdp-plan`` predicts for it.
 
 Apart from :mod:`sdp.parallel.sdp` (the strategy that runs on the ranks) so that the planner-side
-modules it calls (:mod:`sdp.plan_peaks` builds the same plan) need not import the strategy. Every
+modules it calls (:mod:`sdp.parallel.sdp_peaks`, on the same plan) need not import the strategy. Every
 prediction reuses the strategy's own code: :func:`plan_for`, :mod:`sdp.subnet.masking` applied on the
 meta device, the owner-set buckets of :class:`sdp.subnet.sync.OwnerSetSync`, and with
 ``resample_every`` the re-draw itself (:mod:`sdp.subnet.redraw`, rehearsed on meta: :func:`rehearse_redraw`).
@@ -16,7 +16,6 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from sdp.errors import ConfigError, unit_interval
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
@@ -27,7 +26,7 @@ from sdp.subnet import redraw as R
 from sdp.subnet.moves import moves, traffic
 from sdp.subnet.carry import Described, describe
 from sdp.subnet.frontier import format_frontier, frontier
-from sdp.subnet.plan import Plan, PlanError, build_plan, num_holders
+from sdp.subnet.plan import Plan, build_plan
 from sdp.subnet.holder_groups import GroupSet, predicted_process_groups
 from sdp.subnet.sync import OwnerSetSync
 
@@ -35,17 +34,6 @@ BALANCE_KEYS = ("params", "flops", "activations")
 MASKINGS = ("forward", "backward")
 LABELS = {("block", "forward"): "B-SDP", ("block", "backward"): "B_β-SDP",  # the paper's names
           ("neuron", "forward"): "N-SDP", ("neuron", "backward"): "N_β-SDP"}
-
-
-def realised_coverage(*, coverage: object, world_size: int) -> float:
-    """The one check of ``parallelism.coverage`` (a number in (0, 1] that gives k >= 1 holders per unit)
-    and what a worker computes of each unit on average: k / n, k = round(C x n)
-    (:func:`sdp.subnet.plan.num_holders`, the rule the plan is built with; C = 0.3 on 4 workers is 0.25)."""
-    unit_interval("parallelism.coverage", coverage)
-    try:
-        return num_holders(coverage=float(coverage), world_size=world_size) / world_size  # type: ignore[arg-type]
-    except PlanError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def compute_fraction(*, masked: float, coverage: float, masking: str) -> float:
@@ -77,14 +65,21 @@ def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0
     )
 
 
-def predict(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any]) -> list[Entry]:
-    """SDP: this rank's masked subnetwork (the strategy's own plan and masking applied on meta),
+def plan_lists(plan: Plan) -> dict[str, Any]:
+    """What identifies a plan, as plain types (``weights_only``-loadable, comparable with ``==``)."""
+    return {"world_size": plan.world_size, "k": plan.k, "level": plan.level, "groups": plan.groups, "draw": plan.draw,
+            "units": [[u.block, -1 if u.group is None else u.group] for u in plan.units],
+            "holders": [list(h) for h in plan.holders]}
+
+
+def predict(*, cfg: DictConfig, model: SDPModel, plan: Plan, facts: dict[str, Any]) -> list[Entry]:
+    """SDP: this rank's masked subnetwork (the driver's ``plan`` and the strategy's masking applied on meta),
     owner-set gradient buckets and refresh broadcasts from :class:`sdp.subnet.sync.OwnerSetSync`."""
-    pc = cfg.parallelism
+    assert plan is not None, "SDP's prediction reads the driver's plan (sdp.preflight.prepared), got none"
+    pc, world = cfg.parallelism, plan.world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
-    plan = plan_for(model=model, cfg=pc, world_size=world)
     facts["plan"] = plan.summary()  # as summary.json["plan"]: units -> holders, holder sets, connectivity
-    if (redraw := predict_redraw(cfg=cfg, model=model, world=world)) is not None:
+    if (redraw := predict_redraw(cfg=cfg, model=model, world=world, plan=plan)) is not None:
         facts["redraw"] = redraw  # the bytes of the first re-draw; its peaks: sdp.plan_peaks (redraw_peak_bytes)
     pieces = M.pieces(model, plan)
     # the groups SDPStrategy creates (the same holder sets, the same rule): summary.json's process_groups
@@ -104,16 +99,13 @@ def predict(*, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, An
     return out
 
 
-def plan_frontier(cfg: DictConfig) -> dict[str, Any]:
-    """The SDP plan's floor and Pareto frontier over every assignment (:mod:`sdp.subnet.frontier`)."""
+def plan_frontier(*, cfg: DictConfig, model: SDPModel, plan: Plan) -> dict[str, Any]:
+    """The floor and Pareto frontier of ``plan`` (the driver's) over every assignment (:mod:`sdp.subnet.frontier`)."""
     if str(cfg.parallelism.masking) != "forward":
         raise ValueError(f"plan.frontier=true scores SDP with forward masking (backward masking keeps every parameter "
                          f"and activation on every worker), got parallelism.name={cfg.parallelism.name!r} "
                          f"masking={cfg.parallelism.get('masking')!r}")
-    with torch.device("meta"):
-        model = build(cfg.model)
-    world = int(cfg.cluster.world_size)
-    plan = plan_for(model=model, cfg=cfg.parallelism, world_size=world)
+    world = plan.world_size
     result = frontier(plan=plan, full_activation_bytes=activations(model, model.example_input(2).to("meta")) / 2)
     title = (f"model={cfg.model.get('name', '')} world_size={world} coverage={cfg.parallelism.coverage} "
              f"level={plan.level} balance={dict(cfg.parallelism.balance)}")
@@ -206,15 +198,16 @@ def rehearse_redraw(*, skeleton: nn.Module, old_plan: Plan, new_plan: Plan, rank
         return {"peak_bytes": tracker.peak, "sent_bytes": wire.sent, "received_bytes": wire.received}
 
 
-def predict_redraw(*, cfg: DictConfig, model: SDPModel, world: int) -> dict[str, Any] | None:
+def predict_redraw(*, cfg: DictConfig, model: SDPModel, world: int, plan: Plan | None = None) -> dict[str, Any] | None:
     """``sdp-plan``'s re-draw prediction (``parallelism.resample_every`` set; else None): the bytes every
-    rank sends and receives at the first re-draw (draw 0 -> draw 1: :func:`sdp.subnet.moves.traffic`
-    on the two plans, each moving piece's optimizer state as :func:`state_template` describes it)."""
+    rank sends and receives at the first re-draw (draw 0, ``plan`` when the driver has it, -> draw 1:
+    :func:`sdp.subnet.moves.traffic` on the two plans, each moving piece's optimizer state as
+    :func:`state_template` describes it)."""
     pc = cfg.parallelism
     if not pc.get("resample_every"):
         return None
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
-    old = M.pieces(model, plan_for(model=model, cfg=pc, world_size=world))
+    old = M.pieces(model, plan if plan is not None else plan_for(model=model, cfg=pc, world_size=world))
     new = M.pieces(model, plan_for(model=model, cfg=pc, world_size=world, draw=1))
     values, carried = moves(old=old, new=new, mode=mode, world=world)
     full = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -225,11 +218,11 @@ def predict_redraw(*, cfg: DictConfig, model: SDPModel, world: int) -> dict[str,
             "every": int(pc.resample_every), "per_rank": [{"rank": r, **t} for r, t in enumerate(table)]}
 
 
-def redraw_peaks(*, cfg: DictConfig, model: SDPModel, world: int) -> list[int]:
-    """Per rank, the predicted peak of the first re-draw (:func:`rehearse_redraw`, draw 0 -> 1)."""
-    pc = cfg.parallelism
+def redraw_peaks(*, cfg: DictConfig, model: SDPModel, plan: Plan) -> list[int]:
+    """Per rank, the predicted peak of the first re-draw (:func:`rehearse_redraw`, the driver's ``plan`` -> draw 1)."""
+    pc, world = cfg.parallelism, plan.world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
-    plans = [plan_for(model=model, cfg=pc, world_size=world, draw=d) for d in (0, 1)]
+    plans = [plan, plan_for(model=model, cfg=pc, world_size=world, draw=1)]
     factory = build(cfg.optim.optimizer)
     template = state_template(optimizer_factory=factory, dtype=next(model.parameters()).dtype)
     return [rehearse_redraw(skeleton=model, old_plan=plans[0], new_plan=plans[1], rank=r, mode=mode,

@@ -87,7 +87,7 @@ def make_strategy(config: dict[str, Any], rank: int, world_size: int) -> tuple[A
     cfg = OmegaConf.create(config)
     data = build(cfg.dataset)
     ctx = DistContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    strategy = STRATEGIES.get(str(cfg.parallelism.name))(cfg=cfg.parallelism, full_cfg=cfg, ctx=ctx)
+    strategy = STRATEGIES.get(str(cfg.parallelism.name)).runtime(cfg=cfg.parallelism, full_cfg=cfg, ctx=ctx)
     model = build_model(cfg, data, meta=strategy.materialises_held)
     strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
     return strategy, data, cfg

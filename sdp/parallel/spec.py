@@ -1,0 +1,135 @@
+"""What the driver asks a strategy, before any rank starts: the registered half of a strategy.
+
+A strategy is two classes in its own module: a :class:`StrategySpec` (registered by name with
+:func:`register`, class-level, no process group, no device, no rank state) and the runtime class it
+names in :attr:`StrategySpec.runtime` (:class:`sdp.parallel.base.Strategy`, what each rank runs). The
+split follows torchtitan's ``TrainSpec`` (``torchtitan/protocols/train_spec.py``): the driver looks the
+spec up and asks it; only the ranks instantiate the runtime.
+
+The spec answers what the modules outside ``sdp/parallel/`` would otherwise have to guess from config
+keys: whether the config can work (:meth:`StrategySpec.validate`), what the driver builds once from the
+meta model for every rank (:meth:`StrategySpec.prepare`: SDP's plan), its name in reports
+(:meth:`StrategySpec.method_label`), the share of the model's units a worker computes
+(:meth:`StrategySpec.coverage`, a :class:`Coverage`) and of DDP's FLOPs (:meth:`StrategySpec.flops_fraction`;
+the budget and the report use both), and its ``sdp-plan`` prediction (:meth:`StrategySpec.predict`,
+:meth:`StrategySpec.predict_peaks`). The planner, :mod:`sdp.budget`, :mod:`sdp.report` and
+:mod:`sdp.metrics.flops` ask the spec and name no strategy. A question only one strategy answers (SDP's
+plan frontier) is that strategy's own method, not the base's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from omegaconf import DictConfig
+
+from sdp.models.base import SDPModel
+from sdp.plan_entries import Entry
+from sdp.registry import Registry
+
+if TYPE_CHECKING:
+    from sdp.parallel.base import Strategy
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of the model one worker computes per step, as the method states it (the report's C column)
+    and as realised (the budget's fraction of units)."""
+
+    key: str  # the config key that states it, e.g. "parallelism.coverage"
+    symbol: str  # how tables name it: "C" (SDP's coverage) or "p" (a survival probability)
+    value: float  # that key's value
+    fraction: float | None  # fraction of the model's units one worker computes on average (None: not countable)
+
+    def summary(self) -> dict[str, Any]:
+        return {"key": self.key, "symbol": self.symbol, "value": self.value, "fraction": self.fraction}
+
+
+class StrategySpec:
+    """The classmethods a strategy answers in the driver (defaults: a strategy that runs the whole model on
+    every worker, needs nothing built for its ranks and makes no ``sdp-plan`` prediction)."""
+
+    name: str = ""  # set by :func:`register`: the ``parallelism.name`` that selects it
+    label: str = ""  # the report's name of the method (default: ``name``); see :meth:`method_label`
+    label_keys: tuple[str, ...] = ()  # parallelism keys the label already says (no table column of their own)
+    plan_note: str = ""  # a caveat of this strategy's ``sdp-plan`` prediction, listed in the plan's notes
+    runtime: type[Strategy]  # what each rank instantiates: ``runtime(cfg=..., full_cfg=..., ctx=..., prepared=...)``
+
+    # ---- validation and what the driver builds once -----------------------------------------------
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+        """Raise ``ValueError`` naming key, value and what is allowed for impossible settings of the keys.
+
+        ``cfg`` is the ``parallelism`` node, ``full_cfg`` the whole job config (batch size, model, ...),
+        both passed by :func:`sdp.config.validate` before any rank starts; what needs the model is
+        :meth:`prepare`'s."""
+
+    @classmethod
+    def prepare(cls, *, cfg: DictConfig, model: SDPModel) -> Any:
+        """What the driver builds once from the whole job config ``cfg`` and the model built on the meta
+        device, checked (a :class:`~sdp.errors.ConfigError` naming the key otherwise), and hands to every
+        rank (``Strategy.prepared``), to :meth:`coverage` and to the ``sdp-plan`` prediction: SDP's plan, so
+        that k and the holders are decided in one place. Picklable (it travels to spawned ranks).
+        None (default): the ranks need nothing from the driver."""
+        return None
+
+    # ---- what the driver, the budget and the report ask ------------------------------------------------
+    @classmethod
+    def method_label(cls, *, cfg: DictConfig) -> str:
+        """The report's name of the method ``cfg`` (the ``parallelism`` node) configures."""
+        return cls.label or cls.name
+
+    @classmethod
+    def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None, prepared: Any = None) -> Coverage | None:
+        """The share of the model's units one worker computes per step (``n_units``: the model's unit
+        count, None when it could not be counted; ``prepared``: :meth:`prepare`'s result, None when the
+        question comes from the config alone). None (default): every worker runs the whole model."""
+        return None
+
+    @classmethod
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
+        """Fraction of the full model's training FLOPs one worker computes per step on average, for a
+        strategy with a :meth:`coverage`; ``masked`` maps each unit level (``"block"``, ``"neuron"``) to the
+        share of the forward FLOPs a worker computing part of each unit narrows at that level
+        (:func:`sdp.metrics.flops.masked_fractions`). Default 1: the whole model."""
+        return 1.0
+
+    @classmethod
+    def report_facts(cls, *, cfg: DictConfig, n_units: int | None = None, prepared: Any = None) -> dict[str, Any]:
+        """``label`` and ``coverage`` as summary.json records them (``cfg``: the whole job config)."""
+        cov = cls.coverage(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), n_units=n_units,
+                           prepared=prepared)
+        return {"label": cls.method_label(cfg=cfg.parallelism), "coverage": cov.summary() if cov else None}
+
+    @classmethod
+    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+                prepared: Any = None) -> list[Entry]:
+        """``sdp-plan``: each rank's (memory, comm) entry (:mod:`sdp.plan_entries`) for the whole job config
+        ``cfg`` and ``model`` built on the meta device; strategy facts for the plan's JSON go into ``facts``."""
+        raise ValueError(f"parallelism.name={cls.name!r}: this strategy makes no sdp-plan prediction (StrategySpec.predict)")
+
+    @classmethod
+    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+                      state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
+        """``sdp-plan``'s set-up, train and eval peaks per rank (the strategy's own rehearsal, next to it in
+        ``sdp/parallel/``, on :mod:`sdp.plan_peaks`'s generic one); ``state``: the memory entries of
+        :meth:`predict`. None (default): no peak rehearsal."""
+        return None
+
+
+STRATEGIES: Registry[type[StrategySpec]] = Registry(kind="strategy", key="parallelism.name")
+
+
+def register(name: str) -> Callable[[type[StrategySpec]], type[StrategySpec]]:
+    """Class decorator on a spec: ``@register("ddp")`` makes ``parallelism.name=ddp`` look this spec up
+    (and its ``runtime`` run on the ranks)."""
+
+    def deco(cls: type[StrategySpec]) -> type[StrategySpec]:
+        assert isinstance(cls, type) and issubclass(cls, StrategySpec), \
+            f"@register({name!r}) decorates a StrategySpec subclass (its runtime named in .runtime), got {cls!r}"
+        assert getattr(cls, "runtime", None) is not None, f"strategy spec {cls.__name__} ({name!r}) names no runtime class"
+        cls.name = name
+        return STRATEGIES.register(name)(cls)
+
+    return deco
