@@ -1,7 +1,7 @@
 """Config errors and the check helpers every module uses to refuse a value (key, value, what is allowed).
 
 Imports nothing from ``sdp``, so any module can raise a :class:`ConfigError` without importing the
-validation pass (:mod:`sdp.config`), which imports most of the package: that is what keeps the import
+validation pass (:mod:`sdp.driver.config`), which imports most of the package: that is what keeps the import
 graph free of cycles.
 """
 

@@ -7,7 +7,7 @@ import itertools
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.train import CONF_DIR  # also registers the resolvers the config uses
+from sdp.driver.train import CONF_DIR  # also registers the resolvers the config uses
 
 
 def compose_config(*overrides: str, hydra: bool = False) -> DictConfig:

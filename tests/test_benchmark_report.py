@@ -73,7 +73,7 @@ def test_committed_reports_re_render_byte_identical(tmp_path: Path, monkeypatch:
 def test_benchmark_tables_take_ratios_to_the_ddp_row() -> None:
     """report, memory and capacity divide by the DDP row wherever it stands; compare by its first run."""
     from sdp.bench.compare import row
-    from sdp.summary import read_summary
+    from sdp.results.summary import read_summary
 
     rows = [row(label, read_summary(LLAMA / "runs" / label)) for label in ("sdp", "fsdp", "ddp")]  # DDP last
     sdp, ddp = rows[0], rows[2]

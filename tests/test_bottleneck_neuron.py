@@ -69,7 +69,7 @@ def test_bottleneck_resnet_plans_at_block_level_and_is_refused_at_neuron_level()
 
 def test_validation_refuses_resnet50_at_neuron_level_naming_model_and_level() -> None:
     """What sdp-train and sdp-plan run before any rank starts (the rank died on an AssertionError)."""
-    from sdp.config import ConfigError, validate
+    from sdp.driver.config import ConfigError, validate
     from tests.helpers import compose
 
     with pytest.raises(ConfigError, match=r"parallelism.level='neuron' is not supported for model ResNet: .*"

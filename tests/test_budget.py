@@ -11,16 +11,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
 
-import sdp.train
-from sdp.budget import model_flops, resolve_steps
+import sdp.driver.train
+from sdp.planning.budget import model_flops, resolve_steps
 from sdp.metrics.flops import masked_fraction
 from sdp.parallel.sdp_plan import compute_fraction
-from sdp.config import ConfigError
+from sdp.driver.config import ConfigError
 from sdp.models.base import forward_flop_counts
 from sdp.models.resnet import ResNetCIFAR
 from tests.hydra_cfg import compose_config, sweep_params
 
-CONF = Path(sdp.train.CONF_DIR)
+CONF = Path(sdp.driver.train.CONF_DIR)
 
 
 compose_with = compose_config
@@ -209,7 +209,7 @@ def test_scale_cpu_shrinks_resnet_and_command_line_still_wins():
 
 
 def test_token_counts_are_not_scrubbed_as_secrets():
-    from sdp.results import scrub
+    from sdp.results.contract import scrub
 
     out = scrub({"train": {"tokens": 5, "hf_token": "x"}, "time": {"tokens_per_s": 1.0}, "token": "y"})
     assert out == {"train": {"tokens": 5, "hf_token": "<redacted>"}, "time": {"tokens_per_s": 1.0}, "token": "<redacted>"}

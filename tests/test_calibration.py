@@ -1,4 +1,4 @@
-"""One BatchNorm calibration set (sdp.evaluation.calibration_steps, Trainer.calibration): the same
+"""One BatchNorm calibration set (sdp.rank.evaluation.calibration_steps, Trainer.calibration): the same
 training samples for every strategy at the same fraction of its budget, and for both of SDP's
 evaluations (assembled model and each worker's own subnetwork), so the assembly gap measures
 assembly and nothing else: exactly 0 at C = 1, where nothing is assembled."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from sdp.evaluation import calibration_steps
-from sdp.trainer import eval_fractions
+from sdp.rank.evaluation import calibration_steps
+from sdp.rank.trainer import eval_fractions
 
 TINY_RESNET = ["model=resnet18_cifar", "model.width=4", "dataset=digits", "dataset.image_size=8", "train.batch_size=8",
                "train.steps=3", "train.warmup_steps=0", "train.eval_every=0", "optim=sgd"]
@@ -37,11 +37,11 @@ def test_every_eval_point_calibrates_where_ddp_does_at_the_same_fraction_of_the_
 
 def _trainer(overrides: list[str], *, steps: int, budget: dict[str, Any] | None) -> Any:
     """A Trainer around a stand-in strategy (replica 0 of 2): only its data order and calibration are used."""
-    from sdp.loggers import NullLogger
+    from sdp.results.loggers import NullLogger
     from sdp.metrics.timing import PhaseTimer
     from sdp.parallel import DistContext
     from sdp.registry import build
-    from sdp.trainer import Trainer
+    from sdp.rank.trainer import Trainer
     from tests.helpers import compose
 
     cfg = compose(overrides)
@@ -80,9 +80,9 @@ def test_the_trainer_calibrates_ddp_and_sdp_on_identical_samples_under_a_flop_bu
 
 
 def _c1_gap(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from sdp.loggers import NullLogger
+    from sdp.results.loggers import NullLogger
     from sdp.metrics.timing import PhaseTimer
-    from sdp.trainer import Trainer
+    from sdp.rank.trainer import Trainer
     from tests.helpers import make_strategy
 
     out = {}

@@ -1,4 +1,4 @@
-"""Checkpoint internals in one process (fast): state layouts round-trip through ``sdp.checkpoint`` and
+"""Checkpoint internals in one process (fast): state layouts round-trip through ``sdp.rank.checkpoint`` and
 training continues exactly as if never stopped; RNG streams survive ``weights_only`` loading; resume
 paths resolve; a resumed run's metrics hold each step once.
 
@@ -19,12 +19,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from sdp import checkpoint, checkpoint_resume, rng
-from sdp.config import ConfigError
+from sdp.rank import checkpoint, checkpoint_resume, rng
+from sdp.driver.config import ConfigError
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.mlp import MLP
 from sdp.parallel.base import DistContext, StepResult, Strategy
-from sdp.trainer import loss_fn
+from sdp.rank.trainer import loss_fn
 
 KEY = {"seed": 0, "global_batch": 8, "num_samples": 64}
 

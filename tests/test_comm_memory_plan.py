@@ -1,7 +1,7 @@
 """Communicator memory: NCCL groups share the default communicator's resources, and ``sdp-plan``
 predicts each rank's groups and their device memory for every strategy.
 
-- ``sdp.distctx.comm_options``: on NCCL the options every group is made with (the default group
+- ``sdp.rank.distctx.comm_options``: on NCCL the options every group is made with (the default group
   first) carry ``config.split_share = 1``, without which a split communicator gets buffers of its own;
   gloo takes none. Built without a GPU (torch's NCCL options are plain objects).
 - ``sdp-plan`` at 8 ranks on the meta device: per rank the process groups (the default one included)
@@ -39,7 +39,7 @@ STRATEGIES = [
 def test_nccl_groups_are_made_with_split_share_and_the_jobs_timeout() -> None:
     from torch.distributed import ProcessGroupNCCL
 
-    from sdp.distctx import comm_options
+    from sdp.rank.distctx import comm_options
 
     options = comm_options(backend="nccl", timeout=timedelta(seconds=42))
     assert isinstance(options, ProcessGroupNCCL.Options)
@@ -49,7 +49,7 @@ def test_nccl_groups_are_made_with_split_share_and_the_jobs_timeout() -> None:
 
 
 def test_gloo_groups_take_no_backend_options() -> None:
-    from sdp.distctx import comm_options
+    from sdp.rank.distctx import comm_options
 
     assert comm_options(backend="gloo", timeout=timedelta(seconds=42)) is None
 
@@ -57,7 +57,7 @@ def test_gloo_groups_take_no_backend_options() -> None:
 @pytest.mark.parametrize(("case", "sel", "groups"), STRATEGIES, ids=[s[0] for s in STRATEGIES])
 def test_sdp_plan_prints_each_ranks_groups_and_communicator_memory_at_8_ranks(case: str, sel: list[str],
                                                                                groups: int | None) -> None:
-    from sdp.planner import format_plan, predict
+    from sdp.planning.planner import format_plan, predict
 
     cfg = compose([*MLP, *sel])
     per_group = int(cfg.cluster.comm_bytes_per_group)
@@ -80,7 +80,7 @@ def test_sdp_plan_prints_each_ranks_groups_and_communicator_memory_at_8_ranks(ca
 
 
 def test_comm_bytes_per_group_is_a_checked_config_key() -> None:
-    from sdp.planner import predict
+    from sdp.planning.planner import predict
 
     plan = predict(compose([*MLP, "parallelism=ddp", "cluster.comm_bytes_per_group=1048576"]))
     assert [m["communicator_bytes"] for m in plan["memory"]["per_rank"]] == [1048576] * 8

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from sdp import train
-from sdp.loggers import SWEEP_PROGRESS_ENV, SweepProgress, sweep_size
+from sdp.driver import train
+from sdp.results.loggers import SWEEP_PROGRESS_ENV, SweepProgress, sweep_size
 from sdp.report.callback import ReportCallback
 from sdp.report.compare import comparison_markdown
 from sdp.report.runs import find_runs, run_figures

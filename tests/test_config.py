@@ -9,12 +9,12 @@ import torch
 from hydra.utils import get_object
 from omegaconf import OmegaConf
 
-import sdp.train  # noqa: F401  (registers the sdp_uid resolver)
-from sdp.config import validate
-from sdp.worker import build
+import sdp.driver.train  # noqa: F401  (registers the sdp_uid resolver)
+from sdp.driver.config import validate
+from sdp.rank.worker import build
 from tests.hydra_cfg import compose_config
 
-CONF = Path(sdp.train.CONF_DIR)
+CONF = Path(sdp.driver.train.CONF_DIR)
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 

@@ -149,7 +149,7 @@ def test_image_folder_bad_inputs_name_the_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("model", "dataset"), [("resnet18_cifar", "cifar10"), ("resnet18_cifar", "cifar100"),
                                                 ("resnet18", "imagenet"), ("llama_tiny", "fineweb")])
 def test_driver_preflight_rejects_a_missing_root_before_any_rank(tmp_path: Path, model: str, dataset: str) -> None:
-    from sdp.config import validate
+    from sdp.driver.config import validate
     from tests.hydra_cfg import compose_config
 
     cfg = compose_config(f"model={model}", f"dataset={dataset}", f"dataset.root={tmp_path}/none")

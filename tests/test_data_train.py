@@ -14,7 +14,7 @@ from tests.helpers import CORE, run_train
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
-    """A 4-step DDP job on 2 ranks through ``python -m sdp.train``; its summary.json."""
+    """A 4-step DDP job on 2 ranks through ``python -m sdp.driver.train``; its summary.json."""
     return run_train(run_dir, "cluster.world_size=2", "train.steps=4", "train.batch_size=4", "train.warmup_steps=1",
                      *overrides).summary
 

@@ -91,7 +91,7 @@ def test_inside_torchrun_it_does_not_spawn_again(tmp_path):
     import sys
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sdp.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sdp.driver.train",
            f"hydra.run.dir={run_dir}", "parallelism=ddp", "model=mlp", "train.steps=4", "train.eval_every=0",
            "cluster.world_size=2", "logger.wandb.mode=disabled", "logger.progress=false"]
     proc = subprocess.run(cmd, cwd=REPO, env=sdp_env(), capture_output=True, text=True, timeout=150)

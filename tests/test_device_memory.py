@@ -81,7 +81,7 @@ def test_max_reserved_is_the_maximum_over_the_run(fake: FakeAllocator) -> None:
 
 
 def test_summary_keeps_the_largest_device_use_not_the_end_snapshot(fake: FakeAllocator) -> None:
-    from sdp.worker import memory_record
+    from sdp.rank.worker import memory_record
 
     tracker = PeakTracker(device=CUDA0)
     fake.run(allocated=8 * GB, reserved=10 * GB, used=12 * GB)

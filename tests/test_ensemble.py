@@ -1,4 +1,4 @@
-"""The ensemble of the workers' subnetworks (``eval.ensemble``, sdp/eval_ensemble.py): the cross-entropy and
+"""The ensemble of the workers' subnetworks (``eval.ensemble``, sdp/rank/eval_ensemble.py): the cross-entropy and
 arg-max of the mean of their predicted probabilities. At C = 1 every worker's subnetwork is the full model,
 so the ensemble is DDP's evaluation; at C = 0.5 it equals a single-process reference computed from the
 workers' gathered probabilities; its evaluation peak per rank stays within one batch of probabilities of
@@ -29,7 +29,7 @@ def _ctx() -> Any:
 def test_one_worker_ensemble_is_its_cross_entropy_chunk_by_chunk_and_survives_underflow() -> None:
     """One worker: the ensemble is the model; the chunked log-space loss equals cross-entropy, and a target
     whose float32 probability underflows (logit 200 below the best) still gives a finite loss."""
-    from sdp.eval_ensemble import add_batch
+    from sdp.rank.eval_ensemble import add_batch
 
     torch.manual_seed(0)
     out, target = torch.randn(3, 5, 7), torch.randint(0, 7, (3, 5))  # an LM batch: (B, T, V)
@@ -47,7 +47,7 @@ def test_one_worker_ensemble_is_its_cross_entropy_chunk_by_chunk_and_survives_un
 def test_a_run_recorded_before_the_key_is_the_same_job_only_where_no_ensemble_is_evaluated() -> None:
     """``train.skip_done``: the key added after the CPU study's runs keeps a DDP or backward-masked run (nothing
     to ensemble) and a run with the key off, and re-runs a forward-masked SDP run, which now has a new figure."""
-    from sdp import sweep
+    from sdp.driver import sweep
 
     for preset, same in (("ddp", True), ("sdp_block_bwd", True), ("sdp", False)):
         now = sweep.flatten(config_of([f"parallelism={preset}"]))
@@ -65,9 +65,9 @@ def config_of(overrides: list[str]) -> dict[str, Any]:
 
 
 def _rows(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from sdp.loggers import NullLogger
+    from sdp.results.loggers import NullLogger
     from sdp.metrics.timing import PhaseTimer
-    from sdp.trainer import Trainer
+    from sdp.rank.trainer import Trainer
     from tests.helpers import make_strategy
 
     out = {}
@@ -107,12 +107,12 @@ def _half(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     """The trainer's row; this rank's subnetwork's probabilities on the whole validation set, calibrated as
     the trainer calibrates it (the reference); the live-tensor peak of the subnetworks' pass without and
     with the ensemble; the rows of one batch."""
-    from sdp import evaluation
+    from sdp.rank import evaluation
     from sdp.data.base import val_batches
-    from sdp.loggers import NullLogger
+    from sdp.results.loggers import NullLogger
     from sdp.metrics.live import LiveTensorTracker
     from sdp.metrics.timing import PhaseTimer
-    from sdp.trainer import Trainer
+    from sdp.rank.trainer import Trainer
     from tests.helpers import make_strategy
 
     strategy, data, cfg = make_strategy(config, rank, world)

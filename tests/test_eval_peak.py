@@ -18,11 +18,11 @@ COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=synthetic", "dataset
 
 
 def _eval_peaks(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[str, int]:
-    from sdp.loggers import NullLogger
+    from sdp.results.loggers import NullLogger
     from sdp.metrics.memory import PeakTracker
     from sdp.metrics.timing import PhaseTimer
-    from sdp.trainer import Trainer
-    from sdp.worker import dataset_tensors
+    from sdp.rank.trainer import Trainer
+    from sdp.rank.worker import dataset_tensors
     from tests.helpers import make_strategy
     import torch
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 import sdp.subnet.plan as plan_module
-import sdp.train
-from sdp.config import validate_strategy
+import sdp.driver.train
+from sdp.driver.config import validate_strategy
 from sdp.subnet.plan import PlanWarning
 from tests.hydra_cfg import compose_config, swept_jobs
 
-EXPERIMENTS = sorted(p.stem for p in (Path(sdp.train.CONF_DIR) / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (Path(sdp.driver.train.CONF_DIR) / "experiment").glob("*.yaml"))
 _COSTS: dict[tuple[str, str, tuple[int, ...]], dict[int, tuple[float, float]]] = {}
 _measure = plan_module.measure_block_costs
 

@@ -30,7 +30,7 @@ def _case(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     from sdp.metrics.live import LiveTensorTracker
     from sdp.parallel import STRATEGIES, DistContext
     from sdp.registry import build
-    from sdp.worker import build_model
+    from sdp.rank.worker import build_model
 
     cfg = OmegaConf.create(config)
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sdp.results import git_dirty
+from sdp.results.contract import git_dirty
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from sdp import sweep
-from sdp.config import ConfigError, validate
+from sdp.driver import sweep
+from sdp.driver.config import ConfigError, validate
 from sdp.metrics.flops import compute_dtype
 from sdp.models.resnet import ResNetCIFAR
-from sdp.rankenv import set_backends
+from sdp.driver.rankenv import set_backends
 from tests.hydra_cfg import compose_config
 
 CUDA = torch.device("cuda", 0)  # a device object needs no GPU; only running a kernel on it would
@@ -138,7 +138,7 @@ def test_argument_dependent_entries_are_read_by_name() -> None:
     spatial NLL loss) is reported for those only, wherever the argument is passed."""
     from torch.nn import functional as F
 
-    from sdp.determinism import _Recorder
+    from sdp.driver.determinism import _Recorder
 
     x = torch.empty(4, 3, device="meta")
     index = torch.zeros(4, 3, dtype=torch.long, device="meta")

@@ -31,8 +31,8 @@ def test_script_parses_installs_from_the_repo_and_bounds_every_run() -> None:
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     assert ".whl" not in text, "the script installs from a wheel folder that is not in the repository"
     assert re.search(r"pip install (-q )?-e \.", text), "install with the README's command: pip install -e ."
-    launches = [ln for ln in text.splitlines() if re.search(r"-m sdp\.(train|planner)|rows\.py", ln) and not ln.lstrip().startswith("#")]
-    assert launches, "no sdp.train launch found"
+    launches = [ln for ln in text.splitlines() if re.search(r"-m sdp\.(driver\.train|planning\.planner)|rows\.py", ln) and not ln.lstrip().startswith("#")]
+    assert launches, "no sdp.driver.train launch found"
     unbounded = [ln for ln in launches if "timeout -k" not in ln]
     assert not unbounded, f"launches without timeout -k (SIGTERM alone leaves the elastic grace period): {unbounded}"
     assert "DRY_RUN" in text and "TOTAL_S" in text

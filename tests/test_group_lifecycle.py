@@ -78,7 +78,7 @@ MESHES = [("hsdp", ["parallelism=fsdp", "parallelism.replicate=2"]),
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("case", "sel"), core_cases(MESHES, ids=[m[0] for m in MESHES], core={"hsdp"}))
 def test_every_group_has_the_jobs_timeout_and_the_planned_count(case: str, sel: list[str]) -> None:
-    from sdp.planner import predict
+    from sdp.planning.planner import predict
     from tests.helpers import compose
 
     world = 4

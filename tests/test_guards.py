@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdp import guards
+from sdp.rank import guards
 from sdp.parallel.base import DistContext, StepResult
 
 CTX = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")

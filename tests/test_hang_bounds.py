@@ -2,11 +2,11 @@
 
 - A rank stalled inside a holder-set all-reduce (a sub-group, not the world) makes its peer fail after
   the job's timeout, not torch's per-backend default for ``new_group`` (30 minutes on gloo, 10 on
-  NCCL), with a message naming the step and the group (``sdp.guards.naming_step`` with
-  ``sdp.distctx.WHERE``): spawned gloo ranks (default tier) and a whole SDP job (slow tier).
+  NCCL), with a message naming the step and the group (``sdp.rank.guards.naming_step`` with
+  ``sdp.rank.distctx.WHERE``): spawned gloo ranks (default tier) and a whole SDP job (slow tier).
 - A rank that dies without a Python error (NCCL's watchdog aborts the process on a timeout under its
   default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``) has already left its step and groups in its failure file,
-  which the launcher's report quotes (``sdp.distctx.last_position``).
+  which the launcher's report quotes (``sdp.rank.distctx.last_position``).
 - Under Slurm a task that dies ends the job step (``srun --kill-on-bad-exit=1``) in both the submitit
   launcher's config and the sbatch scripts.
 """
@@ -34,7 +34,7 @@ def _stall_in_holder_set(rank: int, world: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from sdp.guards import StepFailure, naming_step
+    from sdp.rank.guards import StepFailure, naming_step
     from sdp.subnet.holder_groups import GroupSet
 
     dist.set_timeout(timedelta(seconds=TIMEOUT_S))  # the default group's: what cluster.timeout_s sets
@@ -88,7 +88,7 @@ def test_an_sdp_job_with_a_rank_hung_before_its_holder_set_all_reduce_ends_withi
 
 ABORT = """
 import os, signal, sys
-from sdp.distctx import WHERE
+from sdp.rank.distctx import WHERE
 WHERE.keep_at(sys.argv[1], rank=2, world=4)
 WHERE.begin_step(4)
 WHERE.used((0, 2), world=4)
@@ -98,7 +98,7 @@ os.kill(os.getpid(), signal.SIGABRT)  # what NCCL's watchdog does to a rank on a
 
 
 def test_a_rank_aborted_without_a_python_error_leaves_its_step_and_groups_in_its_failure_file(tmp_path: Path) -> None:
-    from sdp.distctx import last_position
+    from sdp.rank.distctx import last_position
 
     path = tmp_path / "failure_rank2.json"
     proc = subprocess.run([sys.executable, "-c", ABORT, str(path)], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -112,7 +112,7 @@ def test_a_rank_aborted_without_a_python_error_leaves_its_step_and_groups_in_its
 
 
 def test_a_rank_that_finishes_or_raises_leaves_no_running_position(tmp_path: Path) -> None:
-    from sdp.distctx import Whereabouts, last_position
+    from sdp.rank.distctx import Whereabouts, last_position
 
     where = Whereabouts()
     path = tmp_path / "failure_rank0.json"
@@ -135,7 +135,7 @@ def test_slurm_launcher_and_sbatch_scripts_end_the_step_when_a_task_dies(tmp_pat
         assert "--kill-on-bad-exit=1" in launcher.srun_args, (name, launcher.srun_args)
     # submitit takes the key (the launcher hands it over as slurm_srun_args) and puts it on the srun line
     assert "srun_args" in SlurmExecutor._valid_parameters()
-    script = _make_sbatch_string(command="python -m sdp.train", folder=str(tmp_path), srun_args=list(launcher.srun_args))
+    script = _make_sbatch_string(command="python -m sdp.driver.train", folder=str(tmp_path), srun_args=list(launcher.srun_args))
     srun = [line for line in script.splitlines() if line.startswith("srun ")]
     assert srun and "--kill-on-bad-exit=1" in srun[0], script
     scripts = sorted((REPO / "slurm").glob("*.sbatch"))

@@ -79,7 +79,7 @@ def test_the_detector_finds_a_cycle() -> None:
 
 def test_sdp_has_no_import_cycle() -> None:
     graph = import_graph()
-    assert len(graph) > 50 and "sdp.worker" in graph["sdp.launch"], "the graph was not read (or launch no longer starts workers)"
+    assert len(graph) > 50 and "sdp.rank.worker" in graph["sdp.driver.launch"], "the graph was not read (or launch no longer starts workers)"
     found = cycles(graph)
     detail = "; ".join(" <-> ".join(c) + " (edges: " + ", ".join(f"{m}->{sorted(graph[m] & set(c))}" for m in c) + ")"
                        for c in found)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from sdp.loggers import JsonlLogger, WandbLogger
+from sdp.results.loggers import JsonlLogger, WandbLogger
 
 
 def wandb_cfg(mode: str) -> object:

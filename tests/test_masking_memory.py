@@ -13,8 +13,8 @@ import torch
 from sdp.metrics.activations import measure_saved_tensors
 from sdp.parallel.sdp import plan_for
 from sdp.subnet import masking as M
-from sdp.trainer import loss_fn
-from sdp.worker import build
+from sdp.rank.trainer import loss_fn
+from sdp.rank.worker import build
 from tests.hydra_cfg import compose_config
 
 MODELS = {"mlp": ["model=mlp", "model.hidden=64"], "resnet": ["model=resnet18_cifar", "model.width=8"]}

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from sdp.models import init
 from sdp.parallel import STRATEGIES, DistContext
 from sdp.subnet import masking as M
-from sdp.worker import build, build_model
+from sdp.rank.worker import build, build_model
 from tests.helpers import config_dict
 
 MODELS = {

@@ -31,7 +31,7 @@ def agents(run_dir: Path, *overrides: str, nnodes: int = 2) -> list[subprocess.C
     for node in range(nnodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=2",
                "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}", f"--node-rank={node}",
-               "-m", "sdp.train", f"hydra.run.dir={run_dir}", *JOB, *overrides]
+               "-m", "sdp.driver.train", f"hydra.run.dir={run_dir}", *JOB, *overrides]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=sdp_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     done = []
     for p in procs:

@@ -1,4 +1,4 @@
-"""Part-by-part evaluation (sdp.evaluation.partwise_totals, sdp.subnet.assemble.PartwiseAssembly)
+"""Part-by-part evaluation (sdp.rank.evaluation.partwise_totals, sdp.subnet.assemble.PartwiseAssembly)
 gives the numbers of the whole assembled model, on spawned gloo ranks, after real training steps:
 BatchNorm re-estimated or averaged, block and neuron level, forward and backward masking, several
 batches per pass, and ranks whose validation shards differ in length. And it never builds the whole
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.helpers import batch, config_dict, core_cases, make_strategy, spawn
-from sdp import evaluation
-from sdp.evaluation import Partwise
+from sdp.rank import evaluation
+from sdp.rank.evaluation import Partwise
 from sdp.subnet.assemble import set_branch_scales, tensor_map
-from sdp.trainer import loss_fn
+from sdp.rank.trainer import loss_fn
 
 RESNET = ["model=resnet18_cifar", "model.width=8", "dataset=synthetic", "dataset.image_size=8", "dataset.num_val=49",
           "train.batch_size=4", "train.eval_batch_size=4", "optim=sgd"]

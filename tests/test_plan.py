@@ -40,7 +40,7 @@ def close(pred: float, meas: float, *, tol: float = 0.05) -> bool:
 
 @pytest.mark.slow  # ~30 s of meta rehearsal: slow tier (CI time)
 def test_plan_predicts_llama_fsdp_and_sdp_on_meta_at_paper_scale() -> None:
-    from sdp.planner import predict
+    from sdp.planning.planner import predict
 
     for par in ("parallelism=fsdp", "parallelism=sdp"):
         cfg = compose(["model=llama_1b", "dataset=synthetic_text", "dataset.seq_len=256", "dataset.vocab_size=32000",
@@ -58,7 +58,7 @@ def test_sdp_plan_command_prints_and_writes_the_prediction_and_frontier(tmp_path
     import sys
 
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "sdp.planner", "parallelism=sdp", "cluster.world_size=4",
+    proc = subprocess.run([sys.executable, "-m", "sdp.planning.planner", "parallelism=sdp", "cluster.world_size=4",
                            "plan.frontier=true", f"plan.output={out}"], capture_output=True, text=True, timeout=300,
                           cwd=REPO, env=sdp_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -86,10 +86,10 @@ def _plan_warnings(fn, cfg) -> list[str]:
 
 def test_degenerate_plans_warn_once_in_sdp_train_and_sdp_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """k = 1 and a disconnected overlap graph each warn once from the checks sdp-train's driver runs
-    before any rank starts (sdp.config.validate) and from sdp-plan (predict); a sound plan and the
+    before any rank starts (sdp.driver.config.validate) and from sdp-plan (predict); a sound plan and the
     ranks of an external launcher other than 0 stay quiet."""
-    from sdp.config import validate
-    from sdp.planner import predict
+    from sdp.driver.config import validate
+    from sdp.planning.planner import predict
 
     degenerate = compose(["parallelism=sdp", "cluster.world_size=2"])  # C = 0.5 on 2 workers: k = 1
     for fn in (validate, predict):
@@ -116,8 +116,8 @@ def test_sdp_train_prints_the_plan_warnings_once_not_per_rank(tmp_path: Path) ->
 def test_plan_options_refuse_bad_values_naming_the_key() -> None:
     from hydra.errors import ConfigCompositionException
 
-    from sdp.config import ConfigError
-    from sdp.planner import plan_options
+    from sdp.driver.config import ConfigError
+    from sdp.planning.planner import plan_options
 
     assert plan_options(compose(["plan.frontier=true", "plan.output=p.json"])) == ("p.json", True)
     with pytest.raises(ConfigCompositionException, match=r"plan.frontier=maybe"):  # typed: refused by Hydra
@@ -127,7 +127,7 @@ def test_plan_options_refuse_bad_values_naming_the_key() -> None:
 
 
 def test_frontier_of_a_config_and_its_refusal_for_backward_masking() -> None:
-    from sdp.planner import frontier as sdp_frontier
+    from sdp.planning.planner import frontier as sdp_frontier
 
     base = ["model=resnet18_cifar", "model.width=16", "dataset=synthetic", "dataset.image_size=32", "cluster.world_size=4"]
     out = sdp_frontier(compose([*base, "parallelism=sdp"]))
@@ -145,7 +145,7 @@ def test_frontier_of_a_config_and_its_refusal_for_backward_masking() -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_prediction_matches_measurement(name: str, tmp_path: Path) -> None:
-    from sdp.planner import predict
+    from sdp.planning.planner import predict
 
     overrides = [*STRATEGIES[name], *SMALL]
     summary, _ = run_job(overrides, world=2, run_dir=tmp_path)

@@ -1,7 +1,7 @@
-"""sdp-plan's predicted peaks (set-up, train, eval; sdp.plan_peaks) against the CPU live-tensor
+"""sdp-plan's predicted peaks (set-up, train, eval; sdp.planning.plan_peaks) against the CPU live-tensor
 tracker of the same config on 2 gloo ranks, per rank: within 10 %, except FSDP's training step, a
 rule rather than a rehearsal (FSDP2's all-gather and reduce-scatter buffers are not rehearsed), held
-to 15 % (LOOSE). SDP's evaluation is rehearsed part by part as it runs (sdp.evaluation.partwise_totals)."""
+to 15 % (LOOSE). SDP's evaluation is rehearsed part by part as it runs (sdp.rank.evaluation.partwise_totals)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ LOOSE = {("fsdp", "train_peak_bytes"): 0.15}
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(CASES))
 def test_predicted_peaks_match_the_cpu_tracker(name: str, tmp_path: Path) -> None:
-    from sdp.planner import predict
+    from sdp.planning.planner import predict
 
     summary, _ = run_job(CASES[name], world=2, run_dir=tmp_path)
     plan = predict(compose_cfg([*CASES[name], "cluster.world_size=2"]))

@@ -69,7 +69,7 @@ def test_a_strategy_defined_outside_sdp_trains_plans_reports_and_is_flop_matched
               "model=mlp", "dataset=digits", "model.hidden=32", "model.depth=2", "train.batch_size=8",
               "train.eval_batch_size=64", "cluster.world_size=2", "parallelism.coverage=0.5"]
     run_dir = tmp_path / "sweep" / "0"
-    _run(["-m", "sdp.train", f"hydra.run.dir={run_dir}", *common, "train.steps=2", "train.budget=flops",
+    _run(["-m", "sdp.driver.train", f"hydra.run.dir={run_dir}", *common, "train.steps=2", "train.budget=flops",
           "train.eval_every=0", "train.warmup_steps=0", "logger.wandb.mode=disabled", "logger.progress=false",
           "cluster.timeout_s=60"], env=env)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -82,7 +82,7 @@ def test_a_strategy_defined_outside_sdp_trains_plans_reports_and_is_flop_matched
     assert summary["strategy_info"].get("plugin_runtime") is True, "the ranks must run the spec's runtime class"
 
     plan_file = tmp_path / "plan.json"
-    _run(["-m", "sdp.planner", *common, f"plan.output={plan_file}"], env=env)
+    _run(["-m", "sdp.planning.planner", *common, f"plan.output={plan_file}"], env=env)
     plan = json.loads(plan_file.read_text())
     assert plan["strategy"] == "sdp_plugin_test" and plan["plan"]["k"] == 1, plan.get("plan")
     predicted = [m["param_bytes"] for m in plan["memory"]["per_rank"]]

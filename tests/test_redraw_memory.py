@@ -43,8 +43,8 @@ def _train(rank: int, world: int, config: dict) -> dict[str, Any]:
     re-draw is wrapped: peak reset before it, read and reset after it), and the ranks' checkpoint content
     just before and just after every re-draw (copied with the tracker paused, so nothing of it counts)."""
     from sdp.metrics.live import LiveTensorTracker
-    from sdp.trainer import loss_fn
-    from sdp.worker import dataset_tensors
+    from sdp.rank.trainer import loss_fn
+    from sdp.rank.worker import dataset_tensors
 
     tracker = LiveTensorTracker()
     tracker.__enter__()
@@ -150,7 +150,7 @@ def test_summary_records_redraws_as_sdp_plan_predicts(tmp_path: Path) -> None:
     """One job with one re-draw (draw 0 -> 1): per rank its measured peak (memory phase ``redraw``) is
     within the training peak and within 10 % of sdp-plan's rehearsal, and the bytes every rank sent and
     received are sdp-plan's exactly."""
-    from sdp.planner import predict
+    from sdp.planning.planner import predict
 
     sel = LLAMA + CASES[0][1] + [f"parallelism.resample_every={EVERY}", f"train.steps={EVERY + 1}", "train.warmup_steps=1",
                                  "train.eval_every=0", "train.eval_batch_size=4"]

@@ -256,7 +256,7 @@ def test_bad_redraw_values_are_refused() -> None:
     (["parallelism.redraw=rolling", "parallelism.max_holder_sets=3"], ["parallelism.max_holder_sets=3", "redraw=rolling"]),
 ])
 def test_config_refuses_bad_redraw_before_any_rank(overrides: list[str], expect: list[str]) -> None:
-    from sdp.config import ConfigError, validate
+    from sdp.driver.config import ConfigError, validate
     from tests.hydra_cfg import compose_config
 
     with pytest.raises(ConfigError) as info:
@@ -266,7 +266,7 @@ def test_config_refuses_bad_redraw_before_any_rank(overrides: list[str], expect:
 
 @pytest.mark.parametrize("variant", ["b_sdp_c50_shuffle50", "b_sdp_c50_shuffle200", "b_sdp_c50_roll50", "b_sdp_c50_roll200"])
 def test_study_variants(variant: str) -> None:
-    from sdp.config import validate
+    from sdp.driver.config import validate
     from tests.hydra_cfg import compose_config
 
     cfg = compose_config("experiment=smoke", "model=mlp", f"variant={variant}", "cluster.world_size=4")
@@ -279,7 +279,7 @@ def test_study_variants(variant: str) -> None:
 
 # ---- on ranks ----------------------------------------------------------------------------------------
 def _train_rolling(rank: int, world: int, config: dict) -> tuple[dict, int, float]:
-    from sdp.trainer import loss_fn
+    from sdp.rank.trainer import loss_fn
     from tests.helpers import batch, make_strategy
     from tests.test_sdp_redraw import _NoTimer
 
@@ -301,7 +301,7 @@ def test_rolling_redraws_on_four_ranks() -> None:
     from omegaconf import OmegaConf
 
     from sdp.parallel.sdp import plan_for, plan_lists
-    from sdp.worker import build
+    from sdp.rank.worker import build
     from tests.helpers import config_dict, spawn
     from tests.holders import compare, pieces_of
 

@@ -1,4 +1,4 @@
-"""Reliability end to end through ``python -m sdp.train`` (real ranks, real signals, real collectives):
+"""Reliability end to end through ``python -m sdp.driver.train`` (real ranks, real signals, real collectives):
 exact resume after a SIGKILL, fail-fast on a dead or hung rank, the NaN guard, determinism.
 
 Every strategy family is in the resume test (``RESUME``): DDP, SDP (forward block level, backward

@@ -3,7 +3,7 @@ tiny sweep. Fixtures include a missing seed and a failed run: both reported, nev
 
 from __future__ import annotations
 
-from sdp.summary import Summary
+from sdp.results.summary import Summary
 
 import csv
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sdp.report import make_report
+from sdp.report.build import make_report
 from sdp.report.paper import load_paper_values
 from sdp.report.tables import build_tables, group_keys, method_label
 from tests.helpers import CORE, run_train

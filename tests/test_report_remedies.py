@@ -1,4 +1,4 @@
-"""The remedies section (sdp/report/remedies.py) computed from run directories: built from copies of the
+"""The remedies section (sdp/bench/remedies.py) computed from run directories: built from copies of the
 committed LM study's runs, with the remedy runs' config and summary edited to known values, so every
 figure the section prints can be checked against a hand computation."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from sdp.report.remedies import Remedies, remedies_section
+from sdp.bench.remedies import Remedies, remedies_section
 from sdp.report.stats import t_half_width
-from sdp.report.study import Study
+from sdp.bench.study_report import Study
 
 LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm" / "runs"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sdp.report import make_report
+from sdp.report.build import make_report
 from sdp.report.runs import find_runs
 from sdp.report.stats import paired_difference, t_half_width, time_to_target
 from sdp.report.tables import build_tables

@@ -1,4 +1,4 @@
-"""The CPU study's report (sdp/report/study.py, verdicts.py) from run directories written by hand: paired
+"""The CPU study's report (sdp/bench/study_report.py, verdicts.py) from run directories written by hand: paired
 differences by seed with Student t intervals, resolved vs not resolved verdicts, the training peak taken
 from the peak runs, time to target, and the plots."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sdp.report.study import Study, row_name
-from sdp.report.verdicts import claims, write_report
+from sdp.bench.study_report import Study, row_name
+from sdp.bench.verdicts import claims, write_report
 
 MIB = 2**20
 DDP = {"name": "ddp"}

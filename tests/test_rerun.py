@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sdp.results import cpu_model, read_metrics
-from sdp.rerun import rerun_argv
+from sdp.results.contract import cpu_model, read_metrics
+from sdp.driver.rerun import rerun_argv
 from tests.helpers import CORE, REPO, sdp_env
 
 COMMITTED = REPO / "benchmarks" / "results" / "cpu-4ranks" / "llama" / "runs" / "ddp"
@@ -39,7 +39,7 @@ def test_rerun_puts_the_budget_base_back(tmp_path: Path) -> None:
 def test_committed_run_reruns_bit_for_bit(tmp_path: Path) -> None:
     recorded = json.loads((COMMITTED / "summary.json").read_text())
     out = tmp_path / "rerun"
-    proc = subprocess.run([sys.executable, "-m", "sdp.rerun", str(COMMITTED), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "sdp.driver.rerun", str(COMMITTED), "--out", str(out),
                            "logger.wandb.mode=disabled", "logger.progress=false"],
                           cwd=REPO, env=sdp_env(), capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]

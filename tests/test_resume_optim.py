@@ -4,7 +4,7 @@ rank starts, naming the first key that differs (issue 26, item 5).
 Before, only the LR schedule was compared: resuming with ``optim.optimizer.weight_decay=0.5
 optim.optimizer.momentum=0.5 train.extend_steps=true`` wrote the new values into ``config.yaml`` and then
 trained with the checkpoint's (``optimizer.load_state_dict`` restores ``param_groups``), logging exactly
-the losses of the unchanged resume. The keys that must match are :data:`sdp.checkpoint.RESUME_KEYS`.
+the losses of the unchanged resume. The keys that must match are :data:`sdp.rank.checkpoint.RESUME_KEYS`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from sdp import checkpoint, checkpoint_resume
+from sdp.rank import checkpoint, checkpoint_resume
 from sdp.errors import ConfigError
-from sdp.rundir import checkpoint_meta
+from sdp.results.rundir import checkpoint_meta
 from tests.helpers import compose, run_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,7 +27,7 @@ EXTEND = ["train.steps=12", "train.extend_steps=true"]  # the one allowed change
 
 def written_with(tmp_path: Path, overrides: list[str], *, legacy: bool = False) -> Path:
     """A checkpoint directory at step 6 whose meta.json records the config of ``overrides`` (what
-    :func:`sdp.checkpoint.save` records); ``legacy``: as written before the optimizer and model were
+    :func:`sdp.rank.checkpoint.save` records); ``legacy``: as written before the optimizer and model were
     recorded (the schedule's keys only, under ``schedule``)."""
     key = checkpoint.resume_key(compose([*BASE, "train.steps=6", *overrides]))
     if legacy:

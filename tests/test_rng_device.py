@@ -1,10 +1,10 @@
 """A rank saves and restores the RNG state of its own CUDA device only, so a resume does not depend on
 how many GPUs are visible (issue 29, item 5).
 
-Before, ``sdp.rng.capture`` saved ``torch.cuda.get_rng_state_all()`` (every visible device) and
+Before, ``sdp.rank.rng.capture`` saved ``torch.cuda.get_rng_state_all()`` (every visible device) and
 ``restore`` asserted at least as many visible devices: a job checkpointed with 8 GPUs visible per task
 could not resume under a launcher that binds each task to its one GPU. No GPU is needed here: the
-CUDA RNG functions are stubbed where :mod:`sdp.rng` calls them (``torch.cuda``), each device holding a
+CUDA RNG functions are stubbed where :mod:`sdp.rank.rng` calls them (``torch.cuda``), each device holding a
 distinct state, so the test sees exactly which device's state went where.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from sdp import rng
+from sdp.rank import rng
 
 CPU = torch.device("cpu")
 

@@ -17,12 +17,12 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from sdp import budget as budgets
-from sdp import checkpoint, checkpoint_resume
-from sdp.rerun import rerun_argv
-from sdp.results import scrub
-from sdp.sweep import first_difference
-from sdp.trainer import eval_steps, lr_lambda
+from sdp.planning import budget as budgets
+from sdp.rank import checkpoint, checkpoint_resume
+from sdp.driver.rerun import rerun_argv
+from sdp.results.contract import scrub
+from sdp.driver.sweep import first_difference
+from sdp.rank.trainer import eval_steps, lr_lambda
 from tests.helpers import REPO, compose, run_job
 
 # The measurement of the issue: digits, 4 ranks, 24 DDP steps with 6 warm-up steps (the default model is
@@ -106,13 +106,13 @@ def test_zero_stays_zero_and_scaled_values_never_round_to_zero() -> None:
 
 
 def test_resume_and_extend_steps_see_the_scaled_schedule(tmp_path: Path) -> None:
-    """A checkpoint records the scaled schedule (sdp.checkpoint.resume_key reads the resolved config): the
+    """A checkpoint records the scaled schedule (sdp.rank.checkpoint.resume_key reads the resolved config): the
     same job resumes; extending train.steps leaves the scaled warm-up as it was (the factor does not depend on
     the base steps), so train.extend_steps still only changes train.steps."""
     short, _ = resolved("variant=b_sdp_c50")
     ckpt = tmp_path / "step_00000010"
     ckpt.mkdir()
-    from sdp.rundir import checkpoint_meta
+    from sdp.results.rundir import checkpoint_meta
 
     checkpoint_meta(ckpt).write_text(json.dumps({"step": 10, checkpoint.RESUME_KEY: checkpoint.resume_key(short)}))
     checkpoint_resume.check_resume(ckpt=ckpt, cfg=short)

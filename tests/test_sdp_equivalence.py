@@ -1,6 +1,6 @@
 """Coverage 1: SDP (forward and backward masking, block and neuron level) reproduces DDP's loss at
 every step and DDP's evaluation loss and accuracy under the default evaluation protocol, on a
-BatchNorm ResNet, through the real launcher (sdp.train's validate + elastic launch)."""
+BatchNorm ResNet, through the real launcher (sdp.driver.train's validate + elastic launch)."""
 
 from __future__ import annotations
 

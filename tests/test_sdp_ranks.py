@@ -8,8 +8,8 @@ import torch
 
 from sdp.models.base import count_params
 from sdp.subnet.masking import locate, view
-from sdp.trainer import loss_fn
-from sdp.worker import build, build_model
+from sdp.rank.trainer import loss_fn
+from sdp.rank.worker import build, build_model
 from tests.helpers import CORE, batch, compose, config_dict, make_strategy, run_job, spawn
 
 MLP = ["model=mlp", "dataset=digits", "model.hidden=64", "model.depth=4", "train.batch_size=8", "optim=sgd"]
@@ -150,7 +150,7 @@ def test_comm_bytes_equal_analytic_bucket_sum(tmp_path, world: int, coverage: fl
                        "train.steps=5", "train.warmup_steps=1", "train.eval_every=0"]
     summary, _ = run_job(overrides, run_dir=tmp_path)
     plan = json.loads((tmp_path / "plan.json").read_text())
-    from sdp.planner import predict
+    from sdp.planning.planner import predict
 
     predicted = predict(compose(overrides))["process_groups"]["per_rank"]  # sdp-plan's figure, before any rank
     assert [(g["count"], g["sizes"]) for g in predicted] == \

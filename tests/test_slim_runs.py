@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from sdp import sweep
+from sdp.driver import sweep
 from sdp.bench.slim_runs import main, slim, slim_run
 from sdp.report.runs import load_run, run_figures
-from sdp.results import read_metrics
-from sdp.rundir import RunDir
+from sdp.results.contract import read_metrics
+from sdp.results.rundir import RunDir
 from tests.helpers import REPO
 
 RESULTS = REPO / "benchmarks" / "results"

@@ -100,7 +100,7 @@ def test_preempted_job_is_requeued_and_resumes_to_the_uninterrupted_result(tmp_p
     job 0 is requeued (same Hydra job, same run dir), continues from its latest checkpoint (step 1 is
     logged once) and ends with bitwise the same parameters as job 1, which was never interrupted."""
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "sdp.train", "-m", f"hydra.sweep.dir={sweep}", "logger.wandb.mode=disabled",
+    cmd = [sys.executable, "-m", "sdp.driver.train", "-m", f"hydra.sweep.dir={sweep}", "logger.wandb.mode=disabled",
            "logger.progress=false", "cluster=slurm", "model=resnet18_cifar", "parallelism=ddp", "train.steps=30",
            "train.eval_every=0", "train.warmup_steps=1", "hydra.launcher.timeout_min=10", "seed=0,0",
            "train.resume=auto", "train.checkpoint_every=5"]

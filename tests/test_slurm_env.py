@@ -8,8 +8,8 @@ import signal
 import pytest
 from omegaconf import OmegaConf
 
-from sdp.config import ConfigError
-from sdp.slurm import install_preemption_handlers, master_port, slurm_environment
+from sdp.driver.config import ConfigError
+from sdp.driver.slurm import install_preemption_handlers, master_port, slurm_environment
 from tests.hydra_cfg import compose_config
 
 RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -28,7 +28,7 @@ def test_cluster_configs_select_the_submitit_launcher_and_derive_the_world(name,
     assert cfg.cluster.world_size == world
     assert cfg.cluster.backend == "auto" and cfg.cluster.device == ("cuda" if gpus else "cpu")
     # Only keys hydra-submitit-launcher 1.2.0 defines (an unknown key would fail instantiation on submit),
-    # plus srun_args (sdp.slurm.SlurmLauncherConf), which submitit's Slurm executor takes.
+    # plus srun_args (sdp.driver.slurm.SlurmLauncherConf), which submitit's Slurm executor takes.
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 
     assert set(OmegaConf.to_container(launcher)) <= set(OmegaConf.structured(SlurmQueueConf)) | {"_target_", "srun_args"}

@@ -1,6 +1,6 @@
-"""summary.json typed (:mod:`sdp.summary`) and the run directory's names (:mod:`sdp.rundir`): every
+"""summary.json typed (:mod:`sdp.results.summary`) and the run directory's names (:mod:`sdp.results.rundir`): every
 committed run reads back and writes out unchanged, older runs read with their absent fields as None,
-keys a newer writer adds survive, no module spells an output file's name outside ``sdp/rundir.py``,
+keys a newer writer adds survive, no module spells an output file's name outside ``sdp/results/rundir.py``,
 and ``train.run`` runs a composed config into a directory it is given, with no Hydra app around it."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sdp import rundir
+from sdp.results import rundir
 from sdp.report.stats import ratio
-from sdp.rundir import RunDir
-from sdp.summary import Final, Summary, format_summary, read_summary
+from sdp.results.rundir import RunDir
+from sdp.results.summary import Final, Summary, format_summary, read_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = sorted((ROOT / "benchmarks" / "results").rglob("summary.json"))
@@ -78,10 +78,10 @@ def test_ratio_is_absent_without_both_figures() -> None:
     assert ratio(None, 2.0) is None and ratio(1.0, None) is None and ratio(1.0, 0.0) is None
 
 
-# The run directory's file and folder names (a constant of sdp.rundir that names a file or folder)
+# The run directory's file and folder names (a constant of sdp.results.rundir that names a file or folder)
 NAMES = {v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str) and ("." in v or k in ("CHECKPOINTS", "RANK_LOGS"))}
 # (file, name): a file of the same name that is not the run directory's
-ELSEWHERE = {("sdp/loggers.py", "config.yaml")}  # W&B's own run files directory
+ELSEWHERE = {("sdp/results/loggers.py", "config.yaml")}  # W&B's own run files directory
 
 
 def test_output_names_are_spelled_only_in_rundir() -> None:
@@ -90,12 +90,12 @@ def test_output_names_are_spelled_only_in_rundir() -> None:
     found = []
     for f in files:
         rel = str(f.relative_to(ROOT))
-        if rel == "sdp/rundir.py":
+        if rel == "sdp/results/rundir.py":
             continue
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Constant) and node.value in NAMES and (rel, node.value) not in ELSEWHERE:
                 found.append(f"{rel}:{node.lineno} {node.value!r}")
-    assert not found, f"output names spelled outside sdp/rundir.py (use sdp.rundir.RunDir): {found}"
+    assert not found, f"output names spelled outside sdp/results/rundir.py (use sdp.results.rundir.RunDir): {found}"
 
 
 @pytest.mark.dist
@@ -104,7 +104,7 @@ def test_train_run_writes_into_the_directory_it_is_given(tmp_path: Path, monkeyp
     """No Hydra app, no HydraConfig: a composed config and a directory are all ``train.run`` needs."""
     from hydra.core.hydra_config import HydraConfig
 
-    from sdp import train
+    from sdp.driver import train
     from tests.hydra_cfg import compose_config
 
     monkeypatch.setenv("WANDB_MODE", "disabled")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sdp import sweep
+from sdp.driver import sweep
 from tests.helpers import run_train
 
 SWEEP = ["parallelism=ddp", "seed=0,1,2", "model=mlp", "train.steps=4", "train.warmup_steps=1", "train.eval_every=0",

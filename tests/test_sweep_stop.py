@@ -3,7 +3,7 @@
 torch elastic's agent turns SIGTERM / SIGINT into ``SignalException``, an ``Exception``; Hydra's multirun
 catches every ``Exception`` of a job as that job's failure and starts the next job. So ``kill`` (or Ctrl-C)
 of a local ``sdp-train -m`` sweep stopped one job and the sweep went on (seen when the CPU study's sweep was
-stopped). :func:`sdp.launch.stopped` re-raises the stop as what Hydra does not catch."""
+stopped). :func:`sdp.driver.launch.stopped` re-raises the stop as what Hydra does not catch."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from sdp import launch
+from sdp.driver import launch
 from tests.helpers.jobs import QUIET, REPO, sdp_env, survivors
 from tests.helpers.marks import CORE
 
@@ -51,7 +51,7 @@ def test_a_stop_reaching_the_agent_is_not_an_exception(monkeypatch: pytest.Monke
 @pytest.mark.timeout(240)
 def test_sigterm_to_a_local_sweep_ends_the_sweep(tmp_path: Path) -> None:
     root = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "sdp.train", "-m", f"hydra.sweep.dir={root}", *QUIET, "parallelism=ddp", "seed=0,1",
+    cmd = [sys.executable, "-m", "sdp.driver.train", "-m", f"hydra.sweep.dir={root}", *QUIET, "parallelism=ddp", "seed=0,1",
            "model=mlp", "cluster.world_size=2", "train.steps=100000", "train.warmup_steps=1", "train.eval_every=0"]
     token = uuid.uuid4().hex
     proc = subprocess.Popen(cmd, cwd=REPO, env=sdp_env(token=token), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -118,7 +118,8 @@ def test_recorded_run_configs_parse() -> None:
 
 def test_schema_choices_are_the_codes_own() -> None:
     """The schema states each choice for the reader; the modules that act on a value keep their own tuple."""
-    from sdp import budget, evaluation, faults, guards, precision
+    from sdp.planning import budget
+    from sdp.rank import evaluation, faults, guards, precision
     from sdp.parallel import pipeline_plan, sdp_config, sdp_plan
     from sdp.subnet import assign, rolling, units
 

@@ -1,6 +1,6 @@
 """The bad-input catalogue: every row is a config that must be refused before any rank starts, with a
 message naming the key, the value and what is allowed. Rows run through Hydra's compose API and
-``sdp.config.validate`` (no processes), so the whole table takes about a second. A value of the wrong
+``sdp.driver.config.validate`` (no processes), so the whole table takes about a second. A value of the wrong
 type is refused by Hydra itself while composing (the typed schema, sdp/driver/schema.py); a wrong
 choice or range by the driver's parse of that schema (sdp/driver/typed.py).
 
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import pytest
 
-from sdp.config import ConfigError, validate
+from sdp.driver.config import ConfigError, validate
 from sdp.parallel import STRATEGIES
 from tests.helpers import run_if
 from tests.hydra_cfg import compose_config
@@ -72,7 +72,7 @@ CATALOGUE = [
     Bad("fault-step-outside", ["train.debug.fault=nan_loss", "train.debug.fault_step=99"], ["train.debug.fault_step=99", "train.steps=10"]),
     Bad("wandb-mode-unknown", ["logger.wandb.mode=sometimes"], ["logger.wandb.mode='sometimes'", "online, offline, disabled"]),
     Bad("wandb-timeout-zero", ["logger.wandb.init_timeout_s=0"], ["logger.wandb.init_timeout_s=0", "number > 0"]),
-    # Built once in the driver (sdp.preflight): values of the right type that cannot work, refused naming the node.
+    # Built once in the driver (sdp.driver.preflight): values of the right type that cannot work, refused naming the node.
     Bad("model-negative-width", ["model.dim=-1"], ["model (sdp.models.mlp.MLP) cannot be built", "negative dimension -1"]),
     Bad("model-unknown-argument", ["+model.width=3"], ["model (sdp.models.mlp.MLP)", "unexpected keyword argument 'width'"]),
     Bad("model-fewer-classes-than-data", ["model.num_classes=5"], ["model (sdp.models.mlp.MLP)", "5 logits", "10 values"]),
@@ -179,8 +179,8 @@ def test_bad_model_value_fails_in_the_driver_in_one_line(tmp_path: Path) -> None
 
 def test_stale_override_on_the_command_line_names_the_new_key() -> None:
     """``sdp-train parallelism.bn=average`` (no ``+``) would otherwise die in Hydra's struct check,
-    which does not say where the setting went; ``sdp.train.main`` asks this first."""
-    from sdp.config import renamed_overrides
+    which does not say where the setting went; ``sdp.driver.train.main`` asks this first."""
+    from sdp.driver.config import renamed_overrides
 
     assert renamed_overrides(["model=mlp", "train.steps=3"]) is None
     for given in ("parallelism.bn=average", "+parallelism.bn=reestimate", "~parallelism.bn_batches"):
@@ -193,8 +193,8 @@ def test_stale_override_on_the_command_line_names_the_new_key() -> None:
 def test_steps_are_checked_after_the_budget_has_set_them() -> None:
     """Under a FLOP budget train.steps is DDP's count and SDP runs more: a fault step beyond the
     configured steps but inside the resolved ones is accepted, one beyond both is refused, naming both."""
-    from sdp.budget import resolve_steps
-    from sdp.config import check_resolved
+    from sdp.planning.budget import resolve_steps
+    from sdp.driver.config import check_resolved
 
     def resolved(fault_step: int):  # noqa: ANN202
         cfg = compose_config(*BASE, "parallelism=sdp", "parallelism.coverage=0.5", "cluster.world_size=4",

@@ -54,7 +54,7 @@ def attempt(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = sdp_env()
     env.pop("WANDB_MODE", None)
     env.update(WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
-    cmd = [sys.executable, "-m", "sdp.train", f"hydra.run.dir={run_dir}", *RUN, *overrides]
+    cmd = [sys.executable, "-m", "sdp.driver.train", f"hydra.run.dir={run_dir}", *RUN, *overrides]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -36,7 +36,7 @@ if [ -n "${DRY_RUN:-}" ]; then RESULTS_DIR="${RESULTS_DIR:-$(mktemp -d)}"; else 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 RESULTS="$RESULTS_DIR/h200_check.md"; RUNS="$RESULTS_DIR/runs/$STAMP"; mkdir -p "$RUNS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
-if ! $PY -c "import sdp.train, hydra, omegaconf, torch" 2>/dev/null; then
+if ! $PY -c "import sdp.driver.train, hydra, omegaconf, torch" 2>/dev/null; then
   timeout -k 5 240 $PY -m pip install -q -e . || { echo "install failed: $PY -m pip install -e . (offline: PIP_NO_INDEX=1 PIP_FIND_LINKS=<wheels>)"; exit 2; }
 fi
 ROWS() { timeout -k 5 30 $PY benchmarks/gpu/rows.py --results "$RESULTS" --runs "$RUNS" "$@"; }
@@ -68,7 +68,7 @@ run() {  # run NAME overrides...: one sdp-train job, bounded; its row appended a
   if [ $(( rest - 15 )) -lt "$t" ]; then t=$(( rest - 15 )); fi
   if [ "$t" -lt 20 ]; then ROWS row --name "$name" --rc skipped --secs 0; echo "== $name skipped (total time)"; return; fi
   local t0; t0=$(date +%s)
-  timeout -k 10 "$t" $PY -m sdp.train hydra.run.dir="$RUNS/$name" "$@" > "$RUNS/$name.log" 2>&1
+  timeout -k 10 "$t" $PY -m sdp.driver.train hydra.run.dir="$RUNS/$name" "$@" > "$RUNS/$name.log" 2>&1
   local rc=$?
   ROWS row --name "$name" --rc "$rc" --secs "$(( $(date +%s) - t0 ))"
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"

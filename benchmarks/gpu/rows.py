@@ -3,7 +3,7 @@
 Why append-only and one call per run: the check runs on a lent GPU under a hard time limit; whatever
 finished before a kill must already be in the file. Each sub-command appends and exits:
 
-- ``floor``: ``sdp-plan``'s prediction (:func:`sdp.planner.predict`, in process) of DDP's and SDP's
+- ``floor``: ``sdp-plan``'s prediction (:func:`sdp.planning.planner.predict`, in process) of DDP's and SDP's
   model state for the run's config, and the floor SDP at its coverage cannot go below there, because
   every rank holds the parts outside the blocks (the LLaMA stem and head). Written to ``floor.json``.
 - ``row``: one run's line of the table from its summary.json (or its exit code and last error line).
@@ -104,9 +104,9 @@ def cmd_floor(a: argparse.Namespace) -> None:
     import torch  # the package comes from the checkout: h200_check.sh puts it on PYTHONPATH
     from hydra import compose, initialize_config_dir
 
-    from sdp.planner import predict
+    from sdp.planning.planner import predict
     from sdp.registry import build
-    from sdp.train import CONF_DIR
+    from sdp.driver.train import CONF_DIR
 
     def plan(extra: list[str]) -> dict[str, Any]:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

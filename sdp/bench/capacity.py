@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from sdp.bench.runs import ROOT, compose, parser, recorded, spawn_ranks
 from sdp.report.compare import capacity_markdown
-from sdp.results import provenance
+from sdp.results.contract import provenance
 
 STRATEGIES = {
     "ddp": ["parallelism=ddp"],
@@ -70,8 +70,8 @@ def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: t
     from sdp.metrics.live import LiveTensorTracker
     from sdp.models.base import count_params
     from sdp.parallel import STRATEGIES as REGISTRY, DistContext
-    from sdp.trainer import loss_fn
-    from sdp.worker import build, build_model
+    from sdp.rank.trainer import loss_fn
+    from sdp.rank.worker import build, build_model
 
     cfg = compose([*overrides, f"cluster.world_size={world}", f"cluster.device={device.type}"])
     data = build(cfg.dataset)
@@ -144,13 +144,13 @@ def search(*, name: str, rank: int, world: int, device: torch.device, args: argp
 
 
 def rank_device(*, local_rank: int, device: str, budget_mb: float) -> torch.device:
-    """This rank's device as ``sdp-train`` picks it (:func:`sdp.worker.resolve_device`, ranks wrapping
+    """This rank's device as ``sdp-train`` picks it (:func:`sdp.rank.worker.resolve_device`, ranks wrapping
     around the visible GPUs), made the current CUDA device as the worker does: without ``set_device``
     every rank's FSDP mesh and NCCL/gloo CUDA work lands on cuda:0 of a multi-GPU host. On CUDA the
     budget becomes the allocator's memory fraction."""
     from omegaconf import OmegaConf
 
-    from sdp.worker import resolve_device
+    from sdp.rank.worker import resolve_device
 
     dev, _ = resolve_device(OmegaConf.create({"device": device, "backend": "gloo"}), local_rank)
     if dev.type == "cuda":

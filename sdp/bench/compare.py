@@ -21,7 +21,7 @@ from typing import Any
 from sdp.bench.runs import ROOT, parser, run_one, split_spec
 from sdp.report.compare import COMPARE_RATIOS, add_ratios, compare_markdown
 from sdp.report.runs import run_figures
-from sdp.summary import Summary
+from sdp.results.summary import Summary
 
 DEFAULT_RUNS = ["ddp=ddp", "sdp=sdp", "sdp_block_bwd=sdp_block_bwd", "sdp_neuron_fwd=sdp_neuron_fwd"]
 DEFAULT_COMMON = ["model=resnet18_cifar", "model.width=64", "dataset=synthetic", "dataset.image_size=32",

@@ -29,7 +29,7 @@ finished job and resumes a checkpointed one when the command is run again):
   (median of the steps after warm-up), measured with nothing else running, so that the long sweeps'
   wall-clock never enters a ratio (the report's seconds to target = steps to target x this step time).
 
-The report (:mod:`sdp.report.verdicts`) is written from the run directories only. One more sweep of
+The report (:mod:`sdp.bench.verdicts`) is written from the run directories only. One more sweep of
 a kind a study has is one more list under its key in :data:`STUDIES` (``extras``: any overrides); a new
 kind of stage is a key there and a line in :func:`stages`.
 """
@@ -42,7 +42,7 @@ from pathlib import Path
 import yaml
 
 from sdp.bench.runs import ROOT, parser, sdp_train
-from sdp.report.verdicts import write_index, write_report
+from sdp.bench.verdicts import write_index, write_report
 
 # In the sweeps below the seed is the outer loop, so that a stage stopped early has every rule (every depth)
 # for the seeds it finished: a row with fewer seeds than its neighbours pairs over fewer seeds, not other ones.

@@ -2,7 +2,7 @@
 every ``eval.bn`` protocol and, for SDP under forward masking, every evaluation-time ``rescale``.
 
 Why one trained model per row and several evaluations: evaluation never changes the training run
-(:mod:`sdp.evaluation` restores the statistics it replaces), so the protocols are compared on
+(:mod:`sdp.rank.evaluation` restores the statistics it replaces), so the protocols are compared on
 bit-identical weights, which separate runs would only give by determinism. All jobs run inside one
 set of ranks (one start-up instead of one per job, :func:`sdp.bench.runs.spawn_ranks`); every piece is
 the suite's own (worker.build_model, the strategy registry, the Trainer).
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from sdp import results
+from sdp.results import contract as results
 from sdp.bench.runs import compose as compose_job
 from sdp.bench.runs import parser, spawn_ranks
 
@@ -36,7 +36,7 @@ def compose(overrides: list[str]) -> dict[str, Any]:
     """The job's config as ``sdp-train`` composes and validates it, resolved to plain containers for the ranks."""
     from omegaconf import OmegaConf
 
-    from sdp.config import validate
+    from sdp.driver.config import validate
 
     cfg = compose_job(overrides)
     validate(cfg)
@@ -47,11 +47,11 @@ def _rank(rank: int, world: int, jobs: list[tuple[str, int, dict[str, Any]]]) ->
     """Every job on this rank: train once, then evaluate under each protocol; the rows (the same on every rank)."""
     from omegaconf import OmegaConf
 
-    from sdp.loggers import NullLogger
+    from sdp.results.loggers import NullLogger
     from sdp.metrics.timing import PhaseTimer
     from sdp.parallel import STRATEGIES, DistContext
-    from sdp.trainer import Trainer
-    from sdp.worker import build, build_model
+    from sdp.rank.trainer import Trainer
+    from sdp.rank.worker import build, build_model
 
     rows = []
     for label, seed, config in jobs:

@@ -12,7 +12,7 @@ minimal loop also uses one thread per rank as the suite does on this machine (co
 The ordering (suite, suite without tracker, minimal, ...) alternates ``--repeats`` times.
 
 Two minimal arms: ``minimal`` makes the host allocator setting the suite's trainer makes on CPU
-(:func:`sdp.hostmem.retain_freed_memory`; the ratio's denominator, so the suite gains nothing the loop
+(:func:`sdp.rank.hostmem.retain_freed_memory`; the ratio's denominator, so the suite gains nothing the loop
 lacks), ``minimal_default_malloc`` runs with glibc's defaults, for the record.
 
 Two suite arms: the default config (``memory.tracker=true``: the live-tensor tracker, a dispatch mode
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from sdp.bench.runs import ROOT, compose, parser, run_one, spawn_ranks
-from sdp.results import provenance
+from sdp.results.contract import provenance
 
 COMMON = ["model=resnet18_cifar", "model.width=32", "dataset=synthetic", "dataset.image_size=32", "train.batch_size=32",
           "cluster.world_size=2", "train.steps=16", "train.warmup_steps=4", "train.eval_every=0",
@@ -51,7 +51,7 @@ def _minimal_rank(rank: int, world: int, config: dict, retain: bool) -> dict[str
     from torch.nn.parallel import DistributedDataParallel
 
     from sdp.data.base import GlobalBatchSampler
-    from sdp.worker import build, build_model
+    from sdp.rank.worker import build, build_model
 
     cfg = OmegaConf.create(config)
     data = build(cfg.dataset)
@@ -62,8 +62,8 @@ def _minimal_rank(rank: int, world: int, config: dict, retain: bool) -> dict[str
                           nesterov=bool(oc.get("nesterov", False)), weight_decay=float(oc.get("weight_decay", 0.0)))
     sampler = GlobalBatchSampler(num_samples=len(data.train), global_batch=int(cfg.train.batch_size) * world, seed=int(cfg.seed))
     x_all, y_all = data.train.tensors
-    if retain:  # the host allocator setting the suite's trainer makes on CPU (sdp/hostmem.py)
-        from sdp.hostmem import retain_freed_memory
+    if retain:  # the host allocator setting the suite's trainer makes on CPU (sdp/rank/hostmem.py)
+        from sdp.rank.hostmem import retain_freed_memory
 
         retain_freed_memory()
     times: list[list[float]] = []  # per step: total, forward, backward, optimizer

@@ -24,8 +24,8 @@ from typing import Any
 
 from sdp.bench.runs import ROOT, parser, recorded, run_one, split_spec
 from sdp.report.compare import MEMORY_PEAKS, memory_markdown
-from sdp.results import provenance
-from sdp.summary import Summary, read_summary
+from sdp.results.contract import provenance
+from sdp.results.summary import Summary, read_summary
 
 BASE = ["logger.wandb.mode=disabled", "logger.progress=false", "train.eval_every=0", "train.warmup_steps=2",
         "cluster.world_size=4", "train.steps=6"]

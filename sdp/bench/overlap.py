@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from sdp.bench.runs import ROOT, parser, run_one
-from sdp.results import provenance
-from sdp.summary import Summary
+from sdp.results.contract import provenance
+from sdp.results.summary import Summary
 
 COMMON = ["model=resnet18_cifar", "model.width=64", "dataset=synthetic", "dataset.image_size=32",
           "train.batch_size=32", "cluster.world_size=4", "train.steps=10", "train.warmup_steps=3",

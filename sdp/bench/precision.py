@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp.bench.runs import ROOT, parser, run_one
-from sdp.results import provenance, read_metrics
+from sdp.results.contract import provenance, read_metrics
 
 COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "cluster.world_size=2", "train.batch_size=16",
           "optim=sgd", "optim.optimizer.lr=0.01", "train.steps=20", "train.warmup_steps=3", "train.eval_every=0",

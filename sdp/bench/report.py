@@ -28,8 +28,8 @@ from sdp.report.compare import REPORT_RATIOS, add_ratios, report_markdown
 from sdp.report.plots import plot_row as row
 from sdp.report.plots import plots
 from sdp.report.runs import load_run, run_figures
-from sdp.results import machine, versions
-from sdp.rundir import RunDir
+from sdp.results.contract import machine, versions
+from sdp.results.rundir import RunDir
 
 # The command a report records: committed reports name the script path, which still runs this suite
 # (benchmarks/report.py is a shim for ``sdp-bench report``); kept so that they re-render byte-identical.
@@ -57,7 +57,7 @@ def frontiers(rows: list[dict[str, Any]]) -> str:
     (``sdp-plan plan.frontier=true``): how far the measured fullest rank is from what any plan reaches."""
     from omegaconf import OmegaConf
 
-    from sdp.planner import frontier as sdp_frontier
+    from sdp.planning.planner import frontier as sdp_frontier
 
     out = []
     for r in rows:

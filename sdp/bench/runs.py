@@ -6,8 +6,8 @@ picking, a job runner imported under two spellings, a ``sys.path`` edit per scri
 measures a training job runs :func:`run_one`, the real ``sdp-train`` with its launcher, so what it
 measures is what a user runs; a suite that must drive a strategy step by step inside the ranks
 (capacity, evaluation protocols, the hand-written DDP loop) runs :func:`spawn_ranks`, started by the
-same torch elastic agent as ``sdp-train``'s local launcher (:mod:`sdp.launch`), failures reported the
-same way (:func:`sdp.launch.root_cause`).
+same torch elastic agent as ``sdp-train``'s local launcher (:mod:`sdp.driver.launch`), failures reported the
+same way (:func:`sdp.driver.launch.root_cause`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from sdp.summary import Summary, read_summary
+from sdp.results.summary import Summary, read_summary
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: conf/, benchmarks/results/, outputs/
 PG_TIMEOUT_S = 1800.0  # torch's own default for gloo: a rank that waits longer than this is stuck
@@ -41,7 +41,7 @@ def compose(overrides: list[str]) -> DictConfig:
     """The job config ``sdp-train`` composes from ``conf/`` with ``overrides`` (no ``hydra:`` node)."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from sdp.train import CONF_DIR  # also registers the resolvers the config uses
+    from sdp.driver.train import CONF_DIR  # also registers the resolvers the config uses
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
@@ -49,10 +49,10 @@ def compose(overrides: list[str]) -> DictConfig:
 
 def sdp_train(args: list[str], *, root: Path = ROOT, capture: bool = False,
               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m sdp.train ARGS`` in ``root`` (another checkout runs an earlier commit's code), its
+    """``python -m sdp.driver.train ARGS`` in ``root`` (another checkout runs an earlier commit's code), its
     output captured or streamed; the caller decides what a non-zero exit means."""
     pythonpath = f"{root}:{os.environ['PYTHONPATH']}" if os.environ.get("PYTHONPATH") else str(root)
-    return subprocess.run([sys.executable, "-m", "sdp.train", *args], cwd=root, capture_output=capture, text=True,
+    return subprocess.run([sys.executable, "-m", "sdp.driver.train", *args], cwd=root, capture_output=capture, text=True,
                           env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})})
 
 
@@ -78,7 +78,7 @@ def run_one(*, label: str, spec: str, common: list[str], out: Path, root: Path =
     preset, *extra = spec.split(",")
     run_dir = Path(out).resolve() / label
     args = [f"parallelism={preset}", *common, *extra, f"hydra.run.dir={run_dir}"]
-    print("$", sys.executable, "-m sdp.train", " ".join(args), flush=True)
+    print("$", sys.executable, "-m sdp.driver.train", " ".join(args), flush=True)
     proc = sdp_train(args, root=root, capture=True, env={"WANDB_MODE": "disabled"})
     if proc.returncode != 0:
         raise SystemExit(f"run {label} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -111,7 +111,7 @@ def spawn_ranks(fn: Callable[..., Any], *, world: int, args: tuple = (), threads
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from sdp.launch import root_cause
+    from sdp.driver.launch import root_cause
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"sdp-bench-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,

@@ -6,7 +6,7 @@
 Why: a committed study keeps its runs so that the report can be written again from them
 (``--render-only``, ``sdp-report``), ``sdp-rerun`` can run one again and a re-run of the study
 (``train.skip_done=true``) skips them; each of those reads ``config.yaml``, ``summary.json`` and the
-metrics rows (:func:`sdp.results.read_metrics`), nothing else. The rest a run directory holds is
+metrics rows (:func:`sdp.results.contract.read_metrics`), nothing else. The rest a run directory holds is
 either a log no report reads or a copy of what those files hold, so in a run directory (found by the
 report's own rule, :func:`sdp.report.runs.run_dirs`) this
 
@@ -16,7 +16,7 @@ report's own rule, :func:`sdp.report.runs.run_dirs`) this
 - removes ``plan.json`` when its ``summary`` is ``summary.json``'s ``strategy_info.plan`` (``sdp-plan``
   with the run's ``config.yaml`` writes the whole file again), and keeps it otherwise;
 - compresses ``metrics.jsonl`` into ``metrics.jsonl.gz`` (gzip without a time stamp, so the same rows
-  give the same bytes), which every reader reads through :func:`sdp.results.read_metrics`.
+  give the same bytes), which every reader reads through :func:`sdp.results.contract.read_metrics`.
 
 ``config.yaml`` and ``summary.json`` are never touched, so ``train.skip_done`` still finds the run
 complete under the same config. A run directory without a complete ``summary.json`` (failed or
@@ -35,8 +35,8 @@ from pathlib import Path
 
 from sdp.bench.runs import parser
 from sdp.report.runs import run_dirs
-from sdp.rundir import RANK_LOGS, WANDB_RUN_ID, RunDir
-from sdp.summary import read_json
+from sdp.results.rundir import RANK_LOGS, WANDB_RUN_ID, RunDir
+from sdp.results.summary import read_json
 
 DROPPED_DIRS = (RANK_LOGS, ".hydra", "wandb")  # read by no report, rerun or skip_done
 DROPPED_FILES = (WANDB_RUN_ID,)
@@ -78,7 +78,7 @@ def plan_is_copy(*, paths: RunDir, summary: dict) -> bool:
 
 def why_left(*, paths: RunDir, summary: dict | None) -> str | None:
     """The reason a run directory must stay as it is, or None when it may be slimmed."""
-    if summary is None or "final" not in summary:  # sdp.sweep.complete_summary's rule
+    if summary is None or "final" not in summary:  # sdp.driver.sweep.complete_summary's rule
         return "no complete summary.json (failed or unfinished: a re-run resumes or restarts it)"
     if paths.checkpoints.is_dir() and any(paths.checkpoints.iterdir()):
         return "holds checkpoints/ (a resume or train.extend_steps reads them and appends to metrics.jsonl)"

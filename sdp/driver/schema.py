@@ -23,7 +23,7 @@ Number = Union[int, float]  # OmegaConf 2.3 keeps 25 as 25 and 0.5 as 0.5 (a flo
 
 @dataclass
 class Debug:
-    """``train.debug``: fault injection for the reliability tests (sdp/faults.py)."""
+    """``train.debug``: fault injection for the reliability tests (sdp/rank/faults.py)."""
 
     fault: Optional[str] = key(choices=("kill", "hang", "nan_loss"))
     """null: no fault | kill (SIGKILL itself) | hang (sleep forever) | nan_loss (that step's loss times NaN)."""
@@ -85,7 +85,7 @@ class Train:
 
 @dataclass
 class Eval:
-    """``eval``: the evaluation protocol, one rule for every strategy (sdp/evaluation.py)."""
+    """``eval``: the evaluation protocol, one rule for every strategy (sdp/rank/evaluation.py)."""
 
     bn: str = key(choices=("reestimate", "average"))
     """BatchNorm statistics of the evaluated model: re-estimated on it | the ranks' momentum statistics averaged."""

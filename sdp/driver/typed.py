@@ -1,8 +1,8 @@
 """The schemas in Hydra's ConfigStore, and the driver's one parse of a config into typed nodes.
 
-:func:`register` runs before anything composes ``conf/`` (``sdp.train`` calls it on import, and every
-composer imports ``sdp.train`` for ``CONF_DIR`` and the resolvers): the YAMLs name the stored schemas
-in their defaults lists. :func:`parse` is what :func:`sdp.config.validate` starts with: a config
+:func:`register` runs before anything composes ``conf/`` (``sdp.driver.train`` calls it on import, and every
+composer imports ``sdp.driver.train`` for ``CONF_DIR`` and the resolvers): the YAMLs name the stored schemas
+in their defaults lists. :func:`parse` is what :func:`sdp.driver.config.validate` starts with: a config
 composed from ``conf/`` is typed already (its nodes are returned as they are); a run's recorded
 ``config.yaml`` (``sdp-rerun`` composes it as it was written, without defaults lists) is merged into
 the schemas here, so the same types apply; a key it lacks (written before the key existed) stays

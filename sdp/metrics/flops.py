@@ -82,7 +82,7 @@ def peak_flops(*, device_name: str, dtype: str) -> float | None:
 
 def compute_dtype(summary: dict[str, Any]) -> str:
     """What the run's matmuls ran in: summary.json's ``precision`` (``train.precision``; fp32 when absent),
-    tf32 for fp32 on CUDA with TF32 matmuls on (``backends.tf32_matmul``, :func:`sdp.rankenv.set_backends`)."""
+    tf32 for fp32 on CUDA with TF32 matmuls on (``backends.tf32_matmul``, :func:`sdp.driver.rankenv.set_backends`)."""
     if summary.get("precision") == "bf16":
         return "bf16"
     return "tf32" if (summary.get("backends") or {}).get("tf32_matmul") else "fp32"

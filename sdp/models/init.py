@@ -62,7 +62,7 @@ def ties(model: nn.Module) -> dict[str, str]:
 def materialise_module(model: "SDPModel", name: str, *, device: torch.device | str = "cpu") -> None:
     """Give module ``name`` of ``model`` real storage on ``device`` and initialise it from its seed."""
     seed = getattr(model, "init_seed", None)
-    assert seed is not None, f"{type(model).__name__} has no init_seed: build it with sdp.worker.build_model"
+    assert seed is not None, f"{type(model).__name__} has no init_seed: build it with sdp.rank.worker.build_model"
     module = model.get_submodule(name) if name else model
     if not is_meta(module):
         return

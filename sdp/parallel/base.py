@@ -27,10 +27,10 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdp.metrics import memory
-from sdp.distctx import DistContext, average_buffers, average_tensors  # noqa: F401 (re-exported)
+from sdp.rank.distctx import DistContext, average_buffers, average_tensors  # noqa: F401 (re-exported)
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
-from sdp.precision import autocast
+from sdp.rank.precision import autocast
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -121,7 +121,7 @@ class Strategy(ABC):
 
     # ---- the forward, in the run's precision ------------------------------------------------------
     def autocast(self) -> Any:
-        """``train.precision``'s context (:func:`sdp.precision.autocast`); every forward runs inside it."""
+        """``train.precision``'s context (:func:`sdp.rank.precision.autocast`); every forward runs inside it."""
         return autocast(precision=self.precision, device=self.ctx.device)
 
     def _forward_loss(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:
@@ -144,7 +144,7 @@ class Strategy(ABC):
         """The full model to evaluate, identical on every rank (default: the wrapped model with its
         buffers averaged over the world, so BatchNorm statistics agree). A strategy yields its model
         with the statistics training accumulated, averaged over the ranks that ran each layer; the
-        trainer then applies the one evaluation protocol of every strategy (:mod:`sdp.evaluation`)."""
+        trainer then applies the one evaluation protocol of every strategy (:mod:`sdp.rank.evaluation`)."""
         model = self.unwrapped()
         with self.ctx.comm.phase_as("eval"):
             average_buffers(model, ctx=self.ctx)
@@ -187,7 +187,7 @@ class Strategy(ABC):
 
     def save_artifacts(self, *, run_dir: Path) -> None:
         """Write strategy-specific files into the run directory (SDP's plan.json); rank 0 only."""
-    # ---- checkpoint / resume (written and read by sdp.checkpoint) --------------------------------
+    # ---- checkpoint / resume (written and read by sdp.rank.checkpoint) --------------------------------
     def checkpoint_state(self) -> dict[str, dict[str, Any]]:
         """This rank's model and optimizer state, keyed by how it is laid out over the ranks.
 

@@ -18,8 +18,8 @@ from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.spec import StrategySpec, register
-from sdp.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
-from sdp.plan_peaks import rehearse
+from sdp.planning.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.planning.plan_peaks import rehearse
 from sdp.subnet.holder_groups import predicted_process_groups
 
 

@@ -14,7 +14,7 @@ Why these choices:
   still starts from exactly the parameters DDP and SDP start from (``tests/test_fsdp_meta.py``).
 - ``parallelism.replicate`` > 1 is HSDP: a 2-D mesh (replicate, shard), parameters sharded within a
   shard group and all-reduced across replicas.
-- Precision comes from ``train.precision`` (:func:`sdp.precision.fsdp_policies`): bf16 all-gathers
+- Precision comes from ``train.precision`` (:func:`sdp.rank.precision.fsdp_policies`): bf16 all-gathers
   and computes in bf16 and reduce-scatters in float32, BatchNorm layers sharded apart in float32;
   the forward runs under the same autocast as every other strategy (``Strategy._forward_loss``).
 - Communication is counted by intercepting the ``torch.distributed`` collectives FSDP issues
@@ -35,17 +35,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from sdp.distctx import mesh_overrides
+from sdp.rank.distctx import mesh_overrides
 from sdp.errors import positive_int, require
 from sdp.metrics.collectives import count_collectives
 from sdp.metrics.groups import mesh_process_groups
 from sdp.models import init
 from sdp.models.base import SDPModel
-from sdp.precision import fsdp_policies
+from sdp.rank.precision import fsdp_policies
 from sdp.parallel.base import OptimizerFactory, Strategy, average_buffers
 from sdp.parallel.spec import StrategySpec, register
-from sdp.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
-from sdp.plan_peaks import rehearse
+from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.planning.plan_peaks import rehearse
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -76,9 +76,9 @@ class FSDPStrategy(Strategy):
         ctx = self.ctx
         self.reshard_after_forward = bool(self.cfg.reshard_after_forward)
         shape, names = mesh_layout(replicate=int(self.cfg.replicate), world=ctx.world_size)
-        # every dimension's groups get the job's timeout and NCCL options (sdp.distctx.mesh_overrides)
+        # every dimension's groups get the job's timeout and NCCL options (sdp.rank.distctx.mesh_overrides)
         self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names, backend_override=mesh_overrides(shape))
-        policy, norm_policy = fsdp_policies(precision=self.precision)  # train.precision (sdp/precision.py)
+        policy, norm_policy = fsdp_policies(precision=self.precision)  # train.precision (sdp/rank/precision.py)
         # On the meta device (the worker's build): shard first, then give each rank storage for its
         # shards only and fill them with the full build's seeded values (sdp.models.init), so the set-up
         # peak is one shard set plus one module, never the full model. A materialised model (built

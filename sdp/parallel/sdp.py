@@ -30,14 +30,14 @@ from sdp.metrics.memory import measured_phase
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
-from sdp.rundir import RunDir
+from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.spec import Coverage, StrategySpec, register
 from sdp.parallel import sdp_config, sdp_plan
 from sdp.parallel.sdp_config import plan_keys, resolve_rescale
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists  # noqa: F401 (re-exported: used widely)
-from sdp.plan_entries import Entry
+from sdp.planning.plan_entries import Entry
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map
 from sdp.subnet import redraw as R

@@ -1,11 +1,11 @@
 """SDP's peak rehearsal for ``sdp-plan`` (set-up, train, eval and re-draw peaks per rank), next to the
-strategy it predicts; :mod:`sdp.plan_peaks` holds the generic rehearsal it runs on.
+strategy it predicts; :mod:`sdp.planning.plan_peaks` holds the generic rehearsal it runs on.
 
 Each rank's subnetwork is the strategy's own masking of the driver's plan on the meta device
 (:func:`sdp.subnet.masking.rank_subnetworks`), with the buckets of :class:`sdp.subnet.sync.OwnerSetSync`
 (the largest flat buffer of a step, or under ``parallelism.overlap`` every launched bucket until the sync
 finishes); evaluation builds the model part by part next to the rank's own state
-(:func:`sdp.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
+(:func:`sdp.planning.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
 time); with ``resample_every`` the first re-draw is rehearsed too (``redraw_peak_bytes``:
 :func:`sdp.parallel.sdp_plan.rehearse_redraw`). ``tests/test_plan_peaks.py`` compares with the CPU tracker.
 """
@@ -18,12 +18,12 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig
 
-from sdp.evaluation import batch_norms
+from sdp.rank.evaluation import batch_norms
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.sdp_plan import redraw_peaks
-from sdp.plan_entries import nbytes
-from sdp.plan_peaks import rehearse, rehearse_partwise
+from sdp.planning.plan_entries import nbytes
+from sdp.planning.plan_peaks import rehearse, rehearse_partwise
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import partwise_names
 from sdp.subnet.holder_groups import GroupSet
@@ -33,10 +33,10 @@ from sdp.subnet.sync import OwnerSetSync
 
 def sdp_peaks(*, cfg: DictConfig, model: SDPModel, plan: Plan, batch: int, eval_batch: int) -> list[dict[str, int]]:
     """Per rank, SDP's set-up, train and eval peaks for the driver's ``plan``: each rank's masked subnetwork
-    rehearsed (:func:`sdp.plan_peaks.rehearse`) with its owner-set buckets' flat buffers (overlapped:
+    rehearsed (:func:`sdp.planning.plan_peaks.rehearse`) with its owner-set buckets' flat buffers (overlapped:
     :func:`_overlap_stand_in`); evaluation part by part next to the rank's state (:func:`rehearse_partwise`),
     or a whole assembled copy for a model that cannot be cut; with ``resample_every`` the first re-draw."""
-    assert plan is not None, "SDP's peak rehearsal reads the driver's plan (sdp.preflight.prepared), got none"
+    assert plan is not None, "SDP's peak rehearsal reads the driver's plan (sdp.driver.preflight.prepared), got none"
     pc, world = cfg.parallelism, plan.world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     pieces = M.pieces(model, plan)

@@ -19,7 +19,7 @@ from torch import nn
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
-from sdp.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.registry import build
 from sdp.subnet import masking as M
 from sdp.subnet import redraw as R
@@ -75,12 +75,12 @@ def plan_lists(plan: Plan) -> dict[str, Any]:
 def predict(*, cfg: DictConfig, model: SDPModel, plan: Plan, facts: dict[str, Any]) -> list[Entry]:
     """SDP: this rank's masked subnetwork (the driver's ``plan`` and the strategy's masking applied on meta),
     owner-set gradient buckets and refresh broadcasts from :class:`sdp.subnet.sync.OwnerSetSync`."""
-    assert plan is not None, "SDP's prediction reads the driver's plan (sdp.preflight.prepared), got none"
+    assert plan is not None, "SDP's prediction reads the driver's plan (sdp.driver.preflight.prepared), got none"
     pc, world = cfg.parallelism, plan.world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     facts["plan"] = plan.summary()  # as summary.json["plan"]: units -> holders, holder sets, connectivity
     if (redraw := predict_redraw(cfg=cfg, model=model, world=world, plan=plan)) is not None:
-        facts["redraw"] = redraw  # the bytes of the first re-draw; its peaks: sdp.plan_peaks (redraw_peak_bytes)
+        facts["redraw"] = redraw  # the bytes of the first re-draw; its peaks: sdp.planning.plan_peaks (redraw_peak_bytes)
     pieces = M.pieces(model, plan)
     # the groups SDPStrategy creates (the same holder sets, the same rule): summary.json's process_groups
     facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets={p.holders for p in pieces},

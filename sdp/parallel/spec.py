@@ -12,7 +12,7 @@ meta model for every rank (:meth:`StrategySpec.prepare`: SDP's plan), its name i
 (:meth:`StrategySpec.method_label`), the share of the model's units a worker computes
 (:meth:`StrategySpec.coverage`, a :class:`Coverage`) and of DDP's FLOPs (:meth:`StrategySpec.flops_fraction`;
 the budget and the report use both), and its ``sdp-plan`` prediction (:meth:`StrategySpec.predict`,
-:meth:`StrategySpec.predict_peaks`). The planner, :mod:`sdp.budget`, :mod:`sdp.report` and
+:meth:`StrategySpec.predict_peaks`). The planner, :mod:`sdp.planning.budget`, :mod:`sdp.report` and
 :mod:`sdp.metrics.flops` ask the spec and name no strategy. A question only one strategy answers (SDP's
 plan frontier) is that strategy's own method, not the base's.
 """
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from omegaconf import DictConfig
 
 from sdp.models.base import SDPModel
-from sdp.plan_entries import Entry
+from sdp.planning.plan_entries import Entry
 from sdp.registry import Registry
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class StrategySpec:
         """Raise ``ValueError`` naming key, value and what is allowed for impossible settings of the keys.
 
         ``cfg`` is the ``parallelism`` node, ``full_cfg`` the whole job config (batch size, model, ...),
-        both passed by :func:`sdp.config.validate` before any rank starts; what needs the model is
+        both passed by :func:`sdp.driver.config.validate` before any rank starts; what needs the model is
         :meth:`prepare`'s."""
 
     @classmethod
@@ -105,7 +105,7 @@ class StrategySpec:
     @classmethod
     def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
-        """``sdp-plan``: each rank's (memory, comm) entry (:mod:`sdp.plan_entries`) for the whole job config
+        """``sdp-plan``: each rank's (memory, comm) entry (:mod:`sdp.planning.plan_entries`) for the whole job config
         ``cfg`` and ``model`` built on the meta device; strategy facts for the plan's JSON go into ``facts``."""
         raise ValueError(f"parallelism.name={cls.name!r}: this strategy makes no sdp-plan prediction (StrategySpec.predict)")
 
@@ -113,7 +113,7 @@ class StrategySpec:
     def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
                       state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         """``sdp-plan``'s set-up, train and eval peaks per rank (the strategy's own rehearsal, next to it in
-        ``sdp/parallel/``, on :mod:`sdp.plan_peaks`'s generic one); ``state``: the memory entries of
+        ``sdp/parallel/``, on :mod:`sdp.planning.plan_peaks`'s generic one); ``state``: the memory entries of
         :meth:`predict`. None (default): no peak rehearsal."""
         return None
 

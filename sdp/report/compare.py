@@ -25,7 +25,7 @@ from sdp.report.render import Column, layout, markdown_grid
 from sdp.report.runs import run_figures
 from sdp.report.stats import ratio
 from sdp.report.tables import Row, Table
-from sdp.summary import Summary
+from sdp.results.summary import Summary
 
 REFERENCE = "DDP"
 PEAK_KINDS = {  # run_figures' peak_kind -> (name, what it measures)

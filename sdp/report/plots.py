@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp.report.runs import load_run, run_figures
-from sdp.results import read_metrics
+from sdp.results.contract import read_metrics
 
 CATEGORIES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes")
 PHASES = ("data", "forward", "backward", "forward_backward", "comm", "optimizer", "resample")

@@ -1,4 +1,4 @@
-"""Reading a sweep's run directories (the results contract of :mod:`sdp.results`) into :class:`Run`\\ s.
+"""Reading a sweep's run directories (the results contract of :mod:`sdp.results.contract`) into :class:`Run`\\ s.
 
 A run directory is any directory below the sweep with a ``config.yaml`` (Hydra's own copies under
 ``.hydra/`` are skipped). ``summary.json`` may be missing: the run failed or has not finished; such
@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from sdp.results import read_metrics
-from sdp.rundir import CONFIG, RANK_LOGS, RunDir
-from sdp.summary import Summary, read_summary
+from sdp.results.contract import read_metrics
+from sdp.results.rundir import CONFIG, RANK_LOGS, RunDir
+from sdp.results.summary import Summary, read_summary
 
 SKIP_DIRS = (RANK_LOGS, "wandb", "report")  # "report": sdp-report's default output below a sweep
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from scipy.stats import t as student_t
 
-from sdp.results import read_metrics
+from sdp.results.contract import read_metrics
 
 CONFIDENCE = 0.95
 TARGET_FACTOR = 1.02

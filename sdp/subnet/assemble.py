@@ -7,14 +7,14 @@ a separate transient model (built from a meta-device skeleton) makes that true b
 Two shapes: :func:`assemble` builds the whole model at once (a model that cannot be cut into parts:
 a transient full copy of parameters and buffers); :class:`PartwiseAssembly`
 builds it one top-level part at a time (stem, each block, head) for evaluation, so a rank holds its
-own state plus one part, never the full model (:mod:`sdp.evaluation` runs the part and drops it).
+own state plus one part, never the full model (:mod:`sdp.rank.evaluation` runs the part and drops it).
 Re-draws do not assemble: :mod:`sdp.subnet.redraw` moves only the pieces that change hands.
 
 Order: (1) every rank copies the pieces it has; (2) BatchNorm running statistics are averaged over
 the ranks that computed them (holders under forward masking, the world otherwise); (3) under
 forward masking each piece a rank lacks is broadcast from its lowest-rank holder, one flat
 broadcast per source rank. Rescaling is the strategy's (``set_branch_scales``); BatchNorm
-re-estimation is the evaluation protocol's (:mod:`sdp.evaluation`), applied to every strategy.
+re-estimation is the evaluation protocol's (:mod:`sdp.rank.evaluation`), applied to every strategy.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp.models.base import ResidualBlock, SDPModel
-from sdp.distctx import DistContext, average_buffers, flatten, unflatten
+from sdp.rank.distctx import DistContext, average_buffers, flatten, unflatten
 from sdp.subnet.masking import Local, Piece, locate, view
 from sdp.subnet.plan import Plan
 from sdp.subnet.holder_groups import GroupSet
@@ -142,7 +142,7 @@ class PartwiseAssembly:
     ``part(i)`` is collective (every rank calls it with the same ``i``, in the same order) and returns
     a transient module in eval mode with every unit active and scaled by ``scale`` (as
     :func:`set_branch_scales`: a split unit's split sub-branches only);
-    :func:`sdp.evaluation.totals` runs it on a chunk of batches and drops it before the next part, so
+    :func:`sdp.rank.evaluation.totals` runs it on a chunk of batches and drops it before the next part, so
     the evaluation peak is this rank's own state, the largest part (received flat, then unflattened)
     and one chunk's activations. ``part_bytes`` records the largest part built (summary.json)."""
 

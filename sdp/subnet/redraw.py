@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdp.distctx import DistContext
+from sdp.rank.distctx import DistContext
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import average_statistics
 from sdp.subnet.carry import Described, descriptions, gather_descriptions, rebuild

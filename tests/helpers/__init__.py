@@ -1,8 +1,8 @@
 """The test harness, one package (import from ``tests.helpers``):
 
-- jobs (:mod:`tests.helpers.jobs`): ``run_job`` runs one job in this process through ``sdp.train.run``
+- jobs (:mod:`tests.helpers.jobs`): ``run_job`` runs one job in this process through ``sdp.driver.train.run``
   (validation and preflight, budget, resume, config.yaml, the elastic launcher), ``run_train`` runs
-  ``python -m sdp.train`` (the whole Hydra app: multirun, callbacks, exit codes); ``compose`` and
+  ``python -m sdp.driver.train`` (the whole Hydra app: multirun, callbacks, exit codes); ``compose`` and
   ``config_dict`` give the config sdp-train composes; ``Job``, ``sdp_env``, ``survivors``, ``train_losses``.
 - ranks (:mod:`tests.helpers.ranks`): ``spawn`` runs a function on spawned gloo ranks (free port,
   timeouts) and returns each rank's value; ``make_strategy`` and ``batch`` build a rank's strategy and

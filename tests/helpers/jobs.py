@@ -1,7 +1,7 @@
-"""Whole jobs through the real driver: in this process (``run_job``) or as ``python -m sdp.train``
+"""Whole jobs through the real driver: in this process (``run_job``) or as ``python -m sdp.driver.train``
 (``run_train``), and the config ``sdp-train`` composes (``compose``, ``config_dict``).
 
-Why both: ``run_job`` calls :func:`sdp.train.run`, what the Hydra app calls once Hydra has composed the
+Why both: ``run_job`` calls :func:`sdp.driver.train.run`, what the Hydra app calls once Hydra has composed the
 config, so the slurm environment, validation with its preflight, the budget, ``skip_done``, resume,
 ``config.yaml``, the elastic launcher and ``failure.json`` all run, without a second interpreter
 importing torch for the driver. ``run_train`` is the whole command line (Hydra's app and launchers,
@@ -37,16 +37,16 @@ def compose(overrides: list[str], *, hydra: bool = False) -> DictConfig:
 
 
 def config_dict(overrides: list[str]) -> dict[str, Any]:
-    """``compose`` resolved to plain containers: what a rank receives (``sdp.worker.run_rank``)."""
+    """``compose`` resolved to plain containers: what a rank receives (``sdp.rank.worker.run_rank``)."""
     return OmegaConf.to_container(compose(overrides), resolve=True)  # type: ignore[return-value]
 
 
 def run_job(overrides: list[str], *, run_dir: Path, world: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One job through :func:`sdp.train.run` into ``run_dir`` (``world``: ``cluster.world_size``): the
+    """One job through :func:`sdp.driver.train.run` into ``run_dir`` (``world``: ``cluster.world_size``): the
     driver as ``sdp-train`` runs it (validation, preflight, budget, resume, config.yaml, the elastic
     launcher) with the config ``sdp-train`` composes; returns (summary.json, metrics.jsonl rows). A
-    failing rank raises ``sdp.launch.RankFailure``."""
-    from sdp.train import run
+    failing rank raises ``sdp.driver.launch.RankFailure``."""
+    from sdp.driver.train import run
 
     cfg = compose([*overrides, *([f"cluster.world_size={world}"] if world is not None else [])])
     run_dir = Path(run_dir).resolve()
@@ -68,7 +68,7 @@ def train_losses(rows: list[dict[str, Any]]) -> list[float]:
 
 @dataclass
 class Job:
-    """A finished ``python -m sdp.train`` process and the directory its results went to."""
+    """A finished ``python -m sdp.driver.train`` process and the directory its results went to."""
 
     proc: subprocess.CompletedProcess
     run_dir: Path
@@ -103,15 +103,15 @@ def sdp_env(*, token: str | None = None) -> dict[str, str]:
 
 
 def run_train(run_dir: Path, *overrides: str, timeout: float = 240, check: bool = True, multirun: bool = False) -> Job:
-    """``python -m sdp.train`` with ``overrides`` writing into ``run_dir`` (the sweep dir for multirun);
+    """``python -m sdp.driver.train`` with ``overrides`` writing into ``run_dir`` (the sweep dir for multirun);
     ``check``: raise, with the output's tail, unless it exits 0."""
     dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    cmd = [sys.executable, "-m", "sdp.train", *(["-m"] if multirun else []), f"{dir_key}={run_dir}", *QUIET, *overrides]
+    cmd = [sys.executable, "-m", "sdp.driver.train", *(["-m"] if multirun else []), f"{dir_key}={run_dir}", *QUIET, *overrides]
     token = uuid.uuid4().hex
     proc = subprocess.run(cmd, cwd=REPO, env=sdp_env(token=token), capture_output=True, text=True, timeout=timeout)
     ended = time.time()
     if check and proc.returncode != 0:
-        raise AssertionError(f"sdp.train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"sdp.driver.train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return Job(proc=proc, run_dir=Path(run_dir), token=token, ended=ended)
 
 

@@ -1,6 +1,6 @@
 """Spawned gloo ranks for tests below the job level: a free port, the launcher variables, one thread,
 a process group with a timeout, every rank's return value (or its traceback) back in the test, and
-inside a rank the strategy and batches exactly as ``sdp.worker`` and the trainer make them.
+inside a rank the strategy and batches exactly as ``sdp.rank.worker`` and the trainer make them.
 
 Why ``torch.multiprocessing`` spawn rather than a whole job: these tests drive a strategy step by
 step and look at its gradients, pieces and groups, which a job does not return.
@@ -79,10 +79,10 @@ def spawn(fn: Callable[..., Any], *, world: int, args: tuple = (), timeout_s: fl
 
 
 def make_strategy(config: dict[str, Any], rank: int, world_size: int) -> tuple[Any, Any, DictConfig]:
-    """(strategy after setup, data bundle, cfg) for this rank, built exactly as sdp.worker does."""
+    """(strategy after setup, data bundle, cfg) for this rank, built exactly as sdp.rank.worker does."""
     from sdp.parallel import STRATEGIES, DistContext
     from sdp.registry import build
-    from sdp.worker import build_model
+    from sdp.rank.worker import build_model
 
     cfg = OmegaConf.create(config)
     data = build(cfg.dataset)

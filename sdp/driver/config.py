@@ -1,0 +1,165 @@
+"""One validation pass over the resolved config, run in the driver before any rank starts.
+
+Why up front: a typo must cost seconds, not a cluster allocation. Every error names the key, the
+value and what is allowed (torchtitan's ``ParallelDims`` validation is the model). Unknown group
+options (``model=nope``) are refused by Hydra itself, listing the options; everything else is here:
+the types, choices and ranges of every key (the typed schema, :mod:`sdp.driver.typed`: a config
+composed from ``conf/`` is typed by Hydra itself), then what involves more than one key or the
+world outside the config: names and importable ``_target_``\ s, dataset paths, the cluster, the
+reliability keys (``train.resume`` must resolve, ``train.debug`` must name a rank and step of the
+job), the memory budget's tracker, then one build
+of the data index, the model (meta device) and the optimizer (:mod:`sdp.driver.preflight`), the model's
+operations under ``train.deterministic`` on CUDA (:mod:`sdp.driver.determinism`), and last each
+strategy's own ``validate``. ``tests/test_validation.py`` holds the catalogue of bad inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, OmegaConf
+
+from sdp.errors import ConfigError, boolean, fail, one_of, positive_float, positive_int, require  # noqa: F401 (re-exported)
+
+
+# Keys that moved: a config or command line that still sets one fails naming the new key (Hydra's own
+# "not in struct" message for a plain override would not say where the setting went).
+RENAMED = {
+    "parallelism.bn": "eval.bn (one evaluation protocol for every strategy)",
+    "parallelism.bn_batches": "eval.bn_batches (one evaluation protocol for every strategy)",
+    "parallelism.mixed_precision": "train.precision (fp32 | bf16, one key for every strategy: "
+                                   "train.precision=bf16 where it was true, fp32 where it was false)",
+}
+
+
+def renamed_overrides(overrides: Iterable[str]) -> str | None:
+    """The error for the first command-line override (``key=value``, ``+key=``, ``~key``) of a moved key."""
+    for item in overrides:
+        key = item.lstrip("+~").split("=", 1)[0]
+        if key in RENAMED:
+            return f"{key} is no longer a key: it moved to {RENAMED[key]}; override that instead ({item!r} given)"
+    return None
+
+
+def check_renamed(cfg: DictConfig) -> None:
+    """A composed config (an experiment or preset YAML) that still sets a moved key."""
+    for old, new in RENAMED.items():
+        node, _, leaf = old.rpartition(".")
+        parent = OmegaConf.select(cfg, node) if node else cfg
+        if isinstance(parent, DictConfig) and leaf in parent:
+            raise ConfigError(f"{old}={parent[leaf]!r} is invalid: the key moved to {new}")
+
+
+def importable(key: str, value: Any, *, base: type | None = None) -> None:
+    """A ``_target_`` must name an importable object (and a subclass of ``base`` when it is a class)."""
+    from hydra.utils import get_object
+
+    require(isinstance(value, str) and bool(value), key, value, "must be a dotted path such as pkg.module.Name")
+    try:
+        obj = get_object(value)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's typo to report
+        fail(key, value, f"cannot be imported ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+             "allowed: a dotted path to an importable class or function")
+    if base is not None and isinstance(obj, type):
+        require(issubclass(obj, base), key, value, f"{obj.__name__} is not a subclass of {base.__module__}.{base.__name__}")
+
+
+def validate_train(cfg: DictConfig) -> None:
+    """The ``train:`` node's rules beyond its schema: ``train.resume`` must resolve, ``train.debug`` must name a
+    rank and step of the job (types, choices and ranges: :func:`sdp.driver.typed.parse`, run first)."""
+    from sdp.rank import checkpoint_resume
+
+    tc = cfg.train
+    if tc.resume is not None and str(tc.resume) != "auto":
+        # raises ConfigError naming the path; its files are verified once, when sdp.driver.train.run resolves it again
+        checkpoint_resume.resolve(resume=tc.resume, run_dir=None, verify=False)
+    dbg = tc.debug
+    if dbg.fault is not None:
+        require(dbg.fault_rank < cfg.cluster.world_size, "train.debug.fault_rank", dbg.fault_rank,
+                f"must be a rank of the job, < cluster.world_size={cfg.cluster.world_size}")
+        if str(tc.budget) == "iterations":  # other budgets set train.steps later: checked again once resolved
+            check_resolved(cfg)
+
+
+def check_resolved(cfg: DictConfig) -> None:
+    """What depends on the resolved ``train.steps`` (:func:`sdp.planning.budget.resolve_steps` may change it under
+    ``train.budget=flops|tokens``): called by the driver once the budget is resolved, before any rank."""
+    dbg, steps = cfg.train.debug, cfg.train.steps
+    if dbg.fault is not None:
+        require(dbg.fault_step <= steps, "train.debug.fault_step", dbg.fault_step,
+                f"must be a step of the run, <= train.steps={steps}")
+
+
+def validate_determinism(cfg: DictConfig) -> None:
+    """``train.deterministic=true`` on CUDA: refuse a model that runs an operation PyTorch has no deterministic
+    CUDA implementation of (it would raise in every rank at the first step), naming the operations."""
+    if not cfg.train.deterministic or str(cfg.cluster.device) != "cuda":
+        return
+    from sdp.driver.determinism import nondeterministic_cuda_ops
+
+    found = nondeterministic_cuda_ops(cfg.model)
+    require(not found, "train.deterministic", True,
+            f"model {cfg.model.get('name', cfg.model.get('_target_'))!r} runs {', '.join(f'{op} ({what})' for op, what in found.items())}, "
+            "which has no deterministic CUDA implementation (torch.use_deterministic_algorithms would raise at the first "
+            "step); allowed: train.deterministic=false on cluster.device=cuda for this model, or cluster.device=cpu")
+
+
+def validate_strategy(cfg: DictConfig) -> None:
+    """The strategy's own checks, given its ``parallelism`` node and the whole config, then what it builds
+    once from the driver's meta model for the ranks (:func:`sdp.driver.preflight.prepared`: SDP's plan, checked)."""
+    from sdp.parallel import STRATEGIES
+    from sdp.driver.preflight import prepared
+
+    STRATEGIES.get(str(cfg.parallelism.name)).validate(cfg=cfg.parallelism, full_cfg=cfg, world_size=int(cfg.cluster.world_size))
+    if "model" in cfg and "train" in cfg:
+        prepared(cfg)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check everything that can be checked without starting a rank."""
+    from sdp.driver.rankenv import external_launcher
+    from sdp.driver.typed import parse
+    from sdp.models.base import SDPModel
+    from sdp.parallel import STRATEGIES
+    from sdp.registry import import_plugins
+
+    import_plugins(cfg)  # strategies defined outside sdp/ register themselves on import
+    one_of("parallelism.name", cfg.parallelism.name, STRATEGIES.names())
+    check_renamed(cfg)  # before parse: a moved key is named with its new place, not as unknown to the schema
+    parse(cfg)  # types (a recorded config.yaml; a composed one was typed by Hydra), choices and ranges of every key
+    importable("model._target_", cfg.model.get("_target_"), base=SDPModel)
+    importable("dataset._target_", cfg.dataset.get("_target_"))
+    from sdp.data.common import preflight
+
+    preflight(cfg.dataset)  # dataset files: a missing root or a bad shard fails here, named, before any rank
+    importable("optim.optimizer._target_", cfg.optim.optimizer.get("_target_"))
+    cl = cfg.cluster
+    if external_launcher():
+        import os
+
+        env_world = int(os.environ["WORLD_SIZE"])
+        from sdp.driver.rankenv import seen_env
+
+        require(env_world == cl.world_size, "cluster.world_size", cl.world_size,
+                f"the external launcher started a world of WORLD_SIZE={env_world} ranks (variables seen: {seen_env()}); "
+                f"set cluster.world_size={env_world}, or fix the launch (every node must join one rendezvous)")
+    if cl.device == "cuda":
+        import torch
+
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        require(n_gpu > 0, "cluster.device", cl.device, "no CUDA device is visible on this machine; use cluster.device=cpu")
+        if not external_launcher():
+            require(cl.backend != "nccl" or cl.world_size <= n_gpu, "cluster.world_size", cl.world_size,
+                    f"NCCL needs one GPU per rank and {n_gpu} are visible; use cluster.backend=gloo to share a GPU")
+    if cl.device == "cpu":
+        require(cl.backend != "nccl", "cluster.backend", cl.backend, "NCCL needs cluster.device=cuda; use gloo or auto on CPU")
+    validate_train(cfg)
+    if cfg.memory.budget_mb is not None:
+        require(bool(cfg.memory.tracker) or cl.device == "cuda", "memory.budget_mb", cfg.memory.budget_mb,
+                "on CPU the budget is enforced by the live-tensor tracker: set memory.tracker=true")
+    positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)  # the optimizer's own arguments have no schema
+    from sdp.driver.preflight import build_once
+
+    build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on, named here
+    validate_determinism(cfg)
+    validate_strategy(cfg)

@@ -1,0 +1,168 @@
+"""Training budgets: how many steps a run takes so that methods are compared at equal cost.
+
+``train.budget`` (resolved once in the driver, before any rank starts; ``train.steps`` is then set to
+the result and recorded in ``config.yaml``, the details in ``summary.json["budget"]``):
+
+- ``iterations``: ``train.steps`` for every method (the reviewers' same-iteration comparison);
+- ``flops``: ``train.steps`` is the DDP step count; a method that computes a fraction ``r`` of the full
+  model's FLOPs per step runs ``round(train.steps / r)`` steps, as the paper's FLOP matching extends
+  training by 1/C. ``train.flops_ratio=coverage`` takes ``r = C`` (the paper's rule); ``measured``
+  takes ``r`` from the model's FLOP count. Both come from the strategy
+  (:meth:`sdp.parallel.spec.StrategySpec.coverage`: ``C`` is the realised fraction of the model's units a
+  worker computes per step, e.g. the driver's SDP plan's k / n, a mean survival probability for a drop
+  baseline; :meth:`~sdp.parallel.spec.StrategySpec.flops_fraction`: the measured ``r``). A strategy without a
+  coverage computes the full model: ``r = 1`` (activation recomputation is not counted: budgets count
+  model FLOPs);
+- ``tokens``: ``ceil(train.tokens / (global batch x sequence length))`` steps for every method.
+
+The schedule keeps its shape (:func:`apply`): every step-denominated schedule key (:data:`SCALED_KEYS`:
+the LR warm-up, the evaluation and checkpoint cadences) is scaled by the same factor ``1 / r`` as the
+steps, so DDP and a method running twice its steps reach the peak LR, evaluate and checkpoint at the same
+fractions of their runs, up to whole steps (the LR decay already spans the resolved ``train.steps``). The
+factor is computed here once; the scaled values are what ``config.yaml`` records and every rank reads, the
+values asked for are in ``summary.json["budget"]["schedule"]``. Not scaled: ``train.warmup_steps``
+(start-up steps left out of the time medians: a cost in steps, not a share of the run),
+``train.log_every`` (a row stands for the steps since the last one wherever it is read),
+``train.eval_points`` (already a share of the run).
+
+What we count as training FLOPs: ``steps x global batch x flops_per_sample x r_measured``, where
+``flops_per_sample`` is the full model's forward + backward FLOPs of one sample
+(:meth:`SDPModel.flops_per_sample`) and ``r_measured`` the strategy's fraction of it, given the share
+of the forward FLOPs a worker computing part of each unit narrows, per unit level (block: the unit
+branches; neuron: the split sub-branches, :func:`sdp.metrics.flops.masked_fraction`). Only
+what ``torch.utils.flop_counter`` counts enters (matmuls, convolutions, attention; not norms or
+elementwise ops). This module names no strategy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from sdp.errors import ConfigError, one_of, positive_int, require
+from sdp.metrics.flops import masked_fractions
+from sdp.models.base import forward_flop_counts
+from sdp.parallel import STRATEGIES
+from sdp.driver.preflight import meta_model, prepared
+
+BUDGETS = ("iterations", "flops", "tokens")
+FLOPS_RATIOS = ("coverage", "measured")
+SEQ_LEN_KEYS = ("dataset.seq_len", "model.seq_len", "model.max_seq_len")
+# Step-denominated schedule keys, scaled with the step count (0, "never" or "only at the end", stays 0).
+SCALED_KEYS = ("optim.warmup_steps", "train.eval_every", "train.checkpoint_every")
+
+
+def _get(cfg: DictConfig, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if node is None or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def model_flops(cfg: DictConfig) -> tuple[int | None, dict[str, float] | None, int | None, str | None]:
+    """(training FLOPs per sample of the full model, masked share per unit level, number of units, why
+    not) from the driver's meta-device build (:func:`sdp.driver.preflight.meta_model`)."""
+    try:
+        model = meta_model(cfg)
+        with torch.device("meta"):
+            per_sample = int(model.flops_per_sample())
+            masked = masked_fractions(counts=forward_flop_counts(model), model=model)
+            n_units = len(model.sdp_units())
+    except Exception as exc:  # noqa: BLE001 - FLOPs are a record, not a reason to fail a run
+        return None, None, None, f"{type(exc).__name__}: {exc}"
+    return per_sample, masked, n_units, None
+
+
+def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
+    """The number of optimizer steps ``cfg`` asks for under its budget, and what was counted.
+
+    Pure in the config (the driver's meta-device model counts FLOPs; the strategy's prepared plan gives
+    SDP's k); raises :class:`ConfigError` naming the key for an impossible budget.
+    """
+    tc = cfg.train
+    budget = str(tc.budget)
+    one_of("train.budget", budget, BUDGETS)
+    base = int(tc.steps)
+    per_sample, masked, n_units, flops_error = model_flops(cfg)
+    spec = STRATEGIES.get(str(cfg.parallelism.name))
+    ready = prepared(cfg, build_now=False)  # the plan validation drew (SDP's k), shared with the ranks
+    cov = spec.coverage(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), n_units=n_units, prepared=ready)
+    if cov is not None:
+        require(cov.fraction is not None, cov.key, cov.value,
+                f"needs the model's unit count to give the fraction computed, which could not be counted ({flops_error})")
+    coverage = cov.fraction if cov is not None else None
+    global_batch = int(tc.batch_size) * int(cfg.cluster.world_size)
+    fraction: float | None = 1.0
+    if cov is not None:
+        fraction = spec.flops_fraction(cfg=cfg.parallelism, coverage=cov, masked=masked) if masked is not None else None
+    info: dict[str, Any] = {"budget": budget, "base_steps": base, "global_batch": global_batch,
+                            "coverage": coverage, "coverage_key": cov.key if cov else None,
+                            "coverage_nominal": cov.value if cov else None,
+                            "flops_per_sample": per_sample, "fraction_computed": fraction}
+    if budget == "iterations":
+        steps, ratio = base, 1.0
+    elif budget == "flops":
+        mode = str(tc.flops_ratio)
+        one_of("train.flops_ratio", mode, FLOPS_RATIOS)
+        if coverage is None:
+            ratio = 1.0
+        elif mode == "coverage":
+            ratio = float(coverage)
+        else:
+            require(fraction is not None, "train.flops_ratio", mode,
+                    f"the model's FLOPs could not be counted ({flops_error}); use train.flops_ratio=coverage")
+            ratio = float(fraction)
+        steps = max(1, round(base / ratio))
+        info["flops_ratio"] = mode
+    else:
+        tokens = tc.tokens
+        positive_int("train.tokens", tokens)
+        seq_key = next((k for k in SEQ_LEN_KEYS if _get(cfg, k) is not None), None)
+        if seq_key is None:
+            raise ConfigError(f"train.budget='tokens' needs a sequence length; none of {SEQ_LEN_KEYS} is set")
+        seq_len = int(_get(cfg, seq_key))
+        steps, ratio = math.ceil(int(tokens) / (global_batch * seq_len)), 1.0
+        info.update(tokens=int(tokens), seq_len=seq_len, tokens_trained=steps * global_batch * seq_len)
+    info.update(steps=steps, step_ratio=ratio)
+    if per_sample is not None and fraction is not None:
+        info["flops_per_step"] = global_batch * per_sample * fraction
+        info["total_flops"] = steps * info["flops_per_step"]
+    else:
+        info["flops_per_step"] = info["total_flops"] = None
+        info["flops_note"] = flops_error or "fraction unknown"
+    return steps, info
+
+
+def scaled_schedule(cfg: DictConfig, *, step_ratio: float) -> dict[str, dict[str, int]]:
+    """``{key: {"base": value asked for, "scaled": value run}}`` for every key of :data:`SCALED_KEYS`.
+
+    ``scaled = ceil(base / step_ratio)`` (``step_ratio``: :func:`resolve_steps`'s ``info["step_ratio"]``, 1
+    for DDP and for the iterations and tokens budgets, so their values are unchanged). Rounded up, not to
+    the nearest step as ``train.steps`` is: a cadence rounded down can fit one evaluation more than DDP's
+    run has, just before the last step; rounded up, never more (one fewer where no whole cadence fits
+    DDP's count into the run, e.g. 10 in 72 steps: ``train.eval_points`` places exact fractions). 0 ("never" for
+    checkpoints, "only at the end" for evaluations, no warm-up) stays 0."""
+    out = {}
+    for key in SCALED_KEYS:
+        base = int(OmegaConf.select(cfg, key))
+        # rounded to 1e-9 first: 3 / 0.3 is 10.000000000000002 in floating point, whose ceiling would be 11
+        out[key] = {"base": base, "scaled": math.ceil(round(base / step_ratio, 9)) if base > 0 else 0}
+    return out
+
+
+def apply(cfg: DictConfig) -> dict[str, Any]:
+    """Resolve the budget into ``cfg`` (driver side, before ``config.yaml`` is written and the ranks start):
+    ``train.steps`` and every key of :data:`SCALED_KEYS` take their resolved values; returns
+    :func:`resolve_steps`'s info with ``schedule`` (:func:`scaled_schedule`) added, for ``summary.json``."""
+    steps, info = resolve_steps(cfg)
+    schedule = scaled_schedule(cfg, step_ratio=float(info["step_ratio"]))
+    cfg.train.steps = steps
+    for key, values in schedule.items():
+        OmegaConf.update(cfg, key, values["scaled"], merge=False)
+    info["schedule"] = schedule
+    return info

@@ -1,0 +1,79 @@
+"""The per-rank entries ``sdp-plan`` writes, and the rules every strategy's prediction shares.
+
+Each strategy predicts its own memory and communication (:meth:`sdp.parallel.spec.StrategySpec.predict`,
+run in the driver on the meta device); this module holds what those predictions have in common: the
+optimizer-state rule, the meta-device activation meter, and the shape of one rank's ``memory`` and
+``comm`` entries (the ``memory.per_rank`` and ``comm.per_rank`` fields of ``summary.json``, so
+prediction and measurement compare field by field). It imports no strategy, so strategies can.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from sdp.rank.loss import loss_fn
+from sdp.metrics.activations import forward_saved_bytes
+from sdp.metrics.comm import wire_bytes
+
+Record = tuple[str, float, int]  # (kind, payload bytes, group size) per step
+Entry = tuple[dict, dict]  # one rank's (memory entry, comm entry)
+MIB = 2**20
+
+
+def nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optim_bytes(*, held: int, tensors: int, optim: DictConfig) -> int:
+    """Optimizer state from its type, for ``held`` bytes of trained parameters in ``tensors`` tensors:
+    SGD with momentum 1x, Adam(W) 2x plus a 4-byte step counter per tensor; plain SGD none."""
+    target = str(optim.optimizer._target_).rsplit(".", 1)[-1]
+    if target == "SGD":
+        return held if float(optim.optimizer.get("momentum", 0) or 0) > 0 else 0
+    if target in ("Adam", "AdamW"):
+        return 2 * held + 4 * tensors
+    raise ValueError(f"optim.optimizer._target_={optim.optimizer._target_!r}: sdp-plan knows SGD, Adam and AdamW")
+
+
+def activations(module: torch.nn.Module, inputs: torch.Tensor, *, loss: bool = True) -> int:
+    """Bytes saved for backward by one forward (+ loss) on the meta device, parameters excluded."""
+    meta_loss = lambda out: loss_fn(out, torch.zeros(out.shape[:-1], dtype=torch.long, device="meta"))  # noqa: E731
+    return forward_saved_bytes(module, inputs, loss=meta_loss if loss else None)
+
+
+def comm_entry(records: list[Record]) -> dict[str, Any]:
+    """The ``comm.per_rank`` fields of summary.json, from one step's records."""
+    by_kind: dict[str, dict[str, float]] = {}
+    by_group: dict[str, dict[str, float]] = {}
+    for kind, payload, k in records:
+        for table, key in ((by_kind, kind), (by_group, str(k))):
+            e = table.setdefault(key, {"bytes": 0.0, "count": 0.0})
+            e["bytes"] += payload
+            e["count"] += 1
+    return {"bytes_per_step": float(sum(p for _, p, _ in records)),
+            "wire_bytes_per_step": sum(wire_bytes(kind=kd, payload=p, group_size=k) for kd, p, k in records),
+            "collectives_per_step": float(len(records)), "by_kind": by_kind, "by_group_size": by_group}
+
+
+def communicators(*, per_group: int, groups: dict[str, Any] | None, world: int) -> list[dict[str, int]]:
+    """Per rank, the process groups it is a member of (the default group included) and the device memory
+    their NCCL communicators take outside the allocator: ``per_group`` (``cluster.comm_bytes_per_group``)
+    per group. ``groups``: the strategy's prediction of summary.json's ``process_groups`` (its
+    ``per_rank`` counts); None, a strategy that declares none, is taken to use the default group only.
+
+    Why a constant per group: NCCL sizes a communicator's buffers from its own settings (protocol
+    buffers per channel and peer, ``NCCL_BUFFSIZE`` and kin), not from the model, so what the planner
+    can predict is how the cost scales with the group count (DDP 1, SDP one per holder set); the
+    constant itself is a planning assumption that a GPU run calibrates (summary.json's
+    ``cuda_device_used_bytes`` beside ``process_groups``)."""
+    counts = [int(r["count"]) for r in groups["per_rank"]] if groups is not None else [1] * world
+    assert len(counts) == world, f"process_groups predicts {len(counts)} ranks for a world of {world}"
+    return [{"process_groups": c, "communicator_bytes": c * per_group} for c in counts]
+
+
+def rank_entry(*, rank: int, params: int, grads: int, optim: int, acts: int, records: list[Record]) -> Entry:
+    mem = {"rank": rank, "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim, "activation_bytes": acts}
+    return mem, {"rank": rank, **comm_entry(records)}

@@ -1,0 +1,135 @@
+"""``sdp-plan``'s predicted peaks (set-up, train, eval) per rank, by rehearsing steps on the meta device.
+
+Why a rehearsal rather than a formula: the peak is where parameters, gradients, optimizer state,
+saved activations, output gradients and temporaries (the logits' gradient, foreach optimizer
+buffers) overlap, and that point depends on the model. The rank's own module (DDP: the replica; SDP:
+the masked subnetwork, made by the strategy's own plan and masking) runs two training steps and one
+evaluation forward on meta tensors under the same :class:`~sdp.metrics.live.LiveTensorTracker` that
+measures CPU runs (``device_type="meta"``: storages keyed the same way, nothing is computed). This module is the
+generic rehearsal (:func:`rehearse`, and :func:`rehearse_partwise` for evaluation part by part); what
+it cannot see is added by each strategy's own rule, next to the strategy in ``sdp/parallel/``
+(:meth:`~sdp.parallel.spec.StrategySpec.predict_peaks`): the DDP family's reducer buckets
+(:func:`sdp.parallel.ddp.ddp_peaks`), SDP's owner-set buckets, part-wise evaluation and re-draw
+(:func:`sdp.parallel.sdp_peaks.sdp_peaks`), FSDP's shards and unsharded blocks (a rule, not a
+rehearsal of FSDP2's buffers: :func:`sdp.parallel.fsdp.fsdp_peaks`).
+
+The comparison with the CPU tracker is ``tests/test_plan_peaks.py`` (within 10 %).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from sdp.metrics.live import LiveTensorTracker
+from sdp.models.base import SDPModel
+from sdp.rank.evaluation import loss_and_correct
+from sdp.subnet.assemble import partwise_names
+from sdp.rank.loss import loss_fn
+from sdp.registry import build
+
+
+class FusedAttention(TorchFunctionMode):
+    """On meta, ``F.scaled_dot_product_attention`` takes the math path and saves the T x T scores;
+    real runs (CPU and CUDA) use a fused kernel that saves the output and its log-sum-exp. This
+    routes the call to the CPU fused kernel's op (which has meta and autograd support), so the
+    rehearsal allocates what a real run does. Masks, dropout and grouped-query calls pass through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and len(args) == 3 and not kwargs.get("enable_gqa") \
+                and kwargs.get("attn_mask") is None and not kwargs.get("dropout_p") and kwargs.get("scale") is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, bool(kwargs.get("is_causal")))[0]
+        return func(*args, **kwargs)
+
+
+def _targets(out: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(out.shape[:-1], dtype=torch.long, device="meta")
+
+
+def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[tuple[int, bool]],
+                      example: Callable[[int], torch.Tensor]) -> int:
+    """Peak live meta bytes of evaluating ``model`` part by part (:func:`sdp.rank.evaluation.partwise_totals`
+    with ``eval.part_batches=1``), above whatever the rank already holds: for each part, its transient
+    copy plus the largest flat broadcast that fills it (``flats``: bytes per part), then its forward on
+    the previous part's output; ``batches``: (batch size, BatchNorm re-estimation pass?) per pass kind,
+    the training batch for re-estimation and the evaluation batch for the validation pass."""
+    tracker = LiveTensorTracker(device_type="meta")
+    names = partwise_names(model)
+    for size, reestimate in batches:
+        skeletons: list[Any] = [copy.deepcopy(model.get_submodule(name)) for name in names]  # untracked, as the real
+        with tracker, FusedAttention(), torch.no_grad():  # run copies its skeleton; to_empty allocates
+            x = example(size).to("meta")
+            for i, name in enumerate(names):
+                part, skeletons[i] = skeletons[i].to_empty(device="meta").eval(), None  # dropped after its forward
+                flat = torch.empty(flats.get(name, 0), dtype=torch.uint8, device="meta")
+                del flat
+                for m in part.modules():  # re-estimation: BatchNorm in training mode, as bn_pass runs it (its
+                    if reestimate and isinstance(m, nn.modules.batchnorm._BatchNorm):  # cumulative momentum
+                        m.train()  # reads num_batches_tracked, which meta cannot; the allocations are the same)
+                y = part(x)
+                del part
+                x = y
+            if not reestimate:
+                loss_and_correct(x, _targets(x))
+            del x, skeletons
+    return tracker.peak
+
+
+def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, eval_batch: int, cfg: DictConfig,
+             example: Callable[[int], torch.Tensor], after_backward: Callable[[], None] | None = None) -> dict[str, int]:
+    """Live meta bytes of ``module``: at set-up (module state), the peak of a training step after one
+    warm-up step, and the peak of one evaluation forward; plus the persistent state after a step
+    (no ``trainable``: evaluation only). ``after_backward`` stands for the strategy's gradient sync."""
+
+    tracker = LiveTensorTracker(device_type="meta")
+    with tracker, FusedAttention():
+        tracker.label(list(module.parameters()) + list(module.buffers()), "parameters")
+        setup = tracker.total
+        opt = build(cfg.optim.optimizer)(trainable) if trainable else None
+        x = example(batch).to("meta")
+        for step in range(2 if opt is not None else 0):
+            if step == 1:
+                tracker.reset_peak()
+            out = module(x)
+            loss_fn(out, _targets(out)).backward()
+            del out
+            if after_backward is not None:
+                after_backward()
+            opt.step()  # type: ignore[union-attr]
+            opt.zero_grad(set_to_none=False)
+        train, state = tracker.peak, tracker.total
+        was = module.training
+        module.eval()
+        tracker.reset_peak()
+        with torch.no_grad():
+            out = module(example(eval_batch).to("meta"))
+            loss_and_correct(out, _targets(out))
+            del out
+        module.train(was)
+        evaluation = tracker.peak
+    return {"setup": setup, "train": train, "eval": evaluation, "state": state}
+
+
+def _eval_batch(cfg: DictConfig, world: int) -> int:
+    """Per-rank evaluation batch: ``train.eval_batch_size``, or the rank's share of the val set if smaller."""
+    n_val = cfg.dataset.get("num_val")
+    per_rank = math.ceil(int(n_val) / world) if n_val else int(cfg.train.eval_batch_size)
+    return min(int(cfg.train.eval_batch_size), per_rank)
+
+
+def predict_peaks(*, cfg: DictConfig, model: SDPModel, world: int, state: list[dict[str, Any]],
+                  spec: Any, prepared: Any = None) -> list[dict[str, int]] | None:
+    """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` from ``spec``'s
+    :meth:`~sdp.parallel.spec.StrategySpec.predict_peaks` (None: a strategy without a peak rehearsal:
+    pipeline). ``state``: the planner's per-rank memory entries (the held parameter, gradient and
+    optimizer bytes that FSDP's rule starts from); ``prepared``: what the driver built for the ranks."""
+    return spec.predict_peaks(cfg=cfg, model=model, world=world, batch=int(cfg.train.batch_size),
+                              eval_batch=_eval_batch(cfg, world), state=state, prepared=prepared)

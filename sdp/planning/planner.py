@@ -1,0 +1,129 @@
+"""``sdp-plan``: per-rank memory and communication predicted before launch, for any strategy.
+
+Same Hydra config as ``sdp-train``; nothing is launched and the model is built on the meta device,
+so a 1B-parameter model on 8 workers is planned in seconds. The strategy makes its own prediction
+(:meth:`sdp.parallel.spec.StrategySpec.predict` and ``predict_peaks``, with the shared rules of
+:mod:`sdp.planning.plan_entries`), reusing the code it runs (its plan, masking, buckets, cut or sharding
+rule) rather than a second model of it; activations come from a meta-device forward through the
+same saved-tensor meter the trainer measures with. ``plan.output=<file>`` writes JSON with the
+``memory.per_rank`` and ``comm.per_rank`` keys of ``summary.json``, so prediction and measurement
+compare field by field (``tests/test_plan.py``), plus the facts the strategy adds (e.g. its unit
+plan, as in ``summary.json``), which it also prints (a spec's own ``format_facts``, where it has one). Both
+read what the driver built once for the ranks (:func:`sdp.driver.preflight.prepared`: SDP's plan), so the
+prediction is of the very plan a run trains. This module names no strategy: adding one needs no edit here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from sdp.driver.config import validate
+from sdp.errors import positive_int, require
+from sdp.models.base import SDPModel
+from sdp.parallel import STRATEGIES, StrategySpec
+from sdp.planning.plan_entries import MIB, Entry, communicators
+from sdp.planning.plan_peaks import predict_peaks
+from sdp.driver.preflight import meta_model, prepared
+from sdp.driver.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
+from sdp.registry import build
+
+BASE_NOTE = "activation_bytes: saved for backward by a meta-device forward at the per-rank batch"
+COMM_NOTE = ("groups: process groups per rank, the default one included; NCCL comm. MiB: their communicators' device "
+             "memory outside the allocator (and outside the peaks), groups x cluster.comm_bytes_per_group, an "
+             "assumption a GPU run calibrates (summary.json: cuda_device_used_bytes, process_groups); none on gloo")
+
+
+def predict(cfg: DictConfig) -> dict[str, Any]:
+    """Per-rank predicted memory and comm of ``cfg`` (validated first, as sdp-train does), made by the
+    strategy (:meth:`~sdp.parallel.spec.StrategySpec.predict`) from what the driver prepared for the ranks."""
+    validate(cfg)
+    name, world = str(cfg.parallelism.name), int(cfg.cluster.world_size)
+    spec, ready = STRATEGIES.get(name), prepared(cfg)  # SDP's plan: the one validation drew
+    with torch.device("meta"):
+        model = build(cfg.model)  # a build of its own: a prediction may change it (activation checkpointing)
+    facts: dict[str, Any] = {}  # strategy-specific facts for the plan (e.g. its unit plan)
+    entries = spec.predict(cfg=cfg, model=model, world=world, facts=facts, prepared=ready)
+    add_peaks(cfg=cfg, model=model, entries=entries, spec=spec, prepared=ready)
+    per_group = cfg.cluster.comm_bytes_per_group  # read by sdp-plan only: checked here
+    positive_int("cluster.comm_bytes_per_group", per_group, minimum=0)
+    for (mem, _), comms in zip(entries, communicators(per_group=per_group, groups=facts.get("process_groups"), world=world)):
+        mem.update(comms)
+    notes = sorted({STRATEGIES.get(n).plan_note for n in STRATEGIES.names()} - {""})  # every strategy's caveat
+    return {**facts, "strategy": name, "model": str(cfg.model.get("name", "")), "world_size": world,
+            "batch_size": int(cfg.train.batch_size), "optimizer": str(cfg.optim.optimizer._target_),
+            "memory": {"per_rank": [m for m, _ in entries]}, "comm": {"per_rank": [c for _, c in entries]},
+            "notes": ["; ".join([BASE_NOTE, *notes])]}
+
+
+def add_peaks(*, cfg: DictConfig, model: SDPModel, entries: list[Entry], spec: type[StrategySpec], prepared: Any) -> None:
+    """Add the predicted set-up, train and eval peaks (:mod:`sdp.planning.plan_peaks`) to each rank's memory entry."""
+    peaks = predict_peaks(cfg=cfg, model=model, world=len(entries), state=[m for m, _ in entries], spec=spec,
+                          prepared=prepared)
+    for (mem, _), p in zip(entries, peaks or [{}] * len(entries)):
+        mem.update(p)
+
+
+def frontier(cfg: DictConfig) -> dict[str, Any]:
+    """``plan.frontier=true``: the strategy's plan against every other; a question only SDP answers (its
+    spec's own ``plan_frontier``), refused for any other strategy."""
+    spec = STRATEGIES.get(str(cfg.parallelism.name))
+    own = getattr(spec, "plan_frontier", None)
+    if own is None:
+        raise ValueError(f"plan.frontier=true scores SDP with forward masking, got parallelism.name={spec.name!r}")
+    return own(cfg=cfg, model=meta_model(cfg), prepared=prepared(cfg))
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    lines = [f"sdp-plan: strategy={plan['strategy']} model={plan['model']} world_size={plan['world_size']} "
+             f"batch_size/rank={plan['batch_size']} optimizer={plan['optimizer']}",
+             "| rank | params MiB | grads MiB | optim MiB | activations MiB | model state MiB | groups | NCCL comm. MiB "
+             "| comm MiB/step | wire MiB/step | collectives/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, c in zip(plan["memory"]["per_rank"], plan["comm"]["per_rank"]):
+        state = m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"]
+        lines.append(f"| {m['rank']} | {m['param_bytes'] / MIB:.2f} | {m['grad_bytes'] / MIB:.2f} | {m['optim_bytes'] / MIB:.2f} | "
+                     f"{m['activation_bytes'] / MIB:.2f} | {state / MIB:.2f} | {m['process_groups']} | "
+                     f"{m['communicator_bytes'] / MIB:.2f} | {c['bytes_per_step'] / MIB:.2f} | "
+                     f"{c['wire_bytes_per_step'] / MIB:.2f} | {c['collectives_per_step']:.0f} |")
+    lines.append(COMM_NOTE)
+    return "\n".join(lines)
+
+
+def plan_options(cfg: DictConfig) -> tuple[str | None, bool]:
+    """The ``plan:`` node (read by sdp-plan only; its types are the schema's, sdp/driver/schema.py)."""
+    output, frontier = cfg.plan.output, cfg.plan.frontier
+    require(output is None or bool(output), "plan.output", output, "null or a file path")
+    return output, bool(frontier)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    output, with_frontier = plan_options(cfg)
+    plan = predict(cfg)
+    print(format_plan(plan), flush=True)
+    for line in getattr(STRATEGIES.get(plan["strategy"]), "format_facts", lambda _facts: [])(plan):
+        print(line, flush=True)  # the strategy's own facts (SDP: its plan), where it has any
+    if with_frontier:
+        plan["frontier"] = frontier(cfg)
+        print(plan["frontier"].pop("text"), flush=True)
+    if output:
+        Path(str(output)).write_text(json.dumps(plan, indent=2))
+        print(f"written: {output}")
+
+
+def main() -> None:
+    """Nothing is launched, so nothing is written either: no Hydra run directory unless asked for."""
+    if not any(a.startswith(("hydra.run.dir=", "hydra.output_subdir=")) for a in sys.argv[1:]):
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

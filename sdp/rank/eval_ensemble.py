@@ -1,0 +1,66 @@
+"""The ensemble of the workers' subnetworks (``eval.ensemble``): the mean of their predicted probabilities.
+
+Why: under forward masking every worker trains a different subnetwork, and the assembled model (the
+units' union) is one way to use them; averaging their predictions is the other. "Does Federated Dropout
+actually work?" (Charles et al., 2022) finds that plain ensembling of the trained subnetworks beats the
+assembled model, and an ensemble is the usual baseline for a set of separately trained models. Its loss
+is the cross-entropy of the mean probability (for a language model per token, as every loss here), its
+accuracy the arg-max of the mean probability.
+
+Memory: no rank ever holds a second model or more than one batch of probabilities. Each rank runs its
+own subnetwork (calibrated as for the workers' own columns, :func:`sdp.rank.evaluation.own_totals`, which
+calls :func:`add_batch` on every batch) on every validation batch, the same samples on every rank, and
+per chunk of a batch's rows (``LOSS_CHUNK_TOKENS``, as the loss is computed) the ranks' probabilities
+are summed by one all-reduce: nothing of the validation set's probabilities is kept beyond that chunk.
+
+Numbers: the loss of the mean needs each worker's probability of the target only, one value per row,
+averaged in log space: the largest worker's log-probability m (an all-reduce MAX), then m + log of the
+summed exp(log p - m) (an all-reduce SUM, in float64) minus log n: exact where a float32 probability
+would underflow, and where every worker's model is the same (C = 1) its own log-probability to rounding.
+The all-reduced probabilities decide the arg-max only. Every rank ends with the same totals, so no
+further collective is needed. The per-row vectors do not grow with the number of workers. Where every
+worker's subnetwork is the full model (C = 1) the ensemble is that model and its figures equal DDP's
+evaluation (``tests/test_ensemble.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from sdp.rank.distctx import DistContext
+from sdp.rank.eval_ops import LOSS_CHUNK_TOKENS
+
+
+def add_batch(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor, *, ctx: DistContext,
+              chunk: int = LOSS_CHUNK_TOKENS) -> None:
+    """Add one validation batch's (loss sum, correct, count) of the ensemble of every rank's model to
+    ``totals`` (float64, on the device): ``out`` is this rank's logits (N, C) or (B, T, V) for ``target``,
+    the same batch on every rank. Collective: every rank calls it with the same shapes, batch after batch."""
+    logits, labels = out.reshape(-1, out.shape[-1]), target.reshape(-1)
+    with ctx.comm.phase_as("eval"):
+        for o, t in zip(logits.split(chunk), labels.split(chunk)):
+            probs = F.log_softmax(o, dim=-1, dtype=torch.float32)  # float32 whatever autocast made the logits
+            mine = probs.gather(1, t[:, None]).squeeze(1).double()  # this worker's log-probability of each target
+            probs.exp_()  # in place: the chunk's probabilities are the one chunk-sized tensor held
+            _all_reduce(probs, op=dist.ReduceOp.SUM, ctx=ctx)  # the sum over workers: its arg-max is the mean's
+            predicted = probs.argmax(-1)
+            del probs
+            top = _all_reduce(mine.clone(), op=dist.ReduceOp.MAX, ctx=ctx)
+            mine.sub_(top).exp_()  # each worker's probability over the best one's, in [0, 1]
+            log_mean = _all_reduce(mine, op=dist.ReduceOp.SUM, ctx=ctx).log_().add_(top) - math.log(ctx.world_size)
+            totals[0] -= log_mean.sum()
+            totals[1] += (predicted == t).sum()
+            totals[2] += t.numel()
+
+
+def _all_reduce(t: torch.Tensor, *, op: Any, ctx: DistContext) -> torch.Tensor:
+    """``t`` reduced over the world in place (recorded as evaluation traffic); itself on one rank."""
+    if ctx.world_size > 1:
+        ctx.comm.record(kind="all_reduce", payload=t.numel() * t.element_size(), group_size=ctx.world_size)
+        dist.all_reduce(t, op=op)
+    return t

@@ -1,0 +1,131 @@
+"""The arithmetic every evaluation shares (:mod:`sdp.rank.evaluation` is the protocol built on it): BatchNorm
+passes, the validation sums (float64, on the device: read once per evaluation, never per batch or
+chunk), and sums and means taken in one fixed order wherever their terms were computed, so that a
+model evaluated on one rank and the same model evaluated across ranks give bit-identical numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from sdp.data.base import DataBundle, val_batches
+from sdp.rank.distctx import DistContext
+
+
+def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """BatchNorm layers with running statistics (a forward-masked worker's dropped blocks keep their
+    modules with the tensors deleted: they never run and have nothing to re-estimate)."""
+    return [m for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
+
+
+def statistics(norms: Sequence[nn.modules.batchnorm._BatchNorm]) -> list[torch.Tensor]:
+    """The running statistics that re-estimation computes and averages (not ``num_batches_tracked``)."""
+    return [b for m in norms for b in (m.running_mean, m.running_var)]
+
+
+@torch.no_grad()
+def bn_pass(model: nn.Module, *, batches: Iterable[torch.Tensor], keep: bool) -> list[torch.Tensor | None]:
+    """Run ``batches`` through ``model`` in eval mode except its BatchNorm layers, which accumulate a
+    cumulative average (momentum None) onto their current statistics; returns the outputs (``keep``)
+    or one None per batch. Momentum and modes are restored after."""
+    norms = batch_norms(model)
+    saved = [(m.momentum, m.training) for m in norms]
+    was_training = model.training
+    model.eval()
+    for m in norms:
+        m.momentum = None
+        m.train()
+    out: list[torch.Tensor | None] = []
+    try:
+        for x in batches:
+            y = model(x)
+            out.append(y if keep else None)
+    finally:
+        for m, (momentum, training) in zip(norms, saved):
+            m.momentum = momentum
+            m.train(training)
+        model.train(was_training)
+    return out
+
+
+def ordered_sum(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``rows[0] + rows[1] + ...`` in that order: one summation order wherever the rows were computed."""
+    assert rows, "nothing to sum"
+    out = rows[0].clone()
+    for r in rows[1:]:
+        out += r
+    return out
+
+
+def ordered_mean(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`ordered_sum` / count: the shards' statistics averaged in one order wherever computed."""
+    return ordered_sum(rows) / len(rows)
+
+
+def gathered(rows: list[torch.Tensor], *, ctx: DistContext) -> list[torch.Tensor]:
+    """Every rank's ``rows`` (the same count and shapes on every rank), in rank order: one all-gather."""
+    if ctx.world_size == 1 or not rows:
+        return list(rows)
+    mine = torch.stack(rows)
+    out = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    ctx.comm.record(kind="all_gather", payload=mine.numel() * mine.element_size() * ctx.world_size, group_size=ctx.world_size)
+    dist.all_gather(out, mine)
+    return [row for rank_rows in out for row in rank_rows.unbind(0)]
+
+
+def world_sum(t: torch.Tensor, *, ctx: DistContext) -> torch.Tensor:
+    """``t`` summed over the ranks in rank order (:func:`ordered_sum` of the gathered values, where an
+    all-reduce's order is the backend's): the world's totals, added as :func:`sdp.rank.evaluation.own_totals` adds shards."""
+    return ordered_sum(gathered([t], ctx=ctx))
+
+
+LOSS_CHUNK_TOKENS = 8192  # rows of the flattened logits per cross-entropy call in evaluation
+
+
+def loss_and_correct(out: torch.Tensor, target: torch.Tensor, *,
+                     chunk: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and correct arg-max predictions of ``out`` (N, C) or (B, T, V) against
+    ``target``, ``chunk`` rows at a time: cross-entropy's log-softmax copy is then one chunk of the
+    vocabulary-sized logits, not all of them (an LM's evaluation batch would otherwise hold two). Both
+    are float64 tensors on ``out``'s device: nothing is read back per chunk (a host sync on a GPU)."""
+    logits, labels = out.reshape(-1, out.shape[-1]), target.reshape(-1)
+    loss = torch.zeros((), dtype=torch.float64, device=out.device)
+    correct = torch.zeros((), dtype=torch.float64, device=out.device)
+    for o, t in zip(logits.split(chunk), labels.split(chunk)):
+        loss += F.cross_entropy(o, t, reduction="sum")
+        correct += (o.argmax(-1) == t).sum()
+    return loss, correct
+
+
+def accumulate(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor) -> None:
+    """Add one batch's (loss sum, correct, count) to ``totals``, on the device: the one place both the
+    whole-model and the part-by-part evaluation add a batch, so they add in the same order."""
+    loss, correct = loss_and_correct(out, target)
+    totals[0] += loss
+    totals[1] += correct  # the trainer reports accuracy for classification only
+    totals[2] += target.numel()
+
+
+@torch.no_grad()
+def val_totals(model: nn.Module, *, data: DataBundle, rank: int, world_size: int, batch_size: int,
+               num_workers: int, device: torch.device,
+               each: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """(loss sum, correct, count) of ``model`` on shard ``rank`` of ``world_size`` of the validation set,
+    ``batch_size`` samples per forward (``train.eval_batch_size`` bounds evaluation memory). ``each``
+    (output, target) is called on every batch after its sums are added (the ensemble's sums,
+    :mod:`sdp.rank.eval_ensemble`); the output is dropped before the next forward either way."""
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for x, y in val_batches(data, rank=rank, world_size=world_size, batch_size=batch_size, num_workers=num_workers):
+        x, y = x.to(device), y.to(device)
+        out = model(x)
+        accumulate(totals, out, y)
+        if each is not None:
+            each(out, y)
+        del out  # not alive through the next batch's forward
+    return totals

@@ -1,0 +1,60 @@
+"""``train.precision``: the one compute-precision key every strategy obeys.
+
+Why one key and one context: a bf16 FSDP run against fp32 everything else is not a comparison. Every
+strategy runs its forward (and the loss) inside :func:`autocast`, entered from a single place
+(:meth:`sdp.parallel.base.Strategy._forward_loss`; the pipeline stages call the same context from
+their ``forward``), so the same ops run in the same dtype whatever the parallelism.
+
+- ``fp32``: no autocast; everything in float32.
+- ``bf16``: ``torch.autocast(device_type, dtype=torch.bfloat16)`` around the forward and the loss.
+  Parameters (master weights), gradients, optimizer state and every gradient all-reduce stay float32:
+  autograd accumulates a gradient in its parameter's dtype, so DDP's buckets and SDP's holder-set
+  buckets are float32 without a cast. CPU autocast supports bf16 too (matmuls and convolutions in
+  bf16), so CPU runs exercise the same path. FSDP2 takes its ``MixedPrecisionPolicy`` from here
+  (:func:`fsdp_policies`): bf16 parameters in compute (all-gathers in bf16), float32 reduce-scatter.
+
+The former ``parallelism.mixed_precision`` (FSDP only) is gone; ``sdp.driver.config.RENAMED`` turns a stale
+override into an error that names the new key.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from sdp.errors import fail, one_of
+
+PRECISIONS = ("fp32", "bf16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check(precision: object) -> str:
+    """``train.precision`` as a valid name (raises ConfigError naming key, value and choices)."""
+    one_of("train.precision", precision, PRECISIONS)
+    return str(precision)
+
+
+def autocast(*, precision: str, device: torch.device) -> AbstractContextManager:
+    """The forward's precision context: autocast to bf16 on ``device``'s type, or nothing for fp32."""
+    if precision == "fp32":
+        return nullcontext()
+    assert precision in DTYPES, f"precision={precision!r} not in {PRECISIONS}"
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+def fsdp_policies(*, precision: str):  # type: ignore[no-untyped-def]
+    """(policy for blocks and root, policy for BatchNorm layers) of FSDP2 under ``precision``.
+
+    bf16: parameters all-gathered and computed in bf16, gradients reduced in float32 (torchtitan's
+    recipe). BatchNorm layers get their own ``fully_shard`` in float32: their running statistics are
+    float32 buffers, which ``batch_norm`` refuses to mix with bf16 weights (CPU: "expected scalar type
+    BFloat16 but found Float"); autocast then casts their float32 output back for the next conv.
+    fp32: FSDP2's default policy for both (no nested BatchNorm sharding).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy(), None
+    return (MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32),
+            MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))

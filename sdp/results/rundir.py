@@ -1,0 +1,111 @@
+"""Where a run's outputs live: one object names every path of a run directory.
+
+Why one object: the file names are the results contract (:mod:`sdp.results.contract`, :mod:`sdp.results.summary`),
+read back by the report, the sweep's skip/resume logic, ``sdp-rerun`` and the benchmarks long after
+the run; spelled in one place, a reader and the writer can never disagree on a name. Imports nothing
+from ``sdp`` (the checkpoint, logger and sweep modules all use it).
+
+Layout of ``<root>/`` (Hydra's job output directory):
+
+- ``config.yaml``: the resolved, scrubbed config (:func:`sdp.results.contract.write_config`);
+- ``metrics.jsonl``: one JSON row per logged step from rank 0 (``metrics.jsonl.gz`` in a committed run that
+  ``sdp-bench slim-runs`` compressed; :func:`sdp.results.contract.read_metrics` reads either);
+- ``summary.json``: rank 0's :class:`sdp.results.summary.Summary`, written once at the end;
+- ``plan.json``: SDP's coverage plan (which worker holds which unit);
+- ``checkpoints/step_00000012/`` with ``meta.json`` (:mod:`sdp.rank.checkpoint`);
+- ``failure.json`` (the job's first failure), ``failure_rank<r>.json`` (each failing rank's own),
+  ``failures/<attempt>/rank<r>.json`` (ranks of an external launcher);
+- ``rank_logs/`` (torch elastic's per-rank output), ``wandb_run_id`` (one W&B run across resumes),
+  ``.hydra/overrides.yaml`` (Hydra's record of the command line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+METRICS_GZ = METRICS + ".gz"  # the same rows, gzip-compressed (sdp.bench.slim_runs)
+SUMMARY = "summary.json"
+PLAN = "plan.json"
+CHECKPOINTS = "checkpoints"
+CHECKPOINT_PREFIX = "step_"
+CHECKPOINT_META = "meta.json"  # inside each checkpoint directory
+FAILURE = "failure.json"
+RANK_LOGS = "rank_logs"
+WANDB_RUN_ID = "wandb_run_id"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory; nothing is created or read here."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def metrics_gz(self) -> Path:
+        return self.root / METRICS_GZ
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY
+
+    @property
+    def plan(self) -> Path:
+        return self.root / PLAN
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    def checkpoint(self, step: int) -> Path:
+        """The directory of the checkpoint after ``step`` (complete once it holds ``meta.json``)."""
+        return self.checkpoints / f"{CHECKPOINT_PREFIX}{step:08d}"
+
+    @property
+    def failure(self) -> Path:
+        return self.root / FAILURE
+
+    def failure_rank(self, rank: int) -> Path:
+        return self.root / f"failure_rank{rank}.json"
+
+    def failures(self, attempt: str) -> Path:
+        """Where the ranks of one attempt under an external launcher leave their tracebacks."""
+        return self.root / "failures" / attempt
+
+    @property
+    def rank_logs(self) -> Path:
+        return self.root / RANK_LOGS
+
+    @property
+    def wandb_run_id(self) -> Path:
+        return self.root / WANDB_RUN_ID
+
+    @property
+    def hydra_overrides(self) -> Path:
+        return self.root / ".hydra" / "overrides.yaml"
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+
+def checkpoint_meta(ckpt: Path) -> Path:
+    """``meta.json`` of a checkpoint directory (present only once the checkpoint is complete)."""
+    return Path(ckpt) / CHECKPOINT_META
+
+
+def run_of_checkpoint(ckpt: Path) -> RunDir:
+    """The run directory a checkpoint directory belongs to (``<run>/checkpoints/step_N`` -> ``<run>``)."""
+    return RunDir(Path(ckpt).parent.parent)
