@@ -318,3 +318,23 @@ def test_rolling_redraws_on_four_ranks() -> None:
     assert all(torch.isfinite(torch.tensor(g[2])) for g in got), [g[2] for g in got]
     res = compare([pieces_of(g[0], cfg=cfg, rank=r) for r, g in enumerate(got)])
     assert res["trained_by_several"] > 0 and not (res["params"] or res["state"] or res["missing_state"]), res
+
+
+@pytest.mark.parametrize("rule", ["rolling", "shuffle"])
+def test_a_redraw_reuses_the_measured_block_costs(rule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's re-draw passes the block costs it measured once (sdp.parallel.sdp: ``block_costs``): the plan
+    is the one measured afresh, and ``plan_for`` measures nothing when given them (one meta forward per
+    block per re-draw was most of a rolling re-draw's time)."""
+    from omegaconf import OmegaConf
+
+    from sdp.parallel.sdp_plan import plan_for
+
+    model, costs = _model("llama")
+    cfg = OmegaConf.create({"coverage": 0.5, "level": "block", "assignment": "balanced", "groups": 1,
+                            "drop_downsample": True, "plan_seed": 0, "balance": {"params": 1.0, "flops": 1.0, "activations": 1.0},
+                            "max_holder_sets": None, "redraw": rule})
+    fresh = [plan_for(model=model, cfg=cfg, world_size=4, draw=d) for d in range(4)]
+    monkeypatch.setattr(plan_module, "measure_block_costs", lambda m: pytest.fail("block costs measured again"))
+    given = [plan_for(model=model, cfg=cfg, world_size=4, draw=d, block_costs=costs) for d in range(4)]
+    assert [p.holders for p in given] == [p.holders for p in fresh], (given, fresh)
+    assert len({tuple(p.holders) for p in given}) > 1, "the draws should differ"

@@ -41,7 +41,7 @@ from sdp.planning.plan_entries import Entry
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map
 from sdp.subnet import redraw as R
-from sdp.subnet.plan import Plan
+from sdp.subnet.plan import Plan, measure_block_costs
 from sdp.subnet.holder_groups import GroupSet
 from sdp.subnet.sync import OwnerSetSync
 
@@ -57,9 +57,8 @@ class SDPStrategy(Strategy):
         self.mode = M.masking_mode(masking=str(cfg.masking), refresh=str(cfg.refresh))
         self.skeleton = copy.deepcopy(model).to("meta")
         self.groups: GroupSet | None = None
-        self.redraws = 0
+        self.redraws, self.eval_copy_bytes, self.block_costs = 0, 0, None  # block costs: at the first re-draw, then reused
         self.redraw_log: list[dict[str, Any]] = []  # the re-draws this process ran (a resumed run: since it resumed)
-        self.eval_copy_bytes = 0
         self.rescale = resolve_rescale(cfg=cfg, eval_bn=str(self.full_cfg.eval.bn), model=model)
         if self.prepared is None:  # built outside the driver (tests, benchmarks): the same plan, drawn here
             self.prepared = plan_for(model=model, cfg=cfg, world_size=ctx.world_size)
@@ -133,7 +132,8 @@ class SDPStrategy(Strategy):
         memory phase "redraw" (``redraw_peak_bytes``); bytes per rank: ``strategy_info.redraw``."""
         assert self.optimizer is not None and self.module is not None and self.groups is not None
         ctx = self.ctx
-        plan = plan_for(model=self.skeleton, cfg=self.cfg, world_size=ctx.world_size, draw=draw)
+        self.block_costs = self.block_costs or measure_block_costs(self.skeleton)  # the model's alone: not per draw
+        plan = plan_for(model=self.skeleton, cfg=self.cfg, world_size=ctx.world_size, draw=draw, block_costs=self.block_costs)
         with ctx.comm.phase_as("resample"), measured_phase("redraw") as measured:
             self.sync.close()  # the old subnetwork's gradient hooks go
             self.sync = None

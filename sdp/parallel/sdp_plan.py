@@ -54,14 +54,18 @@ def compute_fraction(*, masked: float, coverage: float, masking: str) -> float:
     raise ValueError(f"parallelism.masking={masking!r} not in {MASKINGS}")
 
 
-def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0) -> Plan:
-    """The plan of ``cfg`` (the parallelism node) for ``model``; same on every rank and in the driver."""
+def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0,
+             block_costs: dict[int, tuple[float, float]] | None = None) -> Plan:
+    """The plan of ``cfg`` (the parallelism node) for ``model``; same on every rank and in the driver.
+    ``block_costs``: the model's measured block costs when already known (a re-draw passes the first draw's:
+    measuring them is one meta forward per block, most of a rolling re-draw's time when done every draw)."""
     return build_plan(
         model=model, world_size=world_size, coverage=float(cfg.coverage), level=str(cfg.level),
         assignment=str(cfg.assignment), groups=int(cfg.groups), drop_downsample=bool(cfg.drop_downsample),
         seed=int(cfg.plan_seed), draw=draw, balance=tuple(float(cfg.balance[r]) for r in BALANCE_KEYS),
         max_holder_sets=cfg.get("max_holder_sets"),  # absent from configs written before the key
         redraw=str(cfg.get("redraw", "relabel")),  # likewise
+        block_costs=block_costs,
     )
 
 
