@@ -320,21 +320,28 @@ def test_rolling_redraws_on_four_ranks() -> None:
     assert res["trained_by_several"] > 0 and not (res["params"] or res["state"] or res["missing_state"]), res
 
 
-@pytest.mark.parametrize("rule", ["rolling", "shuffle"])
-def test_a_redraw_reuses_the_measured_block_costs(rule: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank's re-draw passes the block costs it measured once (sdp.parallel.sdp: ``block_costs``): the plan
-    is the one measured afresh, and ``plan_for`` measures nothing when given them (one meta forward per
-    block per re-draw was most of a rolling re-draw's time)."""
+@pytest.mark.parametrize("rule,cap", [("rolling", None), ("shuffle", None), ("relabel", 4), ("shuffle", 4)])
+def test_a_redraw_reuses_the_block_costs_and_draw_0s_assignment(rule: str, cap: int | None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's re-draw (:func:`sdp.parallel.sdp_plan.next_plan`) reuses the block costs it measured once and
+    draw 0's holders (the driver's plan), and gives the plan built from nothing: measuring the costs (one meta
+    forward per block) and the balanced assignment were most of a re-draw's time when redone every draw."""
     from omegaconf import OmegaConf
 
-    from sdp.parallel.sdp_plan import plan_for
+    from sdp.parallel.sdp_plan import next_plan, plan_for
 
-    model, costs = _model("llama")
+    model, _ = _model("llama")
     cfg = OmegaConf.create({"coverage": 0.5, "level": "block", "assignment": "balanced", "groups": 1,
                             "drop_downsample": True, "plan_seed": 0, "balance": {"params": 1.0, "flops": 1.0, "activations": 1.0},
-                            "max_holder_sets": None, "redraw": rule})
-    fresh = [plan_for(model=model, cfg=cfg, world_size=4, draw=d) for d in range(4)]
+                            "max_holder_sets": cap, "redraw": rule})
+    fresh = [plan_for(model=model, cfg=cfg, world_size=4, draw=d) for d in range(5)]
+    first, costs = fresh[0], None
+    plan, costs = next_plan(model=model, cfg=cfg, world_size=4, draw=1, first=first, costs=costs)  # measures once
+    assert plan.holders == fresh[1].holders, (plan.holders, fresh[1].holders)
     monkeypatch.setattr(plan_module, "measure_block_costs", lambda m: pytest.fail("block costs measured again"))
-    given = [plan_for(model=model, cfg=cfg, world_size=4, draw=d, block_costs=costs) for d in range(4)]
-    assert [p.holders for p in given] == [p.holders for p in fresh], (given, fresh)
-    assert len({tuple(p.holders) for p in given}) > 1, "the draws should differ"
+    if rule != "relabel" or cap is not None:  # these rules start from draw 0's assignment: not searched again
+        monkeypatch.setattr(plan_module, "assign", lambda **kw: pytest.fail("draw 0's assignment searched again"))
+    for d in range(2, 5):
+        plan, costs = next_plan(model=model, cfg=cfg, world_size=4, draw=d, first=first, costs=costs)
+        assert plan.holders == fresh[d].holders, (d, plan.holders, fresh[d].holders)
+    assert len({p.holders for p in fresh}) > 1, "the draws should differ"

@@ -41,7 +41,7 @@ from sdp.planning.plan_entries import Entry
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map
 from sdp.subnet import redraw as R
-from sdp.subnet.plan import Plan, measure_block_costs
+from sdp.subnet.plan import Plan
 from sdp.subnet.holder_groups import GroupSet
 from sdp.subnet.sync import OwnerSetSync
 
@@ -132,8 +132,8 @@ class SDPStrategy(Strategy):
         memory phase "redraw" (``redraw_peak_bytes``); bytes per rank: ``strategy_info.redraw``."""
         assert self.optimizer is not None and self.module is not None and self.groups is not None
         ctx = self.ctx
-        self.block_costs = self.block_costs or measure_block_costs(self.skeleton)  # the model's alone: not per draw
-        plan = plan_for(model=self.skeleton, cfg=self.cfg, world_size=ctx.world_size, draw=draw, block_costs=self.block_costs)
+        plan, self.block_costs = sdp_plan.next_plan(model=self.skeleton, cfg=self.cfg, world_size=ctx.world_size, draw=draw,
+                                                    first=self.prepared, costs=self.block_costs)
         with ctx.comm.phase_as("resample"), measured_phase("redraw") as measured:
             self.sync.close()  # the old subnetwork's gradient hooks go
             self.sync = None

@@ -26,7 +26,7 @@ from sdp.subnet import redraw as R
 from sdp.subnet.moves import moves, traffic
 from sdp.subnet.carry import Described, describe
 from sdp.subnet.frontier import format_frontier, frontier
-from sdp.subnet.plan import Plan, build_plan
+from sdp.subnet.plan import Plan, build_plan, measure_block_costs
 from sdp.subnet.holder_groups import GroupSet, predicted_process_groups
 from sdp.subnet.sync import OwnerSetSync
 
@@ -55,18 +55,29 @@ def compute_fraction(*, masked: float, coverage: float, masking: str) -> float:
 
 
 def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0,
-             block_costs: dict[int, tuple[float, float]] | None = None) -> Plan:
+             block_costs: dict[int, tuple[float, float]] | None = None,
+             base_holders: tuple[tuple[int, ...], ...] | None = None) -> Plan:
     """The plan of ``cfg`` (the parallelism node) for ``model``; same on every rank and in the driver.
-    ``block_costs``: the model's measured block costs when already known (a re-draw passes the first draw's:
-    measuring them is one meta forward per block, most of a rolling re-draw's time when done every draw)."""
+    ``block_costs``, ``base_holders``: what :func:`next_plan` already knows (:func:`sdp.subnet.plan.build_plan`)."""
     return build_plan(
         model=model, world_size=world_size, coverage=float(cfg.coverage), level=str(cfg.level),
         assignment=str(cfg.assignment), groups=int(cfg.groups), drop_downsample=bool(cfg.drop_downsample),
         seed=int(cfg.plan_seed), draw=draw, balance=tuple(float(cfg.balance[r]) for r in BALANCE_KEYS),
         max_holder_sets=cfg.get("max_holder_sets"),  # absent from configs written before the key
         redraw=str(cfg.get("redraw", "relabel")),  # likewise
-        block_costs=block_costs,
+        block_costs=block_costs, base_holders=base_holders,
     )
+
+
+def next_plan(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int, first: Plan,
+              costs: dict[int, tuple[float, float]] | None) -> tuple[Plan, dict[int, tuple[float, float]]]:
+    """Draw ``draw`` of a running job (a re-draw on a rank): the plan :func:`plan_for` builds, without redoing
+    its two costly steps every draw: the model's block costs (``costs``: measured here the first time, one meta
+    forward per block, then returned for the next draw) and draw 0's assignment (``first``, the driver's plan:
+    the shuffle and capped rules start from its holders; the balanced search is most of a shuffle's time)."""
+    assert first.draw == 0, f"first must be draw 0's plan, got draw {first.draw}"
+    costs = costs if costs is not None else measure_block_costs(model)
+    return plan_for(model=model, cfg=cfg, world_size=world_size, draw=draw, block_costs=costs, base_holders=first.holders), costs
 
 
 def plan_lists(plan: Plan) -> dict[str, Any]:

@@ -212,7 +212,7 @@ def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str 
                groups: int = 1, drop_downsample: bool = True, seed: int = 0, draw: int = 0,
                balance: tuple[float, float, float] = (1.0, 1.0, 1.0),
                block_costs: dict[int, tuple[float, float]] | None = None, max_holder_sets: int | None = None,
-               redraw: str = "relabel") -> Plan:
+               redraw: str = "relabel", base_holders: tuple[tuple[int, ...], ...] | None = None) -> Plan:
     """Declarations -> units with costs -> holders -> checked :class:`Plan` (same on every rank).
 
     ``balance`` weighs the normalised (params, FLOPs, activation bytes) in the balanced objective: 0
@@ -222,7 +222,10 @@ def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str 
     forward per block, seconds for LLaMA-1B, and depends on the model alone, not on n, C or the draw).
     ``max_holder_sets``: at most this many process groups for holder sets, every worker still holding a
     unit and all connected where any plan can (:mod:`sdp.subnet.capped`; PlanError naming the smallest
-    cap that works otherwise). ``redraw``: how draw ``draw`` is made from draw 0 (:mod:`sdp.subnet.rolling`)."""
+    cap that works otherwise). ``redraw``: how draw ``draw`` is made from draw 0 (:mod:`sdp.subnet.rolling`).
+    ``base_holders``: draw 0's holders of these arguments, when already built: a later draw of the rules that
+    start from draw 0's assignment (shuffle, capped) takes them instead of assigning again (every such rule
+    relabels, which sorts each set, so the order within a set does not matter)."""
     check_redraw(redraw)
     if len(balance) != 3 or any(w < 0 for w in balance) or not any(balance):
         raise PlanError(f"balance={tuple(balance)} is invalid: three weights >= 0 (params, FLOPs, activations), not all 0")
@@ -258,11 +261,14 @@ def build_plan(*, model: SDPModel, world_size: int, coverage: float, level: str 
         holders, info = rolling(blocks=blocks, groups=[u.group for u in units], n=world_size, k=k, draw=draw)
     else:  # relabel: as before this key existed; shuffle: from draw 0's plan
         base = draw if redraw == "relabel" and not capped else 0
-        holders = assign(costs=unit_costs, world_size=world_size, k=k, method=assignment, seed=seed, draw=base)
-        if capped:
-            unions = [[i for i, u in enumerate(units) if u.block == b] for b in remainder if remainder[b]]
-            holders = cap_holder_sets(costs=unit_costs, holders=holders, n=world_size, k=k, cap=int(max_holder_sets),
-                                      unions=unions)
+        if base == 0 and draw > 0 and base_holders is not None:
+            holders = [tuple(h) for h in base_holders]
+        else:
+            holders = assign(costs=unit_costs, world_size=world_size, k=k, method=assignment, seed=seed, draw=base)
+            if capped:
+                unions = [[i for i, u in enumerate(units) if u.block == b] for b in remainder if remainder[b]]
+                holders = cap_holder_sets(costs=unit_costs, holders=holders, n=world_size, k=k, cap=int(max_holder_sets),
+                                          unions=unions)
         if redraw == "shuffle":
             holders, info = shuffle(holders=holders, blocks=blocks, costs=[(u.params, u.flops, u.act_bytes) for u in units],
                                     remainder=remainder, n=world_size, seed=seed, draw=draw)
