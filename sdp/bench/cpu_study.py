@@ -91,6 +91,16 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
                for i, extra in enumerate(spec["extras"])]
     if "depth" in spec:
         result.append(("depth", [*common, *spec["depth"], f"hydra.sweep.dir={out_runs / 'depth'}"]))
+    # the short runs (one seed, a fixed number of steps, one evaluation): the training peak with the tracker on, and
+    # the step time with nothing else measured; ``select``: the variants (and keys) they run
+    def short(*select: str) -> list[str]:
+        return [*common, *select, "seed=0", "train.budget=iterations", "train.eval_points=1"]
+
+    peak_run = [f"train.steps={PEAK_STEPS}", "memory.tracker=true"]
+
+    def timing_run(steps: int) -> list[str]:
+        return [f"train.steps={steps}", "memory.tracker=false", "eval.subnetworks=false"]
+
     if "remedies" in spec:
         # seeds 0-2 of every period first, then seeds 3-4: a study stopped early has whole rows of 3 seeds
         seeds = range(spec.get("remedy_seeds", 5))
@@ -101,19 +111,16 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
                    for seed, group in order]
         # a re-draw's time does not depend on its period either: each rule alone for REMEDY_TIMING_STEPS steps with
         # two re-draws (every 50), tracker off and no subnetwork evaluation, as runs/timing does for the main table
-        result.append(("remedytiming", [*common, spec["remedy_timing"], "seed=0", "train.budget=iterations", "train.eval_points=1",
-                                        f"train.steps={REMEDY_TIMING_STEPS}", "memory.tracker=false", "eval.subnetworks=false",
+        result.append(("remedytiming", [*short(spec["remedy_timing"]), *timing_run(REMEDY_TIMING_STEPS),
                                         f"hydra.sweep.dir={out_runs / 'remedies' / 'timing'}"]))
         # a re-draw's peak does not depend on its period: one re-draw (at step PEAK_STEPS // 2) inside a peak run
-        result.append(("remedypeaks", [*common, "variant=b_sdp_c50", f"parallelism.redraw={spec.get('redraw_rules', 'shuffle,rolling')}", "seed=0", "train.budget=iterations", "train.eval_points=1",
-                                       f"train.steps={PEAK_STEPS}", "memory.tracker=true",
+        rules = f"parallelism.redraw={spec.get('redraw_rules', 'shuffle,rolling')}"
+        result.append(("remedypeaks", [*short("variant=b_sdp_c50", rules), *peak_run,
                                        f"parallelism.resample_every={PEAK_STEPS // 2}",
                                        f"hydra.sweep.dir={out_runs / 'remedies' / 'peaks'}"]))
-    once = [*common, f"variant={','.join(peak_variants)}", "seed=0", "train.budget=iterations", "train.eval_points=1"]
-    result.append(("peaks", [*once, f"train.steps={PEAK_STEPS}", "memory.tracker=true",
-                             f"hydra.sweep.dir={out_runs / 'peaks'}"]))
-    result.append(("timing", [*once, f"train.steps={TIMING_STEPS}", "memory.tracker=false", "eval.subnetworks=false",
-                              f"hydra.sweep.dir={out_runs / 'timing'}"]))
+    once = short(f"variant={','.join(peak_variants)}")
+    result.append(("peaks", [*once, *peak_run, f"hydra.sweep.dir={out_runs / 'peaks'}"]))
+    result.append(("timing", [*once, *timing_run(TIMING_STEPS), f"hydra.sweep.dir={out_runs / 'timing'}"]))
     return result
 
 

@@ -27,10 +27,20 @@ from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, me
 MOONSHOT_NATS, MOONSHOT_PEAK = 0.03, 0.60  # issue 28's target: upper 95 % end within +0.03 nats, peak <= 0.60x DDP
 
 
+def period(run: Run) -> int | None:
+    """The run's re-draw period R (``parallelism.resample_every``), None for a fixed plan."""
+    every = run.flat.get("parallelism.resample_every")
+    return None if every in (None, "null") else int(every)
+
+
+def rule(run: Run) -> str:
+    """How a run's plan moves, whatever its period: ``fixed`` or the ``parallelism.redraw`` rule."""
+    return "fixed" if period(run) is None else str(run.flat.get("parallelism.redraw", "relabel"))
+
+
 def remedy_name(run: Run) -> str:
     """The study row's name plus how its plan moves: ``fixed plan`` or ``<redraw> every R``."""
-    every = run.flat.get("parallelism.resample_every")
-    how = "fixed plan" if every in (None, "null") else f"{run.flat.get('parallelism.redraw', 'relabel')} every {every}"
+    how = "fixed plan" if period(run) is None else f"{rule(run)} every {period(run)}"
     return f"{row_name(run)}, {how}"
 
 
@@ -60,12 +70,6 @@ def step_s(run: Run) -> float | None:
     values = [r["step_s_median"] + (r.get("phases_s_total") or {}).get("resample", 0.0) / max(r.get("measured_steps") or 1, 1)
               for r in per_rank if r.get("step_s_median") is not None]
     return max(values) if values else None
-
-
-def rule(run: Run) -> str:
-    """How a run's plan moves, whatever its period: ``fixed`` or the ``parallelism.redraw`` rule."""
-    every = run.flat.get("parallelism.resample_every")
-    return "fixed" if every in (None, "null") else str(run.flat.get("parallelism.redraw", "relabel"))
 
 
 def timed_step_s(run: Run, *, every: int | None) -> float | None:
@@ -98,7 +102,7 @@ class Remedies:
         # step times from quiet short runs (one per rule), as the main table's come from runs/timing
         self.timing = _collect(find_runs(base / "timing"), key=rule) if (base / "timing").is_dir() else {}
         peaks = find_runs(base / "peaks") if (base / "peaks").is_dir() else []
-        self.peaks = _collect(peaks, key=lambda r: str(r.flat.get("parallelism.redraw", "relabel")))
+        self.peaks = _collect(peaks, key=rule)  # each peak run re-draws once: keyed by its rule
         self.fixed = next((n for n in self.rows if n.endswith("fixed plan")), None)
 
     def paired(self, name: str, key: str) -> Paired:
@@ -118,8 +122,7 @@ class Remedies:
             row = self.st.peaks.get(name.rsplit(",", 1)[0])
             value = None if row is None or key != "train_peak_bytes" else row.mean_std(key)[0]
         else:
-            rule = next(iter(self.rows[name].runs.values())).flat.get("parallelism.redraw", "relabel")
-            row = self.peaks.get(str(rule))
+            row = self.peaks.get(rule(next(iter(self.rows[name].runs.values()))))
             value = None if row is None else _mean(row, lambda r: _max_over_ranks(r.summary.memory_per_rank, key)
                                                     if key == "redraw_peak_bytes" else run_figures(r.summary)[key])
         return None if value is None else value / ddp
@@ -129,11 +132,10 @@ class Remedies:
         study has them, else from the sweep's own runs (one sweep, one machine, whatever else ran beside it)."""
         if self.timing:
             run = next(iter(row.runs.values()))
-            every = run.flat.get("parallelism.resample_every")
             mine, base = self.timing.get(rule(run)), self.timing.get("fixed")
             if mine is None or base is None:
                 return None
-            sec = _mean(mine, lambda r: timed_step_s(r, every=None if every in (None, "null") else int(every)))
+            sec = _mean(mine, lambda r: timed_step_s(r, every=period(run)))
             ref = _mean(base, lambda r: timed_step_s(r, every=None))
         else:
             sec, ref = _mean(row, step_s), None if fixed is None else _mean(fixed, step_s)
