@@ -21,6 +21,7 @@ import torch
 import sdp.subnet.plan as plan_module
 import sdp.driver.train
 from sdp.driver.config import validate_strategy
+from sdp.driver.preflight import meta_model
 from sdp.subnet.plan import PlanWarning
 from tests.hydra_cfg import compose_config, swept_jobs
 
@@ -47,7 +48,7 @@ def test_every_swept_job_builds_its_plan_at_paper_scale(experiment: str, monkeyp
         cfg = compose_config(f"experiment={experiment}", "scale=paper", *overrides)
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
-            validate_strategy(cfg)  # SDP: builds the plan on meta; a ConfigError names the key
+            validate_strategy(cfg, model=meta_model(cfg))  # SDP: builds the plan on meta; a ConfigError names the key
         if cfg.parallelism.name != "sdp":
             continue
         sdp_jobs += 1

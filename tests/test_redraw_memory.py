@@ -178,7 +178,7 @@ def test_rehearsal_moves_the_bytes_the_plans_give() -> None:
         cfg = compose(LLAMA + sel + ["parallelism.resample_every=2", "cluster.world_size=4"])
         with torch.device("meta"):
             model = build(cfg.model)
-        predicted = predict_redraw(cfg=cfg, model=model, world=4)
+        predicted = predict_redraw(cfg=cfg.parallelism, optimizer=cfg.optim.optimizer, model=model, world=4)
         assert predicted is not None and sum(t["received_bytes"] for t in predicted["per_rank"]) > 0, predicted
         factory = build(cfg.optim.optimizer)
         template = state_template(optimizer_factory=factory, dtype=torch.float32)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 
 from sdp.driver.config import ConfigError, validate
-from sdp.parallel import STRATEGIES
+from sdp.parallel import STRATEGIES, Job
 from tests.helpers import run_if
 from tests.hydra_cfg import compose_config
 
@@ -145,23 +145,25 @@ def test_valid_configs_pass(overrides: list[str]) -> None:
     compose_and_validate(overrides)
 
 
-def test_strategy_validate_receives_the_full_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every strategy's validate receives the whole config (pipeline and SDP need the batch size and the model)."""
+def test_strategy_validate_receives_its_node_and_the_jobs_facts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every strategy's validate receives its own ``parallelism`` node and the job's facts (sdp.parallel.Job: the
+    pipeline needs the batch size, SDP the world size), read from the composed config, never the whole config."""
     seen = {}
     ddp = STRATEGIES.get("ddp")
 
     class Probe(ddp):  # type: ignore[misc, valid-type]
         @classmethod
-        def validate(cls, *, cfg, world_size, full_cfg):  # type: ignore[no-untyped-def, override]
-            seen["batch"] = full_cfg.train.batch_size
-            if full_cfg.train.batch_size % 3:
-                raise ConfigError(f"train.batch_size={full_cfg.train.batch_size} is invalid: probe wants a multiple of 3")
+        def validate(cls, *, cfg, job):  # type: ignore[no-untyped-def, override]
+            seen["node"], seen["job"] = cfg, job
+            if job.batch_size % 3:
+                raise ConfigError(f"train.batch_size={job.batch_size} is invalid: probe wants a multiple of 3")
 
     monkeypatch.setitem(STRATEGIES._items, "ddp", Probe)
     with pytest.raises(ConfigError, match="train.batch_size=32"):
         compose_and_validate(["parallelism=ddp"])
-    compose_and_validate(["parallelism=ddp", "train.batch_size=33"])
-    assert seen["batch"] == 33
+    compose_and_validate(["parallelism=ddp", "train.batch_size=33", "seed=5", "train.precision=bf16"])
+    assert isinstance(seen["job"], Job) and "train" not in seen["node"] and seen["node"].name == "ddp", seen
+    assert (seen["job"].batch_size, seen["job"].seed, seen["job"].precision) == (33, 5, "bf16"), seen["job"]
 
 
 def test_bad_model_value_fails_in_the_driver_in_one_line(tmp_path: Path) -> None:
@@ -209,3 +211,41 @@ def test_steps_are_checked_after_the_budget_has_set_them() -> None:
     cfg = resolved(99)
     with pytest.raises(ConfigError, match=rf"train.debug.fault_step=99.*train.steps={cfg.train.steps}"):
         check_resolved(cfg)
+
+
+def test_the_driver_builds_the_model_and_the_plan_once_and_hands_them_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One meta build and one plan per job, passed by argument (sdp.driver.preflight.Preflight) from validation
+    to the budget: nothing is kept between calls, so a second job validated in the same process (another
+    coverage) gets its own plan, and the budget reads the plan it is handed (k), not one left from earlier."""
+    from sdp.driver import preflight
+    from sdp.planning import budget as budgets
+
+    sdp_spec = STRATEGIES.get("sdp")
+    counts = {"model": 0, "plan": 0}
+    real_meta, real_prepare = preflight.meta_model, sdp_spec.prepare.__func__
+
+    def counted_meta(cfg):  # type: ignore[no-untyped-def]
+        counts["model"] += 1
+        return real_meta(cfg)
+
+    def counted_prepare(cls, **kw):  # type: ignore[no-untyped-def]
+        counts["plan"] += 1
+        return real_prepare(cls, **kw)
+
+    def no_build(node):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"the budget built {node.get('_target_')} again instead of reading the driver's build")
+
+    monkeypatch.setattr(preflight, "meta_model", counted_meta)
+    monkeypatch.setattr(sdp_spec, "prepare", classmethod(counted_prepare))
+    monkeypatch.setattr(budgets, "build", no_build)
+    run = [*BASE, "parallelism=sdp", "cluster.world_size=4", "train.budget=flops", "train.steps=40"]
+    built = {}
+    for coverage in (0.5, 0.75):
+        cfg = compose_config(*run, f"parallelism.coverage={coverage}")
+        before = dict(counts)
+        built[coverage] = validate(cfg)
+        info = budgets.apply(cfg, preflight=built[coverage])
+        assert (counts["model"] - before["model"], counts["plan"] - before["plan"]) == (1, 1), counts
+        assert isinstance(built[coverage].job, Job) and built[coverage].job.world_size == 4, built[coverage].job
+        assert info["coverage"] == built[coverage].prepared.k / 4 == coverage, (info, built[coverage].prepared.k)
+    assert built[0.5].prepared is not built[0.75].prepared and built[0.5].model is not built[0.75].model

@@ -15,11 +15,14 @@ strategy's own ``validate``. ``tests/test_validation.py`` holds the catalogue of
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
 from sdp.errors import ConfigError, boolean, fail, one_of, positive_float, positive_int, require  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from sdp.driver.preflight import Preflight
 
 
 # Keys that moved: a config or command line that still sets one fails naming the new key (Hydra's own
@@ -104,19 +107,21 @@ def validate_determinism(cfg: DictConfig) -> None:
             "step); allowed: train.deterministic=false on cluster.device=cuda for this model, or cluster.device=cpu")
 
 
-def validate_strategy(cfg: DictConfig) -> None:
-    """The strategy's own checks, given its ``parallelism`` node and the whole config, then what it builds
-    once from the driver's meta model for the ranks (:func:`sdp.driver.preflight.prepared`: SDP's plan, checked)."""
-    from sdp.parallel import STRATEGIES
-    from sdp.driver.preflight import prepared
+def validate_strategy(cfg: DictConfig, *, model: Any) -> Preflight:
+    """The strategy's own checks, given its ``parallelism`` node and the job's facts (:class:`Job`, read here
+    once), then what it builds once from ``model`` (the driver's meta build) for the ranks (SDP's plan,
+    checked): the :class:`Preflight` the budget, ``sdp-plan`` and the launch read."""
+    from sdp.driver.preflight import Preflight
+    from sdp.parallel import STRATEGIES, Job
 
-    STRATEGIES.get(str(cfg.parallelism.name)).validate(cfg=cfg.parallelism, full_cfg=cfg, world_size=int(cfg.cluster.world_size))
-    if "model" in cfg and "train" in cfg:
-        prepared(cfg)
+    job, spec = Job.of(cfg), STRATEGIES.get(str(cfg.parallelism.name))
+    spec.validate(cfg=cfg.parallelism, job=job)
+    return Preflight(job=job, model=model, prepared=spec.prepare(cfg=cfg.parallelism, job=job, model=model))
 
 
-def validate(cfg: DictConfig) -> None:
-    """Check everything that can be checked without starting a rank."""
+def validate(cfg: DictConfig) -> Preflight:
+    """Check everything that can be checked without starting a rank; returns what was built for it once
+    (the meta model, the job's facts, the strategy's plan), for the budget and the launch."""
     from sdp.driver.rankenv import external_launcher
     from sdp.driver.typed import parse
     from sdp.models.base import SDPModel
@@ -160,6 +165,6 @@ def validate(cfg: DictConfig) -> None:
     positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)  # the optimizer's own arguments have no schema
     from sdp.driver.preflight import build_once
 
-    build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on, named here
+    model = build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on, named here
     validate_determinism(cfg)
-    validate_strategy(cfg)
+    return validate_strategy(cfg, model=model)

@@ -12,29 +12,28 @@ The model is built on the meta device (no memory, no init compute), so this cost
 composing the config does; the dataset is built for real (its length is the data index the sampler
 needs), which for the bundled and in-memory datasets takes about a second.
 
-That meta model is the driver's only build of it (:func:`meta_model`): the strategy's checks and what it
-builds once for the ranks (:func:`prepared`: SDP's plan, whose unit costs take one meta forward per
-block), the budget's FLOP count and the run's launch all read it, rather than each building the model
-again from the same config node. Why kept here rather than passed along: :func:`sdp.driver.config.validate`,
-the budget and the launch are separate calls of the driver (and of tests) on one config, so the build
-is kept from one validation (:func:`build_once` starts it afresh) to the next; a config with another
-model node builds its own. Its readers
-only read it (forwards on meta under a flop counter or a saved-bytes meter leave no state); a caller
-that changes a model (``sdp-plan``'s activation checkpointing) builds its own.
+That meta model is the driver's only build of it: :func:`build_once` returns it, and
+:func:`sdp.driver.config.validate` hands it on in a :class:`Preflight` with the job's facts
+(:class:`sdp.parallel.spec.Job`) and what the strategy builds once from it for the ranks (SDP's plan, whose
+unit costs take one meta forward per block). The budget's FLOP count, ``sdp-plan`` and the launch take that
+object as an argument, rather than each building the model again from the same config node (or finding it in
+a module-level cache, which a test or a second job in one process would share). Its readers only read it
+(forwards on meta under a flop counter or a saved-bytes meter leave no state); a caller that changes a model
+(``sdp-plan``'s activation checkpointing) builds its own.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from sdp.errors import ConfigError
+from sdp.parallel.job import Job
 from sdp.registry import build
 
 
@@ -57,53 +56,21 @@ def building(node: str, target: Any = None) -> Iterator[None]:
         raise ConfigError(f"{what} cannot be built from this config: {type(exc).__name__}: {first}") from None
 
 
-@dataclass
-class DriverBuild:
-    """The model built once on the meta device for one model node (``key``), and what each strategy
-    prepared from it, keyed by the config that decides it."""
+@dataclass(frozen=True)
+class Preflight:
+    """What the driver built once for one job config, passed on by argument: :func:`sdp.driver.config.validate`
+    returns it; the budget (:func:`sdp.planning.budget.apply`), ``sdp-plan`` and the launch read it."""
 
-    key: str
-    model: Any
-    prepared: dict[str, Any] = field(default_factory=dict)
-
-
-_LAST: list[DriverBuild] = []  # at most one: the last model node built
-
-
-def _key(cfg: DictConfig, *paths: str) -> str:
-    """The resolved values of ``paths`` in ``cfg``, as one comparable string."""
-    values = [OmegaConf.select(cfg, p) for p in paths]
-    return json.dumps([OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for v in values],
-                      sort_keys=True, default=str)
+    job: Job  # the facts of the job a strategy reads besides its own node
+    model: Any  # the model on the meta device (read it, do not change it)
+    prepared: Any  # what the strategy built for its ranks (StrategySpec.prepare: SDP's plan), None for most
 
 
 def meta_model(cfg: DictConfig) -> Any:
-    """The job's model on the meta device: the driver's one build of ``cfg.model`` (built now if the last
-    build was of another model node). Read it, do not change it."""
-    key = _key(cfg, "model")
-    if not _LAST or _LAST[0].key != key:
-        with torch.device("meta"):
-            model = build(cfg.model)
-        _LAST[:] = [DriverBuild(key=key, model=model)]
-    return _LAST[0].model
-
-
-def prepared(cfg: DictConfig, *, build_now: bool = True) -> Any:
-    """What the strategy builds once in the driver for its ranks (:meth:`sdp.parallel.spec.StrategySpec.prepare`:
-    SDP's plan, checked), from :func:`meta_model`; computed once per model, ``parallelism`` node, world
-    size and per-rank batch, so validation, the budget, ``sdp-plan`` and the launch share one.
-    ``build_now=False``: only what is already built (None otherwise), for a reader that can do without it
-    (the budget of a config never validated, in tests: a balanced neuron-level plan takes seconds)."""
-    from sdp.parallel import STRATEGIES
-
-    key = _key(cfg, "parallelism", "cluster.world_size", "train.batch_size")
-    if not build_now:
-        return _LAST[0].prepared.get(key) if _LAST and _LAST[0].key == _key(cfg, "model") else None
-    model = meta_model(cfg)
-    store = _LAST[0].prepared
-    if key not in store:
-        store[key] = STRATEGIES.get(str(cfg.parallelism.name)).prepare(cfg=cfg, model=model)
-    return store[key]
+    """``cfg.model`` built on the meta device: for a caller outside the driver's validation (a test, a budget
+    asked of a config never validated); the driver itself reads :attr:`Preflight.model`."""
+    with torch.device("meta"):
+        return build(cfg.model)
 
 
 def check_forward(*, model: torch.nn.Module, data: Any) -> None:
@@ -120,9 +87,9 @@ def check_forward(*, model: torch.nn.Module, data: Any) -> None:
                          f"{data.num_classes} values (dataset.num_classes / vocab_size); allowed: >= {data.num_classes}")
 
 
-def build_once(cfg: DictConfig) -> dict[str, Any]:
-    """Build data index, meta-device model, optimizer and sampler as a rank would; returns what was
-    built (the number of training samples and parameters) for the driver's log."""
+def build_once(cfg: DictConfig) -> Any:
+    """Build data index, meta-device model, optimizer and sampler as a rank would; returns the meta-device
+    model (the driver's one build of it, :class:`Preflight`)."""
     from sdp.data.base import GlobalBatchSampler
     from sdp.rank.trainer import global_batch_size
 
@@ -130,12 +97,11 @@ def build_once(cfg: DictConfig) -> dict[str, Any]:
         data = build(cfg.dataset)
         num_samples = len(data.train)
     with building("model", cfg.model.get("_target_")):
-        _LAST.clear()  # every validation builds afresh (and its strategy prepares, and warns, afresh)
-        model = meta_model(cfg)  # the driver's one meta build, kept for the strategy and the budget
+        model = meta_model(cfg)  # the driver's one meta build, handed on for the strategy and the budget
         params = list(model.parameters())
         check_forward(model=copy.deepcopy(model), data=data)  # on a copy: a forward may leave caches (rotary)
     with building("optim.optimizer", cfg.optim.optimizer.get("_target_")):
         build(cfg.optim.optimizer)(params)
     with building("train", "the global-batch sampler over the data index"):
         GlobalBatchSampler(num_samples=num_samples, global_batch=global_batch_size(cfg), seed=int(cfg.seed))
-    return {"train_samples": num_samples, "params": sum(p.numel() for p in params)}
+    return model

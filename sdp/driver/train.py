@@ -32,7 +32,6 @@ from sdp.planning import budget as budgets
 from sdp.driver.config import check_resolved, renamed_overrides, validate
 from sdp.driver.typed import register
 from sdp.driver.launch import RankFailure, launch
-from sdp.driver.preflight import prepared
 from sdp.driver.rankenv import external_launcher
 from sdp.results.loggers import wandb_run_id
 from sdp.results.rundir import RunDir
@@ -63,8 +62,8 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
     """
     run_dir = Path(run_dir)
     slurm_environment(cluster=cfg.cluster)  # a Slurm task becomes a rank (RANK, WORLD_SIZE, ...) before validation
-    validate(cfg)
-    budget = budgets.apply(cfg)  # train.steps and the step-denominated schedule keys (sdp/planning/budget.py)
+    built = validate(cfg)  # the driver's one meta build, the job's facts and the strategy's plan, handed on below
+    budget = budgets.apply(cfg, preflight=built)  # train.steps and the step-denominated schedule keys (sdp/planning/budget.py)
     check_resolved(cfg)  # checks against train.steps come after the budget has set it
     driver = not external_launcher() or os.environ.get("RANK") == "0"
     if cfg.train.get("skip_done"):
@@ -91,7 +90,7 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
     started = time.time()
     try:
         # what the strategy built once from the driver's meta model (SDP's plan): every rank runs exactly it
-        summary = launch(cfg=cfg, run_dir=run_dir, budget=budget, prepared=prepared(cfg))
+        summary = launch(cfg=cfg, run_dir=run_dir, budget=budget, prepared=built.prepared)
     except RankFailure as exc:
         # The job-level verdict, next to whatever metrics.jsonl already holds.
         results.write_json(RunDir(run_dir).failure, {"rank": exc.rank, "exitcode": exc.exitcode,

@@ -11,10 +11,11 @@ import importlib
 import pkgutil
 
 from sdp.parallel.base import DistContext, StepResult, Strategy
+from sdp.parallel.job import Job
 from sdp.parallel.spec import STRATEGIES, Coverage, StrategySpec, register
 
 for _info in pkgutil.iter_modules(__path__):
-    if _info.name not in ("base", "spec") and not _info.name.startswith("_"):
+    if _info.name not in ("base", "job", "spec") and not _info.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_info.name}")
 
-__all__ = ["STRATEGIES", "Coverage", "DistContext", "StepResult", "Strategy", "StrategySpec", "register"]
+__all__ = ["STRATEGIES", "Coverage", "DistContext", "Job", "StepResult", "Strategy", "StrategySpec", "register"]

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -31,6 +31,9 @@ from sdp.rank.distctx import DistContext, average_buffers, average_tensors  # no
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
 from sdp.rank.precision import autocast
+
+if TYPE_CHECKING:
+    from sdp.parallel.job import Job
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -52,24 +55,25 @@ class Strategy(ABC):
     """Base class of what a rank runs: subclasses implement ``setup``; ``train_step`` is one template with
     protected hooks (a strategy whose step is another shape overrides it); the rest has defaults.
 
-    ``prepared``: what the driver built once for the ranks (:meth:`sdp.parallel.spec.StrategySpec.prepare`,
-    SDP's plan), None for strategies that need nothing or when constructed outside the driver (tests)."""
+    ``cfg``: the strategy's ``parallelism`` node; ``job``: the job's facts (:class:`sdp.parallel.spec.Job`: seed,
+    batch size, precision, ...), the only other part of the job a strategy reads; ``prepared``: what the driver
+    built once for the ranks (:meth:`sdp.parallel.spec.StrategySpec.prepare`, SDP's plan), None for strategies
+    that need nothing or when constructed outside the driver (tests)."""
 
     # True: ``setup`` receives the model on the meta device and materialises what this rank holds
     # itself (sdp.models.init); False: the fully materialised model.
     materialises_held: bool = False
 
-    def __init__(self, *, cfg: DictConfig, full_cfg: DictConfig, ctx: DistContext, prepared: Any = None) -> None:
+    def __init__(self, *, cfg: DictConfig, job: Job, ctx: DistContext, prepared: Any = None) -> None:
         self.name = str(cfg.get("name") or type(self).__name__) if hasattr(cfg, "get") else type(self).__name__
         self.prepared = prepared
         self.cfg = cfg
-        self.full_cfg = full_cfg
+        self.job = job
         self.ctx = ctx
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._grad_bytes_peak = 0
-        train = full_cfg.get("train") if hasattr(full_cfg, "get") else None
-        self.precision = str(train.get("precision", "fp32")) if train is not None else "fp32"
+        self.precision = job.precision
 
     # ---- set-up and one step --------------------------------------------------------------------
     @abstractmethod

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy
+from sdp.parallel.job import Job
 from sdp.parallel.spec import StrategySpec, register
 from sdp.planning.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.planning.plan_peaks import rehearse
@@ -107,17 +108,16 @@ class DDPStrategy(Strategy):
         super().load_checkpoint_state(state)
 
 
-def ddp_peaks(*, cfg: DictConfig, model: SDPModel, batch: int, eval_batch: int, world: int,
-              prepare: Callable[[SDPModel], Any]) -> list[dict[str, int]]:
+def ddp_peaks(*, job: Job, model: SDPModel, eval_batch: int, prepare: Callable[[SDPModel], Any]) -> list[dict[str, int]]:
     """The DDP family's peak rehearsal: the replica's (``prepare``: what the strategy's ``setup`` does to
     the model before wrapping it, e.g. activation checkpointing); the reducer's buckets from the start."""
     mine = copy.deepcopy(model)
     prepare(mine)
-    r = rehearse(module=mine, trainable=list(mine.parameters()), batch=batch, eval_batch=eval_batch, cfg=cfg,
-                 example=model.example_input)
+    r = rehearse(module=mine, trainable=list(mine.parameters()), batch=job.batch_size, eval_batch=eval_batch,
+                 optimizer=job.optimizer, example=model.example_input)
     buckets = nbytes(mine.parameters())
     one = {"setup_peak_bytes": r["setup"] + buckets, "train_peak_bytes": r["train"], "eval_peak_bytes": r["eval"]}
-    return [dict(one) for _ in range(world)]
+    return [dict(one) for _ in range(job.world_size)]
 
 
 @register("ddp")
@@ -133,22 +133,21 @@ class DDPSpec(StrategySpec):
         (``cfg``: the parallelism node). Plain DDP: nothing."""
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
         """DDP family: full replica on every rank; one all-reduce of every gradient per step."""
-        cls.prepare_for_plan(model=model, cfg=cfg.parallelism)
-        params = list(model.parameters())
-        acts = activations(model, model.example_input(int(cfg.train.batch_size)).to("meta"))
+        cls.prepare_for_plan(model=model, cfg=cfg)
+        world, params = job.world_size, list(model.parameters())
+        acts = activations(model, model.example_input(job.batch_size).to("meta"))
         sizes = [t.numel() * t.element_size() for t in params]
-        n_buckets = ddp_buckets(sizes, cap_mb=float(cfg.parallelism.bucket_cap_mb))
+        n_buckets = ddp_buckets(sizes, cap_mb=float(cfg.bucket_cap_mb))
         total = sum(sizes)
         records: list[Record] = [("all_reduce", total / n_buckets, world)] * n_buckets
-        optim = optim_bytes(held=total, tensors=len(params), optim=cfg.optim)
+        optim = optim_bytes(held=total, tensors=len(params), optimizer=job.optimizer)
         facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets=(), refresh=False)  # the default only
         return [rank_entry(rank=r, params=total, grads=total, optim=optim, acts=acts, records=records) for r in range(world)]
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int,
                       state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
-        return ddp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch,
-                         prepare=lambda m: cls.prepare_for_plan(model=m, cfg=cfg.parallelism))
+        return ddp_peaks(job=job, model=model, eval_batch=eval_batch, prepare=lambda m: cls.prepare_for_plan(model=m, cfg=cfg))

@@ -25,6 +25,7 @@ from sdp.metrics.activations import note_retained
 from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory
 from sdp.parallel.ddp import DDPSpec, DDPStrategy
+from sdp.parallel.job import Job
 from sdp.parallel.spec import register
 
 
@@ -88,7 +89,7 @@ class DDPActivationCheckpointSpec(DDPSpec):
     runtime = DDPActivationCheckpointStrategy
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
         positive_int("parallelism.ac_every", cfg.ac_every)
 
     @classmethod

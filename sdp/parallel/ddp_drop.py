@@ -29,6 +29,7 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult
 from sdp.parallel.ddp import DDPSpec, DDPStrategy
+from sdp.parallel.job import Job
 from sdp.parallel.spec import Coverage, register
 from sdp.parallel.sdp_plan import compute_fraction
 
@@ -65,7 +66,7 @@ class _DropStrategy(DDPStrategy):
         self.blocks = [b for _, b in units]
         self.probs = survival_probs(n=len(self.blocks), p=float(self.cfg.survival_prob), decay=str(self.cfg.decay))
         self.rescale = bool(self.cfg.rescale)
-        self.generator = torch.Generator().manual_seed(int(self.full_cfg.seed) * 1_000_003 + 17 * self.ctx.rank + 1)
+        self.generator = torch.Generator().manual_seed(self.job.seed * 1_000_003 + 17 * self.ctx.rank + 1)
         self.kept_counts = [0] * len(self.blocks)
         self.draws = 0
         self.cfg = OmegaConf.merge(self.cfg, {"find_unused_parameters": min(self.probs) < 1.0})
@@ -118,7 +119,7 @@ class _DropSpec(DDPSpec):
     plan_note = "stochastic depth / LayerDrop predicted with every block kept"
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
         unit_interval("parallelism.survival_prob", cfg.survival_prob)
         one_of("parallelism.decay", cfg.decay, cls.decays)
         require(isinstance(cfg.rescale, bool), "parallelism.rescale", cfg.rescale, "must be true or false")

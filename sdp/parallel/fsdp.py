@@ -43,6 +43,7 @@ from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.rank.precision import fsdp_policies
 from sdp.parallel.base import OptimizerFactory, Strategy, average_buffers
+from sdp.parallel.job import Job
 from sdp.parallel.spec import StrategySpec, register
 from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.planning.plan_peaks import rehearse
@@ -172,16 +173,15 @@ class FSDPStrategy(Strategy):
         }
 
 
-def fsdp_peaks(*, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
-                state: list[dict[str, Any]]) -> list[dict[str, int]]:
+def fsdp_peaks(*, job: Job, model: SDPModel, eval_batch: int, state: list[dict[str, Any]]) -> list[dict[str, int]]:
     """FSDP2 on top of the full replica's rehearsal: the model is sharded on the meta device and each rank
     materialises its shards only (set-up: the shards, the unsharded buffers and one module's full
     tensors in flight, :func:`sdp.models.init.materialise_sharded`); a training step holds the sharded
     state, the replica's activation transient, the root unsharded, and for the largest block its
     unsharded parameters twice (running + prefetched) and its unsharded gradients and reduce-scatter
     input; evaluation unshards every unit (the full parameters) with one all-gather buffer in flight."""
-    full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=batch, eval_batch=eval_batch,
-                    cfg=cfg, example=model.example_input)
+    full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=job.batch_size,
+                    eval_batch=eval_batch, optimizer=job.optimizer, example=model.example_input)
     block_ids = {id(p) for b in model.blocks for p in b.parameters()}
     root = nbytes(p for p in model.parameters() if id(p) not in block_ids)
     largest = max((nbytes(b.parameters()) for b in model.blocks), default=0)
@@ -206,27 +206,27 @@ class FSDPSpec(StrategySpec):
     runtime = FSDPStrategy
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
         replicate = cfg.replicate
         positive_int("parallelism.replicate", replicate)
-        require(world_size % replicate == 0, "parallelism.replicate", replicate,
-                f"must divide cluster.world_size={world_size} (HSDP mesh = replicate x shard)")
+        require(job.world_size % replicate == 0, "parallelism.replicate", replicate,
+                f"must divide cluster.world_size={job.world_size} (HSDP mesh = replicate x shard)")
         require(isinstance(cfg.reshard_after_forward, bool), "parallelism.reshard_after_forward",
                 cfg.reshard_after_forward, "must be true or false")
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
         """FSDP2: each block and the root (stem + head) is a unit; per step every unit is all-gathered
         (blocks twice when resharded after forward, the root once), its gradients reduce-scattered
         (padded to a multiple of the shard count), and under HSDP all-reduced across replicas."""
-        pc = cfg.parallelism
+        pc, world = cfg, job.world_size
         rep = int(pc.replicate)
         shards = world // rep
         block_ids = {id(p) for b in model.blocks for p in b.parameters()}
         units = [(list(b.parameters()), 2 if bool(pc.reshard_after_forward) else 1) for b in model.blocks]
         units.append(([p for p in model.parameters() if id(p) not in block_ids], 1))
-        acts = activations(model, model.example_input(int(cfg.train.batch_size)).to("meta"))
+        acts = activations(model, model.example_input(job.batch_size).to("meta"))
         facts["process_groups"] = mesh_process_groups(world_size=world, shape=mesh_layout(replicate=rep, world=world)[0])
         out = []
         for r in range(world):
@@ -242,11 +242,11 @@ class FSDPSpec(StrategySpec):
                 if rep > 1:
                     records.append(("all_reduce", padded, rep))
             held = sum(local)
-            optim = optim_bytes(held=held, tensors=len(local), optim=cfg.optim)
+            optim = optim_bytes(held=held, tensors=len(local), optimizer=job.optimizer)
             out.append(rank_entry(rank=r, params=held, grads=held, optim=optim, acts=acts, records=records))
         return out
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int,
                       state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
-        return fsdp_peaks(cfg=cfg, model=model, world=world, batch=batch, eval_batch=eval_batch, state=state)
+        return fsdp_peaks(job=job, model=model, eval_batch=eval_batch, state=state)

@@ -42,6 +42,7 @@ from sdp.metrics.groups import mesh_process_groups
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel, count_params
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers
+from sdp.parallel.job import Job
 from sdp.parallel.spec import StrategySpec, register
 from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan
 from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
@@ -94,7 +95,7 @@ class PipelineStrategy(Strategy):
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         ctx = self.ctx
         plan = self.prepared if self.prepared is not None else make_plan(  # the driver's cut (PipelineSpec.prepare)
-            cfg=self.cfg, world_size=ctx.world_size, model=model, batch_size=int(self.full_cfg.train.batch_size))
+            cfg=self.cfg, world_size=ctx.world_size, model=model, batch_size=self.job.batch_size)
         self.plan = plan
         # every dimension's groups get the job's timeout and NCCL options (sdp.rank.distctx.mesh_overrides)
         self.mesh = init_device_mesh(ctx.device.type, (plan.dp, plan.pp), mesh_dim_names=("dp", "pp"),
@@ -243,23 +244,22 @@ class PipelineSpec(StrategySpec):
     runtime = PipelineStrategy
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
-        check_layout(cfg=cfg, world_size=world_size)
+    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
+        check_layout(cfg=cfg, world_size=job.world_size)
 
     @classmethod
-    def prepare(cls, *, cfg: DictConfig, model: SDPModel) -> PipelinePlan:
+    def prepare(cls, *, cfg: DictConfig, job: Job, model: SDPModel) -> PipelinePlan:
         """The cut of the real model's structure (meta) into stages, checked: what every rank runs."""
-        return make_plan(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), model=model,
-                         batch_size=int(cfg.train.batch_size))
+        return make_plan(cfg=cfg, world_size=job.world_size, model=model, batch_size=job.batch_size)
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
         """Stage parameters of each rank (the strategy's own cut); per microbatch a stage receives its
         input and sends its input's gradient, sends its output and receives that gradient; with dp > 1
         one all-reduce of the stage gradients. Activations: one microbatch's saved bytes times the
         microbatches in flight (1F1B: stages after this one + 1; GPipe: all)."""
-        pc, batch = cfg.parallelism, int(cfg.train.batch_size)
+        pc, batch, world = cfg, job.batch_size, job.world_size
         plan = prepared if prepared is not None else make_plan(cfg=pc, world_size=world, model=model, batch_size=batch)
         facts["process_groups"] = mesh_process_groups(world_size=world, shape=(plan.dp, plan.pp))  # setup's mesh
         mbs = int(pc.microbatches)
@@ -288,6 +288,6 @@ class PipelineSpec(StrategySpec):
             if plan.dp > 1:
                 records.append(("all_reduce", nbytes(params), plan.dp))
             out.append(rank_entry(rank=r, params=nbytes(params), grads=nbytes(params),
-                                  optim=optim_bytes(held=nbytes(params), tensors=len(params), optim=cfg.optim), acts=acts,
+                                  optim=optim_bytes(held=nbytes(params), tensors=len(params), optimizer=job.optimizer), acts=acts,
                                   records=records))
         return out

@@ -32,6 +32,7 @@ from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
+from sdp.parallel.job import Job
 from sdp.parallel.spec import Coverage, StrategySpec, register
 from sdp.parallel import sdp_config, sdp_plan
 from sdp.parallel.sdp_config import plan_keys, resolve_rescale
@@ -59,7 +60,7 @@ class SDPStrategy(Strategy):
         self.groups: GroupSet | None = None
         self.redraws, self.eval_copy_bytes, self.block_costs = 0, 0, None  # block costs: at the first re-draw, then reused
         self.redraw_log: list[dict[str, Any]] = []  # the re-draws this process ran (a resumed run: since it resumed)
-        self.rescale = resolve_rescale(cfg=cfg, eval_bn=str(self.full_cfg.eval.bn), model=model)
+        self.rescale = resolve_rescale(cfg=cfg, eval_bn=self.job.eval_bn, model=model)
         if self.prepared is None:  # built outside the driver (tests, benchmarks): the same plan, drawn here
             self.prepared = plan_for(model=model, cfg=cfg, world_size=ctx.world_size)
         plan: Plan = self.prepared  # the driver's plan (SDPSpec.prepare): k and the holders come from it
@@ -251,14 +252,14 @@ class SDPSpec(StrategySpec):
     runtime, label_keys = SDPStrategy, ("level", "masking")  # labels: B-SDP, B_β-SDP, N-SDP, N_β-SDP
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
         """Every SDP key (:func:`sdp.parallel.sdp_config.validate`); the plan itself is :meth:`prepare`'s."""
-        sdp_config.validate(cfg=cfg, world_size=world_size)
+        sdp_config.validate(cfg=cfg, world_size=job.world_size)
 
     @classmethod
-    def prepare(cls, *, cfg: DictConfig, model: SDPModel) -> Plan:
+    def prepare(cls, *, cfg: DictConfig, job: Job, model: SDPModel) -> Plan:
         """The plan, drawn once in the driver and handed to every rank (:func:`sdp.parallel.sdp_config.prepare`)."""
-        return sdp_config.prepare(cfg=cfg, model=model)
+        return sdp_config.prepare(cfg=cfg, job=job, model=model)
 
     @classmethod
     def method_label(cls, *, cfg: DictConfig) -> str:
@@ -279,20 +280,20 @@ class SDPSpec(StrategySpec):
                                          masking=str(cfg.masking))
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
-        return sdp_plan.predict(cfg=cfg, model=model, plan=prepared, facts=facts)
+        return sdp_plan.predict(cfg=cfg, job=job, model=model, plan=prepared, facts=facts)
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int,
                       state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
-        return sdp_peaks(cfg=cfg, model=model, plan=prepared, batch=batch, eval_batch=eval_batch)
+        return sdp_peaks(cfg=cfg, job=job, model=model, plan=prepared, eval_batch=eval_batch)
 
     # ---- SDP's own questions (sdp-plan asks them only of a strategy that has them) ----------------------
     @classmethod
-    def plan_frontier(cls, *, cfg: DictConfig, model: SDPModel, prepared: Plan) -> dict[str, Any]:
+    def plan_frontier(cls, *, cfg: DictConfig, job: Job, model: SDPModel, prepared: Plan) -> dict[str, Any]:
         """``sdp-plan plan.frontier=true``: the floor and Pareto frontier of the plan (:func:`sdp_plan.plan_frontier`)."""
-        return sdp_plan.plan_frontier(cfg=cfg, model=model, plan=prepared)
+        return sdp_plan.plan_frontier(cfg=cfg, job=job, model=model, plan=prepared)
 
     @classmethod
     def format_facts(cls, facts: dict[str, Any]) -> list[str]:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from sdp.errors import ConfigError, boolean, one_of, positive_float, positive_int, require, unit_interval
 from sdp.models.base import SDPModel
+from sdp.parallel.job import Job
 from sdp.parallel import sdp_plan
 from sdp.parallel.sdp_plan import BALANCE_KEYS, plan_for
 from sdp.subnet.plan import ASSIGNMENTS, LEVELS, REDRAWS, Plan, PlanError, num_holders, warn_degenerate
@@ -86,15 +87,15 @@ def holders(*, cfg: DictConfig, world_size: int) -> int:
         raise ConfigError(str(exc)) from None
 
 
-def prepare(*, cfg: DictConfig, model: SDPModel) -> Plan:
-    """The body of :meth:`SDPSpec.prepare <sdp.parallel.sdp.SDPSpec.prepare>`: the plan of the whole job config
-    ``cfg`` for ``model`` (built on the meta device), drawn once in the driver; an impossible plan is a
-    ConfigError in the plan's own words with the config's model name, and a degenerate one (k = 1,
-    disconnected workers) is warned about once, before any rank starts."""
+def prepare(*, cfg: DictConfig, job: Job, model: SDPModel) -> Plan:
+    """The body of :meth:`SDPSpec.prepare <sdp.parallel.sdp.SDPSpec.prepare>`: the plan of the ``parallelism``
+    node ``cfg`` on ``job``'s workers for ``model`` (built on the meta device), drawn once in the driver; an
+    impossible plan is a ConfigError in the plan's own words with the job's model name, and a degenerate one
+    (k = 1, disconnected workers) is warned about once, before any rank starts."""
     try:
-        plan = plan_for(model=model, cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size))
+        plan = plan_for(model=model, cfg=cfg, world_size=job.world_size)
     except PlanError as exc:
-        raise ConfigError(f"{exc} (model={cfg.model.get('name', type(model).__name__)})") from None
+        raise ConfigError(f"{exc} (model={job.model_name or type(model).__name__})") from None
     warn_degenerate(plan)
     return plan
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from sdp.rank.evaluation import batch_norms
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
+from sdp.parallel.job import Job
 from sdp.parallel.sdp_plan import redraw_peaks
 from sdp.planning.plan_entries import nbytes
 from sdp.planning.plan_peaks import rehearse, rehearse_partwise
@@ -31,25 +32,26 @@ from sdp.subnet.plan import Plan
 from sdp.subnet.sync import OwnerSetSync
 
 
-def sdp_peaks(*, cfg: DictConfig, model: SDPModel, plan: Plan, batch: int, eval_batch: int) -> list[dict[str, int]]:
+def sdp_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, eval_batch: int) -> list[dict[str, int]]:
     """Per rank, SDP's set-up, train and eval peaks for the driver's ``plan``: each rank's masked subnetwork
     rehearsed (:func:`sdp.planning.plan_peaks.rehearse`) with its owner-set buckets' flat buffers (overlapped:
     :func:`_overlap_stand_in`); evaluation part by part next to the rank's state (:func:`rehearse_partwise`),
-    or a whole assembled copy for a model that cannot be cut; with ``resample_every`` the first re-draw."""
-    assert plan is not None, "SDP's peak rehearsal reads the driver's plan (sdp.driver.preflight.prepared), got none"
-    pc, world = cfg.parallelism, plan.world_size
+    or a whole assembled copy for a model that cannot be cut; with ``resample_every`` the first re-draw
+    (``cfg``: the ``parallelism`` node)."""
+    assert plan is not None, "SDP's peak rehearsal reads the driver's plan (sdp.driver.preflight), got none"
+    pc, world, batch = cfg, plan.world_size, job.batch_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     pieces = M.pieces(model, plan)
     partwise = bool(partwise_names(model))
     if partwise:  # evaluation part by part (SDPStrategy.eval_module)
         norms = batch_norms(model)
-        reestimate = str(cfg.eval.bn) == "reestimate" and bool(norms)
+        reestimate = job.eval_bn == "reestimate" and bool(norms)
         eval_extra = rehearse_partwise(model=model, flats=_part_flats(pieces, n=world, forward=mode == "forward"),
                                        batches=[(eval_batch, False)] + ([(batch, True)] if reestimate else []),
                                        example=model.example_input)
         eval_extra += nbytes(b for m in norms for b in m.buffers()) if reestimate else 0  # re-estimated statistics kept per part
     else:  # a whole assembled copy next to the rank's state
-        full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, cfg=cfg,
+        full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, optimizer=job.optimizer,
                              example=model.example_input)
         eval_extra = nbytes(list(model.parameters()) + list(model.buffers())) + full_eval["eval"] - full_eval["setup"]
     groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
@@ -59,13 +61,14 @@ def sdp_peaks(*, cfg: DictConfig, model: SDPModel, plan: Plan, batch: int, eval_
         sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
                             bucket_cap_mb=float(pc.bucket_cap_mb), overlap=overlap)
         sync.close()  # its hooks would launch collectives; the stand-in below allocates what they do
-        res = rehearse(module=mine, trainable=trained, batch=batch, eval_batch=eval_batch, cfg=cfg, example=mine.example_input,
+        res = rehearse(module=mine, trainable=trained, batch=batch, eval_batch=eval_batch, optimizer=job.optimizer,
+                       example=mine.example_input,
                        after_backward=_overlap_stand_in(sync) if overlap else None)
         flats = [sum(p.nbytes for p in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
         out.append({"setup_peak_bytes": res["setup"], "train_peak_bytes": max(res["train"], res["state"] + max(flats, default=0)),
                     "eval_peak_bytes": res["state"] + eval_extra})
     if pc.get("resample_every"):  # the first re-draw (draw 0 -> 1), rehearsed as it runs (sdp.subnet.redraw)
-        for entry, peak in zip(out, redraw_peaks(cfg=cfg, model=model, plan=plan)):
+        for entry, peak in zip(out, redraw_peaks(cfg=pc, optimizer=job.optimizer, model=model, plan=plan)):
             entry["redraw_peak_bytes"] = peak
     return out
 

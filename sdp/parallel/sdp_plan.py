@@ -19,6 +19,7 @@ from torch import nn
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
+from sdp.parallel.job import Job
 from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.registry import build
 from sdp.subnet import masking as M
@@ -87,14 +88,15 @@ def plan_lists(plan: Plan) -> dict[str, Any]:
             "holders": [list(h) for h in plan.holders]}
 
 
-def predict(*, cfg: DictConfig, model: SDPModel, plan: Plan, facts: dict[str, Any]) -> list[Entry]:
+def predict(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, facts: dict[str, Any]) -> list[Entry]:
     """SDP: this rank's masked subnetwork (the driver's ``plan`` and the strategy's masking applied on meta),
-    owner-set gradient buckets and refresh broadcasts from :class:`sdp.subnet.sync.OwnerSetSync`."""
-    assert plan is not None, "SDP's prediction reads the driver's plan (sdp.driver.preflight.prepared), got none"
-    pc, world = cfg.parallelism, plan.world_size
+    owner-set gradient buckets and refresh broadcasts from :class:`sdp.subnet.sync.OwnerSetSync`
+    (``cfg``: the ``parallelism`` node)."""
+    assert plan is not None, "SDP's prediction reads the driver's plan (sdp.driver.preflight), got none"
+    pc, world = cfg, plan.world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     facts["plan"] = plan.summary()  # as summary.json["plan"]: units -> holders, holder sets, connectivity
-    if (redraw := predict_redraw(cfg=cfg, model=model, world=world, plan=plan)) is not None:
+    if (redraw := predict_redraw(cfg=pc, optimizer=job.optimizer, model=model, world=world, plan=plan)) is not None:
         facts["redraw"] = redraw  # the bytes of the first re-draw; its peaks: sdp.planning.plan_peaks (redraw_peak_bytes)
     pieces = M.pieces(model, plan)
     # the groups SDPStrategy creates (the same holder sets, the same rule): summary.json's process_groups
@@ -108,22 +110,24 @@ def predict(*, cfg: DictConfig, model: SDPModel, plan: Plan, facts: dict[str, An
         records: list[Record] = [("all_reduce", sum(p.nbytes for p in items), len(h)) for h, items in sync.grad_buckets]
         records += [("broadcast", sum(p.nbytes for p in items) if r == min(h) else 0, len(groups.refresh_set(h)))
                     for h, items in sync.refresh_buckets]
-        acts = activations(mine, mine.example_input(int(cfg.train.batch_size)).to("meta"))
+        acts = activations(mine, mine.example_input(job.batch_size).to("meta"))
         out.append(rank_entry(rank=r, params=nbytes(mine.parameters()), grads=nbytes(trained),
-                              optim=optim_bytes(held=nbytes(trained), tensors=len(trained), optim=cfg.optim), acts=acts, records=records))
+                              optim=optim_bytes(held=nbytes(trained), tensors=len(trained), optimizer=job.optimizer),
+                              acts=acts, records=records))
     return out
 
 
-def plan_frontier(*, cfg: DictConfig, model: SDPModel, plan: Plan) -> dict[str, Any]:
-    """The floor and Pareto frontier of ``plan`` (the driver's) over every assignment (:mod:`sdp.subnet.frontier`)."""
-    if str(cfg.parallelism.masking) != "forward":
+def plan_frontier(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan) -> dict[str, Any]:
+    """The floor and Pareto frontier of ``plan`` (the driver's) over every assignment (:mod:`sdp.subnet.frontier`;
+    ``cfg``: the ``parallelism`` node)."""
+    if str(cfg.masking) != "forward":
         raise ValueError(f"plan.frontier=true scores SDP with forward masking (backward masking keeps every parameter "
-                         f"and activation on every worker), got parallelism.name={cfg.parallelism.name!r} "
-                         f"masking={cfg.parallelism.get('masking')!r}")
+                         f"and activation on every worker), got parallelism.name={cfg.name!r} "
+                         f"masking={cfg.get('masking')!r}")
     world = plan.world_size
     result = frontier(plan=plan, full_activation_bytes=activations(model, model.example_input(2).to("meta")) / 2)
-    title = (f"model={cfg.model.get('name', '')} world_size={world} coverage={cfg.parallelism.coverage} "
-             f"level={plan.level} balance={dict(cfg.parallelism.balance)}")
+    title = (f"model={job.model_name} world_size={world} coverage={cfg.coverage} "
+             f"level={plan.level} balance={dict(cfg.balance)}")
     return {"assignments": result["assignments"], "connected_assignments": result["connected_assignments"],
             "floor": asdict(result["floor"]), "plan": asdict(result["plan"]),
             "frontier": [asdict(p) for p in result["frontier"]],
@@ -213,12 +217,13 @@ def rehearse_redraw(*, skeleton: nn.Module, old_plan: Plan, new_plan: Plan, rank
         return {"peak_bytes": tracker.peak, "sent_bytes": wire.sent, "received_bytes": wire.received}
 
 
-def predict_redraw(*, cfg: DictConfig, model: SDPModel, world: int, plan: Plan | None = None) -> dict[str, Any] | None:
-    """``sdp-plan``'s re-draw prediction (``parallelism.resample_every`` set; else None): the bytes every
-    rank sends and receives at the first re-draw (draw 0, ``plan`` when the driver has it, -> draw 1:
-    :func:`sdp.subnet.moves.traffic` on the two plans, each moving piece's optimizer state as
-    :func:`state_template` describes it)."""
-    pc = cfg.parallelism
+def predict_redraw(*, cfg: DictConfig, optimizer: DictConfig, model: SDPModel, world: int,
+                   plan: Plan | None = None) -> dict[str, Any] | None:
+    """``sdp-plan``'s re-draw prediction (``parallelism.resample_every`` set in ``cfg``, the ``parallelism`` node;
+    else None): the bytes every rank sends and receives at the first re-draw (draw 0, ``plan`` when the driver
+    has it, -> draw 1: :func:`sdp.subnet.moves.traffic` on the two plans, each moving piece's state of
+    ``optimizer`` (the ``optim.optimizer`` node) as :func:`state_template` describes it)."""
+    pc = cfg
     if not pc.get("resample_every"):
         return None
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
@@ -226,19 +231,20 @@ def predict_redraw(*, cfg: DictConfig, model: SDPModel, world: int, plan: Plan |
     new = M.pieces(model, plan_for(model=model, cfg=pc, world_size=world, draw=1))
     values, carried = moves(old=old, new=new, mode=mode, world=world)
     full = dict(model.named_parameters()) | dict(model.named_buffers())
-    template = state_template(optimizer_factory=build(cfg.optim.optimizer), dtype=next(model.parameters()).dtype)
+    template = state_template(optimizer_factory=build(optimizer), dtype=next(model.parameters()).dtype)
     table = traffic(values=values, state=carried, pieces=new, descs={i: template for i in carried},
                     shapes={k: t.shape for k, t in full.items()}, world=world)
     return {"predicted": "the first re-draw (draw 0 -> 1)",
             "every": int(pc.resample_every), "per_rank": [{"rank": r, **t} for r, t in enumerate(table)]}
 
 
-def redraw_peaks(*, cfg: DictConfig, model: SDPModel, plan: Plan) -> list[int]:
-    """Per rank, the predicted peak of the first re-draw (:func:`rehearse_redraw`, the driver's ``plan`` -> draw 1)."""
-    pc, world = cfg.parallelism, plan.world_size
+def redraw_peaks(*, cfg: DictConfig, optimizer: DictConfig, model: SDPModel, plan: Plan) -> list[int]:
+    """Per rank, the predicted peak of the first re-draw (:func:`rehearse_redraw`, the driver's ``plan`` -> draw 1;
+    ``cfg``: the ``parallelism`` node, ``optimizer``: the ``optim.optimizer`` node)."""
+    pc, world = cfg, plan.world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     plans = [plan, plan_for(model=model, cfg=pc, world_size=world, draw=1)]
-    factory = build(cfg.optim.optimizer)
+    factory = build(optimizer)
     template = state_template(optimizer_factory=factory, dtype=next(model.parameters()).dtype)
     return [rehearse_redraw(skeleton=model, old_plan=plans[0], new_plan=plans[1], rank=r, mode=mode,
                             optimizer_factory=factory, template=template)["peak_bytes"] for r in range(world)]

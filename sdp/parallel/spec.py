@@ -15,6 +15,10 @@ the budget and the report use both), and its ``sdp-plan`` prediction (:meth:`Str
 :meth:`StrategySpec.predict_peaks`). The planner, :mod:`sdp.planning.budget`, :mod:`sdp.report` and
 :mod:`sdp.metrics.flops` ask the spec and name no strategy. A question only one strategy answers (SDP's
 plan frontier) is that strategy's own method, not the base's.
+
+Every method receives the strategy's own ``parallelism`` node (``cfg``) and, where it needs more of the job,
+the :class:`Job` facts the driver reads from the composed config once (:meth:`Job.of`), never the whole
+config: what a strategy may depend on besides its own keys is the short list of :class:`Job`'s fields.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from omegaconf import DictConfig
 
 from sdp.models.base import SDPModel
+from sdp.parallel.job import Job
 from sdp.planning.plan_entries import Entry
 from sdp.registry import Registry
 
@@ -54,21 +59,21 @@ class StrategySpec:
     label: str = ""  # the report's name of the method (default: ``name``); see :meth:`method_label`
     label_keys: tuple[str, ...] = ()  # parallelism keys the label already says (no table column of their own)
     plan_note: str = ""  # a caveat of this strategy's ``sdp-plan`` prediction, listed in the plan's notes
-    runtime: type[Strategy]  # what each rank instantiates: ``runtime(cfg=..., full_cfg=..., ctx=..., prepared=...)``
+    runtime: type[Strategy]  # what each rank instantiates: ``runtime(cfg=..., job=..., ctx=..., prepared=...)``
 
     # ---- validation and what the driver builds once -----------------------------------------------
     @classmethod
-    def validate(cls, *, cfg: DictConfig, full_cfg: DictConfig, world_size: int) -> None:
+    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
         """Raise ``ValueError`` naming key, value and what is allowed for impossible settings of the keys.
 
-        ``cfg`` is the ``parallelism`` node, ``full_cfg`` the whole job config (batch size, model, ...),
-        both passed by :func:`sdp.driver.config.validate` before any rank starts; what needs the model is
-        :meth:`prepare`'s."""
+        ``cfg`` is the ``parallelism`` node, ``job`` the job's facts (world size, batch size, ...), both
+        passed by :func:`sdp.driver.config.validate` before any rank starts, after the typed schema has
+        checked each key's type and choices; what needs the model is :meth:`prepare`'s."""
 
     @classmethod
-    def prepare(cls, *, cfg: DictConfig, model: SDPModel) -> Any:
-        """What the driver builds once from the whole job config ``cfg`` and the model built on the meta
-        device, checked (a :class:`~sdp.errors.ConfigError` naming the key otherwise), and hands to every
+    def prepare(cls, *, cfg: DictConfig, job: Job, model: SDPModel) -> Any:
+        """What the driver builds once from the ``parallelism`` node ``cfg``, the ``job`` and the model built
+        on the meta device, checked (a :class:`~sdp.errors.ConfigError` naming the key otherwise), and hands to every
         rank (``Strategy.prepared``), to :meth:`coverage` and to the ``sdp-plan`` prediction: SDP's plan, so
         that k and the holders are decided in one place. Picklable (it travels to spawned ranks).
         None (default): the ranks need nothing from the driver."""
@@ -96,25 +101,26 @@ class StrategySpec:
         return 1.0
 
     @classmethod
-    def report_facts(cls, *, cfg: DictConfig, n_units: int | None = None, prepared: Any = None) -> dict[str, Any]:
-        """``label`` and ``coverage`` as summary.json records them (``cfg``: the whole job config)."""
-        cov = cls.coverage(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), n_units=n_units,
-                           prepared=prepared)
-        return {"label": cls.method_label(cfg=cfg.parallelism), "coverage": cov.summary() if cov else None}
+    def report_facts(cls, *, cfg: DictConfig, world_size: int, n_units: int | None = None,
+                     prepared: Any = None) -> dict[str, Any]:
+        """``label`` and ``coverage`` as summary.json records them (``cfg``: the ``parallelism`` node)."""
+        cov = cls.coverage(cfg=cfg, world_size=world_size, n_units=n_units, prepared=prepared)
+        return {"label": cls.method_label(cfg=cfg), "coverage": cov.summary() if cov else None}
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, model: SDPModel, world: int, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
-        """``sdp-plan``: each rank's (memory, comm) entry (:mod:`sdp.planning.plan_entries`) for the whole job config
-        ``cfg`` and ``model`` built on the meta device; strategy facts for the plan's JSON go into ``facts``."""
+        """``sdp-plan``: each rank's (memory, comm) entry (:mod:`sdp.planning.plan_entries`) for the ``parallelism``
+        node ``cfg`` of ``job`` and ``model`` built on the meta device; strategy facts for the plan's JSON go into
+        ``facts``."""
         raise ValueError(f"parallelism.name={cls.name!r}: this strategy makes no sdp-plan prediction (StrategySpec.predict)")
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, model: SDPModel, world: int, batch: int, eval_batch: int,
+    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int,
                       state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         """``sdp-plan``'s set-up, train and eval peaks per rank (the strategy's own rehearsal, next to it in
-        ``sdp/parallel/``, on :mod:`sdp.planning.plan_peaks`'s generic one); ``state``: the memory entries of
-        :meth:`predict`. None (default): no peak rehearsal."""
+        ``sdp/parallel/``, on :mod:`sdp.planning.plan_peaks`'s generic one); ``eval_batch``: a rank's evaluation
+        batch; ``state``: the memory entries of :meth:`predict`. None (default): no peak rehearsal."""
         return None
 
 

@@ -46,7 +46,7 @@ from sdp.errors import ConfigError, one_of, positive_int, require
 from sdp.metrics.flops import masked_fractions
 from sdp.models.base import forward_flop_counts
 from sdp.parallel import STRATEGIES
-from sdp.driver.preflight import meta_model, prepared
+from sdp.registry import build
 
 BUDGETS = ("iterations", "flops", "tokens")
 FLOPS_RATIOS = ("coverage", "measured")
@@ -64,12 +64,13 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return node
 
 
-def model_flops(cfg: DictConfig) -> tuple[int | None, dict[str, float] | None, int | None, str | None]:
+def model_flops(cfg: DictConfig, *, model: Any = None) -> tuple[int | None, dict[str, float] | None, int | None, str | None]:
     """(training FLOPs per sample of the full model, masked share per unit level, number of units, why
-    not) from the driver's meta-device build (:func:`sdp.driver.preflight.meta_model`)."""
+    not) from ``model``, the driver's meta-device build (:class:`sdp.driver.preflight.Preflight`), or, asked
+    outside the driver (None), a meta build of ``cfg.model`` of its own."""
     try:
-        model = meta_model(cfg)
         with torch.device("meta"):
+            model = model if model is not None else build(cfg.model)
             per_sample = int(model.flops_per_sample())
             masked = masked_fractions(counts=forward_flop_counts(model), model=model)
             n_units = len(model.sdp_units())
@@ -78,19 +79,21 @@ def model_flops(cfg: DictConfig) -> tuple[int | None, dict[str, float] | None, i
     return per_sample, masked, n_units, None
 
 
-def resolve_steps(cfg: DictConfig) -> tuple[int, dict[str, Any]]:
+def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[str, Any]]:
     """The number of optimizer steps ``cfg`` asks for under its budget, and what was counted.
 
-    Pure in the config (the driver's meta-device model counts FLOPs; the strategy's prepared plan gives
-    SDP's k); raises :class:`ConfigError` naming the key for an impossible budget.
+    Pure in the config and ``preflight`` (:class:`sdp.driver.preflight.Preflight`, what validation built: its
+    meta-device model counts FLOPs, the strategy's prepared plan gives SDP's k; None outside the driver: a
+    meta build of its own and the coverage from the config alone); raises :class:`ConfigError` naming the key
+    for an impossible budget.
     """
     tc = cfg.train
     budget = str(tc.budget)
     one_of("train.budget", budget, BUDGETS)
     base = int(tc.steps)
-    per_sample, masked, n_units, flops_error = model_flops(cfg)
+    per_sample, masked, n_units, flops_error = model_flops(cfg, model=preflight.model if preflight is not None else None)
     spec = STRATEGIES.get(str(cfg.parallelism.name))
-    ready = prepared(cfg, build_now=False)  # the plan validation drew (SDP's k), shared with the ranks
+    ready = preflight.prepared if preflight is not None else None  # the plan validation drew (SDP's k), shared with the ranks
     cov = spec.coverage(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), n_units=n_units, prepared=ready)
     if cov is not None:
         require(cov.fraction is not None, cov.key, cov.value,
@@ -155,11 +158,12 @@ def scaled_schedule(cfg: DictConfig, *, step_ratio: float) -> dict[str, dict[str
     return out
 
 
-def apply(cfg: DictConfig) -> dict[str, Any]:
+def apply(cfg: DictConfig, *, preflight: Any = None) -> dict[str, Any]:
     """Resolve the budget into ``cfg`` (driver side, before ``config.yaml`` is written and the ranks start):
     ``train.steps`` and every key of :data:`SCALED_KEYS` take their resolved values; returns
-    :func:`resolve_steps`'s info with ``schedule`` (:func:`scaled_schedule`) added, for ``summary.json``."""
-    steps, info = resolve_steps(cfg)
+    :func:`resolve_steps`'s info with ``schedule`` (:func:`scaled_schedule`) added, for ``summary.json``
+    (``preflight``: what validation built, :func:`resolve_steps`)."""
+    steps, info = resolve_steps(cfg, preflight=preflight)
     schedule = scaled_schedule(cfg, step_ratio=float(info["step_ratio"]))
     cfg.train.steps = steps
     for key, values in schedule.items():

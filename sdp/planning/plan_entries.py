@@ -27,15 +27,16 @@ def nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def optim_bytes(*, held: int, tensors: int, optim: DictConfig) -> int:
-    """Optimizer state from its type, for ``held`` bytes of trained parameters in ``tensors`` tensors:
-    SGD with momentum 1x, Adam(W) 2x plus a 4-byte step counter per tensor; plain SGD none."""
-    target = str(optim.optimizer._target_).rsplit(".", 1)[-1]
+def optim_bytes(*, held: int, tensors: int, optimizer: DictConfig) -> int:
+    """Optimizer state from its type (``optimizer``: the ``optim.optimizer`` node), for ``held`` bytes of trained
+    parameters in ``tensors`` tensors: SGD with momentum 1x, Adam(W) 2x plus a 4-byte step counter per tensor;
+    plain SGD none."""
+    target = str(optimizer._target_).rsplit(".", 1)[-1]
     if target == "SGD":
-        return held if float(optim.optimizer.get("momentum", 0) or 0) > 0 else 0
+        return held if float(optimizer.get("momentum", 0) or 0) > 0 else 0
     if target in ("Adam", "AdamW"):
         return 2 * held + 4 * tensors
-    raise ValueError(f"optim.optimizer._target_={optim.optimizer._target_!r}: sdp-plan knows SGD, Adam and AdamW")
+    raise ValueError(f"optim.optimizer._target_={optimizer._target_!r}: sdp-plan knows SGD, Adam and AdamW")
 
 
 def activations(module: torch.nn.Module, inputs: torch.Tensor, *, loss: bool = True) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -34,6 +34,9 @@ from sdp.rank.evaluation import loss_and_correct
 from sdp.subnet.assemble import partwise_names
 from sdp.rank.loss import loss_fn
 from sdp.registry import build
+
+if TYPE_CHECKING:
+    from sdp.parallel.job import Job
 
 
 class FusedAttention(TorchFunctionMode):
@@ -83,17 +86,18 @@ def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[t
     return tracker.peak
 
 
-def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, eval_batch: int, cfg: DictConfig,
+def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, eval_batch: int, optimizer: Any,
              example: Callable[[int], torch.Tensor], after_backward: Callable[[], None] | None = None) -> dict[str, int]:
     """Live meta bytes of ``module``: at set-up (module state), the peak of a training step after one
     warm-up step, and the peak of one evaluation forward; plus the persistent state after a step
-    (no ``trainable``: evaluation only). ``after_backward`` stands for the strategy's gradient sync."""
+    (no ``trainable``: evaluation only; ``optimizer``: the ``optim.optimizer`` node, built over ``trainable``).
+    ``after_backward`` stands for the strategy's gradient sync."""
 
     tracker = LiveTensorTracker(device_type="meta")
     with tracker, FusedAttention():
         tracker.label(list(module.parameters()) + list(module.buffers()), "parameters")
         setup = tracker.total
-        opt = build(cfg.optim.optimizer)(trainable) if trainable else None
+        opt = build(optimizer)(trainable) if trainable else None
         x = example(batch).to("meta")
         for step in range(2 if opt is not None else 0):
             if step == 1:
@@ -125,11 +129,11 @@ def _eval_batch(cfg: DictConfig, world: int) -> int:
     return min(int(cfg.train.eval_batch_size), per_rank)
 
 
-def predict_peaks(*, cfg: DictConfig, model: SDPModel, world: int, state: list[dict[str, Any]],
+def predict_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, state: list[dict[str, Any]],
                   spec: Any, prepared: Any = None) -> list[dict[str, int]] | None:
     """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` from ``spec``'s
     :meth:`~sdp.parallel.spec.StrategySpec.predict_peaks` (None: a strategy without a peak rehearsal:
     pipeline). ``state``: the planner's per-rank memory entries (the held parameter, gradient and
     optimizer bytes that FSDP's rule starts from); ``prepared``: what the driver built for the ranks."""
-    return spec.predict_peaks(cfg=cfg, model=model, world=world, batch=int(cfg.train.batch_size),
-                              eval_batch=_eval_batch(cfg, world), state=state, prepared=prepared)
+    return spec.predict_peaks(cfg=cfg.parallelism, job=job, model=model, eval_batch=_eval_batch(cfg, job.world_size),
+                              state=state, prepared=prepared)

@@ -9,7 +9,7 @@ same saved-tensor meter the trainer measures with. ``plan.output=<file>`` writes
 ``memory.per_rank`` and ``comm.per_rank`` keys of ``summary.json``, so prediction and measurement
 compare field by field (``tests/test_plan.py``), plus the facts the strategy adds (e.g. its unit
 plan, as in ``summary.json``), which it also prints (a spec's own ``format_facts``, where it has one). Both
-read what the driver built once for the ranks (:func:`sdp.driver.preflight.prepared`: SDP's plan), so the
+read what the driver built once for the ranks (the validation's :class:`sdp.driver.preflight.Preflight`: SDP's plan), so the
 prediction is of the very plan a run trains. This module names no strategy: adding one needs no edit here.
 """
 
@@ -24,13 +24,13 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from sdp.driver.config import validate
+from sdp.driver.config import validate, validate_strategy
+from sdp.driver.preflight import Preflight, meta_model
 from sdp.errors import positive_int, require
 from sdp.models.base import SDPModel
-from sdp.parallel import STRATEGIES, StrategySpec
+from sdp.parallel import STRATEGIES, Job, StrategySpec
 from sdp.planning.plan_entries import MIB, Entry, communicators
 from sdp.planning.plan_peaks import predict_peaks
-from sdp.driver.preflight import meta_model, prepared
 from sdp.driver.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
 from sdp.registry import build
 
@@ -40,17 +40,18 @@ COMM_NOTE = ("groups: process groups per rank, the default one included; NCCL co
              "assumption a GPU run calibrates (summary.json: cuda_device_used_bytes, process_groups); none on gloo")
 
 
-def predict(cfg: DictConfig) -> dict[str, Any]:
-    """Per-rank predicted memory and comm of ``cfg`` (validated first, as sdp-train does), made by the
-    strategy (:meth:`~sdp.parallel.spec.StrategySpec.predict`) from what the driver prepared for the ranks."""
-    validate(cfg)
-    name, world = str(cfg.parallelism.name), int(cfg.cluster.world_size)
-    spec, ready = STRATEGIES.get(name), prepared(cfg)  # SDP's plan: the one validation drew
+def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any]:
+    """Per-rank predicted memory and comm of ``cfg`` (validated first, as sdp-train does, unless ``built``
+    is that validation's result), made by the strategy (:meth:`~sdp.parallel.spec.StrategySpec.predict`) from
+    what the driver prepared for the ranks."""
+    built = built if built is not None else validate(cfg)
+    name, world, job = str(cfg.parallelism.name), int(cfg.cluster.world_size), built.job
+    spec, ready = STRATEGIES.get(name), built.prepared  # SDP's plan: the one validation drew
     with torch.device("meta"):
         model = build(cfg.model)  # a build of its own: a prediction may change it (activation checkpointing)
     facts: dict[str, Any] = {}  # strategy-specific facts for the plan (e.g. its unit plan)
-    entries = spec.predict(cfg=cfg, model=model, world=world, facts=facts, prepared=ready)
-    add_peaks(cfg=cfg, model=model, entries=entries, spec=spec, prepared=ready)
+    entries = spec.predict(cfg=cfg.parallelism, job=job, model=model, facts=facts, prepared=ready)
+    add_peaks(cfg=cfg, job=job, model=model, entries=entries, spec=spec, prepared=ready)
     per_group = cfg.cluster.comm_bytes_per_group  # read by sdp-plan only: checked here
     positive_int("cluster.comm_bytes_per_group", per_group, minimum=0)
     for (mem, _), comms in zip(entries, communicators(per_group=per_group, groups=facts.get("process_groups"), world=world)):
@@ -62,22 +63,26 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
             "notes": ["; ".join([BASE_NOTE, *notes])]}
 
 
-def add_peaks(*, cfg: DictConfig, model: SDPModel, entries: list[Entry], spec: type[StrategySpec], prepared: Any) -> None:
+def add_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, entries: list[Entry], spec: type[StrategySpec],
+              prepared: Any) -> None:
     """Add the predicted set-up, train and eval peaks (:mod:`sdp.planning.plan_peaks`) to each rank's memory entry."""
-    peaks = predict_peaks(cfg=cfg, model=model, world=len(entries), state=[m for m, _ in entries], spec=spec,
-                          prepared=prepared)
+    assert len(entries) == job.world_size, f"one entry per rank: {len(entries)} entries, world_size={job.world_size}"
+    peaks = predict_peaks(cfg=cfg, job=job, model=model, state=[m for m, _ in entries], spec=spec, prepared=prepared)
     for (mem, _), p in zip(entries, peaks or [{}] * len(entries)):
         mem.update(p)
 
 
-def frontier(cfg: DictConfig) -> dict[str, Any]:
+def frontier(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any]:
     """``plan.frontier=true``: the strategy's plan against every other; a question only SDP answers (its
-    spec's own ``plan_frontier``), refused for any other strategy."""
+    spec's own ``plan_frontier``), refused for any other strategy. ``built``: the validation's result; None
+    (a recorded run's config, read by a report) builds the model and the plan only, without the checks of
+    the data and the cluster (:func:`sdp.driver.config.validate_strategy`)."""
     spec = STRATEGIES.get(str(cfg.parallelism.name))
     own = getattr(spec, "plan_frontier", None)
     if own is None:
         raise ValueError(f"plan.frontier=true scores SDP with forward masking, got parallelism.name={spec.name!r}")
-    return own(cfg=cfg, model=meta_model(cfg), prepared=prepared(cfg))
+    built = built if built is not None else validate_strategy(cfg, model=meta_model(cfg))
+    return own(cfg=cfg.parallelism, job=built.job, model=built.model, prepared=built.prepared)
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -106,12 +111,13 @@ def plan_options(cfg: DictConfig) -> tuple[str | None, bool]:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     output, with_frontier = plan_options(cfg)
-    plan = predict(cfg)
+    built = validate(cfg)
+    plan = predict(cfg, built=built)
     print(format_plan(plan), flush=True)
     for line in getattr(STRATEGIES.get(plan["strategy"]), "format_facts", lambda _facts: [])(plan):
         print(line, flush=True)  # the strategy's own facts (SDP: its plan), where it has any
     if with_frontier:
-        plan["frontier"] = frontier(cfg)
+        plan["frontier"] = frontier(cfg, built=built)
         print(plan["frontier"].pop("text"), flush=True)
     if output:
         Path(str(output)).write_text(json.dumps(plan, indent=2))

@@ -35,7 +35,7 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.registry import build, import_plugins  # noqa: F401 (build re-exported: sdp.rank.worker.build is used widely)
-from sdp.parallel import STRATEGIES, DistContext, Strategy
+from sdp.parallel import STRATEGIES, DistContext, Job, Strategy
 from sdp.rank.trainer import Trainer
 
 def resolve_device(cluster: DictConfig, local_rank: int) -> tuple[torch.device, str]:
@@ -134,7 +134,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         peak.ignore(dataset_tensors(data))  # the in-memory dataset is not the strategy's memory
         peak.start()  # the set-up peak: model build, masking, wrapping, optimizer
         spec = STRATEGIES.get(str(cfg.parallelism.name))
-        strategy: Strategy = spec.runtime(cfg=cfg.parallelism, full_cfg=cfg, ctx=ctx, prepared=prepared)
+        strategy: Strategy = spec.runtime(cfg=cfg.parallelism, job=Job.of(cfg), ctx=ctx, prepared=prepared)
         model = build_model(cfg, data, meta=strategy.materialises_held)
         rng.seed_rank_streams(int(cfg.seed) * 7919 + rank + 1)  # per-rank streams (dropout, stochastic depth)
         strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
@@ -230,7 +230,8 @@ def collect_summary(
     return Summary(
         strategy=str(cfg.parallelism.name),
         # label, coverage: the report's method and C columns (SDP's k / n: the plan the ranks ran)
-        **STRATEGIES.get(str(cfg.parallelism.name)).report_facts(cfg=cfg, prepared=strategy.prepared),
+        **STRATEGIES.get(str(cfg.parallelism.name)).report_facts(cfg=cfg.parallelism, world_size=ctx.world_size,
+                                                                 prepared=strategy.prepared),
         model=str(cfg.model.get("name", "")),
         dataset=str(cfg.dataset.get("name", "")),
         world_size=ctx.world_size,

@@ -52,7 +52,8 @@ def method_facts(run: Run) -> tuple[str, dict[str, Any] | None]:
     name = str(run.flat.get("parallelism.name"))
     if name not in STRATEGIES:
         return name, None
-    facts = STRATEGIES.get(name).report_facts(cfg=OmegaConf.create(run.config))
+    cfg = OmegaConf.create(run.config)
+    facts = STRATEGIES.get(name).report_facts(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size))
     return facts["label"], facts["coverage"]
 
 

@@ -1,0 +1,41 @@
+"""The facts of a job a strategy may read besides its own ``parallelism`` node.
+
+Both halves of a strategy receive them (the driver's :class:`~sdp.parallel.spec.StrategySpec` and the ranks'
+:class:`~sdp.parallel.base.Strategy`), so they live in a leaf module both import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass(frozen=True)
+class Job:
+    """The facts of the job a strategy may read besides its own ``parallelism`` node, read from the composed
+    config once by the driver (and by each rank from the config the driver wrote) with :meth:`of`.
+
+    Why a short list rather than the config: a strategy that read any key of the job would depend on keys
+    no one could see from its signature (SDP's rescale rule on ``eval.bn``, the pipeline's cut on the batch);
+    here every such dependency is a field. The defaults are those of a job that sets nothing (tests build
+    a ``Job`` directly)."""
+
+    world_size: int = 1  # cluster.world_size
+    batch_size: int = 1  # train.batch_size: the per-rank batch
+    seed: int = 0  # seed: the job's seed (a strategy's own random draws derive from it)
+    precision: str = "fp32"  # train.precision
+    eval_bn: str = "reestimate"  # eval.bn: how evaluation treats BatchNorm statistics
+    model_name: str = ""  # model.name, for messages and plan titles
+    optimizer: Any = None  # the optim.optimizer node (sdp-plan: optimizer state bytes and rehearsal)
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> Job:
+        """The facts of the whole job config ``cfg``. ``train.precision`` and ``eval.bn`` keep the defaults
+        in a run's recorded config written before those keys existed (reports read such runs)."""
+        sel = lambda key, default: OmegaConf.select(cfg, key, default=default)  # noqa: E731
+        return cls(world_size=int(cfg.cluster.world_size), batch_size=int(cfg.train.batch_size),
+                   seed=int(sel("seed", cls.seed)), precision=str(sel("train.precision", cls.precision)),
+                   eval_bn=str(sel("eval.bn", cls.eval_bn)), model_name=str(sel("model.name", "") or ""),
+                   optimizer=sel("optim.optimizer", None))
