@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from sdp.rank.evaluation import calibration_steps
-from sdp.rank.trainer import eval_fractions
+from sdp.rank.schedule import eval_fractions
 
 TINY_RESNET = ["model=resnet18_cifar", "model.width=4", "dataset=digits", "dataset.image_size=8", "train.batch_size=8",
                "train.steps=3", "train.warmup_steps=0", "train.eval_every=0", "optim=sgd"]

@@ -50,6 +50,16 @@ def test_stop_reports_the_step_and_rank() -> None:
     lin, opt, guard = setup("stop")
     _, problem = guard.check(step=3, result=one_step(lin, opt, poison=True))
     assert problem is not None and problem.startswith("step 3: non-finite loss on rank(s) [0]") and "stops" in problem
+    with pytest.raises(guards.NonFiniteError, match=r"^step 3: non-finite .* \(rank 0 reporting\)$"):
+        guard.stop_if(problem=problem)
+    guard.stop_if(problem=None)  # a clean step goes on
+
+
+def test_skip_never_stops_the_run() -> None:
+    lin, opt, guard = setup("skip")
+    _, problem = guard.check(step=2, result=one_step(lin, opt, poison=True))
+    assert problem is not None, "the poisoned step is flagged"
+    guard.stop_if(problem=problem)  # under skip the run goes on: no raise
 
 
 def test_errors_inside_a_step_name_step_rank_and_timeout() -> None:

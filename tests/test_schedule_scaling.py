@@ -22,7 +22,7 @@ from sdp.rank import checkpoint, checkpoint_resume
 from sdp.driver.rerun import rerun_argv
 from sdp.results.contract import scrub
 from sdp.driver.sweep import first_difference
-from sdp.rank.trainer import eval_steps, lr_lambda
+from sdp.rank.schedule import eval_steps, lr_lambda
 from tests.helpers import REPO, compose, run_job
 
 # The measurement of the issue: digits, 4 ranks, 24 DDP steps with 6 warm-up steps (the default model is

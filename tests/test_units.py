@@ -11,7 +11,7 @@ from sdp.data.base import GlobalBatchSampler
 from sdp.metrics.comm import CommCounter, wire_bytes
 from sdp.registry import Registry
 from sdp.results.contract import scrub
-from sdp.rank.trainer import lr_lambda
+from sdp.rank.schedule import lr_lambda
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 4, 8])
@@ -101,7 +101,7 @@ def test_rank_failure_survives_pickling():
 
 def test_eval_points_place_evaluations_at_the_same_budget_fractions() -> None:
     """A FLOP-matched run with 4x the steps is evaluated at the same fractions of its budget, not 4x as often."""
-    from sdp.rank.trainer import eval_steps
+    from sdp.rank.schedule import eval_steps
 
     assert eval_steps(steps=1000, eval_every=0, eval_points=5) == {200, 400, 600, 800, 1000}
     assert eval_steps(steps=4000, eval_every=100, eval_points=5) == {800, 1600, 2400, 3200, 4000}

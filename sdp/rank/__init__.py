@@ -1,7 +1,8 @@
 """Rank side, the second stage of a run's data flow: what each rank runs once launched.
 
 :mod:`sdp.rank.worker` joins the process group and builds data, model and strategy; :mod:`sdp.rank.trainer`
-is the strategy-agnostic loop, with the evaluation protocol (``evaluation``, ``eval_*``), checkpoints and
-resume (``checkpoint*``), per-step guards, compute precision, RNG streams, host memory and fault injection
-around it. It receives the config the driver (:mod:`sdp.driver`) validated and writes through :mod:`sdp.results`.
+is the strategy-agnostic loop, with its clock (``schedule``: the LR, when to log, evaluate and checkpoint),
+the evaluation protocol (``evaluation``, ``eval_*``), checkpoints and resume (``checkpoint*``), per-step
+guards, compute precision, RNG streams, host memory and fault injection around it. It receives the config
+the driver (:mod:`sdp.driver`) validated and writes through :mod:`sdp.results`.
 """

@@ -43,7 +43,7 @@ from sdp.results.rundir import CHECKPOINT_PREFIX as PREFIX, RunDir, checkpoint_m
 # What a resume must share with the checkpoint it continues, each with why: recorded in meta.json
 # (resume_key) and compared by the driver before any rank starts (sdp.rank.checkpoint_resume.check_resume), which
 # names the first key that differs. A node (model, optim.optimizer) stands for every key under it.
-_SCHEDULE = "the LR schedule depends on it (sdp.rank.trainer.lr_lambda over the resolved train.steps, which the budget sets)"
+_SCHEDULE = "the LR schedule depends on it (sdp.rank.schedule.lr_lambda over the resolved train.steps, which the budget sets)"
 RESUME_KEYS: dict[str, str] = {
     **dict.fromkeys(("train.steps", "train.budget", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio",
                      "optim.optimizer.lr"), _SCHEDULE),

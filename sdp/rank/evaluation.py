@@ -85,7 +85,7 @@ def protocol(cfg: DictConfig) -> dict[str, Any]:
 def calibration_steps(*, fraction: Fraction, reference_steps: int, count: int) -> range:
     """The training steps whose global batches calibrate BatchNorm at an evaluation point ``fraction``
     of the way through the budget: the ``count`` steps ending at ``fraction`` x ``reference_steps``
-    (rounded up: DDP's own evaluation step, :func:`sdp.rank.trainer.eval_fractions`), fewer near the start.
+    (rounded up: DDP's own evaluation step, :func:`sdp.rank.schedule.eval_fractions`), fewer near the start.
     A function of the fraction alone, so every strategy calibrates on the same samples there."""
     stop = math.ceil(fraction * reference_steps)
     assert 0 < fraction <= 1 and stop >= 1, \

@@ -109,6 +109,12 @@ class NumericsGuard:
             action = "update skipped (train.nan_policy=skip)" if skipped else "loss only, update kept (train.nan_policy=skip)"
         return loss, f"step {step}: {' and '.join(parts)}; {action}"
 
+    def stop_if(self, *, problem: str | None) -> None:
+        """Under ``stop``, end the run at a step :meth:`check` flagged; called after that step's metrics row
+        is written, so the run's last row shows the problem. Every rank raises alike (the check is global)."""
+        if problem and self.policy == "stop":
+            raise NonFiniteError(f"{problem} (rank {self.ctx.rank} reporting)")
+
 
 PEER_LOST = "a peer rank went away mid-collective"  # marks a failure that is a consequence, not the cause
 PEER_LOST_GRACE_S = 3.0  # how long such a rank waits before failing, so the cause is reported first

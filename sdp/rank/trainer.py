@@ -8,10 +8,8 @@ schedule, logging, evaluation of the full model on the sharded validation set, a
 
 from __future__ import annotations
 
-import math
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
-from fractions import Fraction
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -22,12 +20,13 @@ from omegaconf import DictConfig
 from sdp.rank import checkpoint, evaluation, guards, hostmem
 from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches
 from sdp.rank.faults import Faults
+from sdp.rank.schedule import Cadence, lr_lambda
 from sdp.results.loggers import Logger, ProgressBar
 from sdp.rank.loss import loss_fn  # noqa: F401 (re-exported: sdp.rank.trainer.loss_fn is used widely)
 from sdp.metrics.activations import measure_saved_tensors
 from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
-from sdp.parallel.base import Strategy
+from sdp.parallel.base import StepResult, Strategy
 
 
 def global_batch_size(cfg: DictConfig) -> int:
@@ -35,60 +34,16 @@ def global_batch_size(cfg: DictConfig) -> int:
     return int(cfg.train.batch_size) * int(cfg.cluster.world_size)
 
 
-def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """Multiplier on the base LR at each step: linear warm-up then constant, cosine or linear decay."""
-    allowed = ("constant", "cosine", "linear")
-    if schedule not in allowed:
-        raise ValueError(f"optim.schedule={schedule!r} not in {allowed}")
+@dataclass(frozen=True)
+class StepDone:
+    """What a finished step leaves for the decisions after it: its metrics row's figures and the guard's
+    verdict (``problem``: None, or the message naming the step and the ranks that saw a non-finite value)."""
 
-    def f(step: int) -> float:
-        if warmup_steps > 0 and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(max(step - warmup_steps, 0) / max(total_steps - warmup_steps, 1), 1.0)
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-        return min_lr_ratio + (1 - min_lr_ratio) * decay
-
-    return f
-
-
-def eval_fractions(*, steps: int, eval_every: int, eval_points: int | None,
-                   cadence: Fraction | None = None) -> dict[int, Fraction]:
-    """The 1-based steps after which the model is evaluated (always including the last), each with its
-    fraction of the run's budget (what picks the BatchNorm calibration set, :func:`sdp.rank.evaluation.calibration_steps`).
-
-    ``eval_points`` (when set) places that many evaluations evenly over the run's *resolved* step count, so
-    every method of a budget-matched sweep is evaluated at the same fractions of its budget (a FLOP-matched
-    SDP run at C = 0.25 runs 4x DDP's steps; a fixed ``eval_every`` would evaluate it 4x as often and cost
-    it 4x the evaluation time): point i of N is fraction i / N. Otherwise every ``eval_every`` steps (0:
-    only at the end), the k-th at fraction k x ``cadence`` (default ``eval_every / steps``; under a FLOP
-    budget DDP's cadence, :func:`budget_clock`: the budget scales ``eval_every`` up to whole steps, and
-    the k-th evaluation stands for DDP's k-th), the last at 1."""
-    if eval_points is not None:
-        points = min(int(eval_points), steps)
-        return {-(-i * steps // points): Fraction(i, points) for i in range(1, points + 1)}
-    per = cadence if cadence is not None else Fraction(eval_every, steps)
-    every = range(eval_every, steps + 1, eval_every) if eval_every > 0 else range(0)
-    return {**{s: min(k * per, Fraction(1)) for k, s in enumerate(every, start=1)}, steps: Fraction(1)}
-
-
-def eval_steps(*, steps: int, eval_every: int, eval_points: int | None) -> frozenset[int]:
-    """The 1-based steps after which the model is evaluated (:func:`eval_fractions`)."""
-    return frozenset(eval_fractions(steps=steps, eval_every=eval_every, eval_points=eval_points))
-
-
-def budget_clock(*, budget: dict[str, Any] | None, steps: int) -> tuple[int, Fraction | None]:
-    """(reference steps, cadence) that place an evaluation within the budget for calibration: under
-    ``train.budget=flops``, where methods run different step counts, DDP's step count (the budget's
-    ``base_steps``) and, where the budget scaled ``train.eval_every``, DDP's cadence as a fraction of it;
-    otherwise the run's own steps (every method runs the same) and None. ``budget``: the driver's
-    resolution (:mod:`sdp.planning.budget`)."""
-    if budget is None or budget.get("budget") != "flops":
-        return steps, None
-    base = int(budget["base_steps"])
-    every = ((budget.get("schedule") or {}).get("train.eval_every") or {}).get("base")
-    return base, Fraction(int(every), base) if every else None
+    n: int
+    loss: float
+    lr: float
+    step_s: float
+    problem: str | None
 
 
 @dataclass
@@ -138,9 +93,7 @@ class Trainer:
             ),
         )
         self.state = TrainState()
-        self.reference_steps, cadence = budget_clock(budget=budget, steps=int(tc.steps))  # budget: the driver's
-        self.eval_at = eval_fractions(steps=int(tc.steps), eval_every=int(tc.eval_every), eval_points=tc.get("eval_points"),
-                                      cadence=cadence)
+        self.cadence = Cadence.of(train=tc, budget=budget)  # budget: the driver's
         self.run_dir = run_dir
         self.peak = peak
         self.activation_bytes: int | None = None  # saved for backward in the first measured step
@@ -160,17 +113,16 @@ class Trainer:
 
     # ---- loop -----------------------------------------------------------------------------------
     def fit(self) -> TrainState:
+        """Steps from ``state.step`` (0, or the resumed step) to ``train.steps``. Each step reads as what
+        happens in it, in order; whether to log, evaluate or checkpoint after it is :class:`Cadence`'s call,
+        whether to stop the guard's, whether a fault fires the :class:`Faults`'."""
         tc = self.cfg.train
-        steps, warmup = int(tc.steps), int(tc.warmup_steps)
-        log_every = int(tc.log_every)
-        eval_at = self.eval_at
+        steps, warmup = self.cadence.steps, int(tc.warmup_steps)
         bar = ProgressBar(total=steps, enabled=self.ctx.rank == 0 and bool(self.cfg.logger.progress))
         batches = train_batches(
             self.data, sampler=self.sampler, start=self.state.step, stop=steps,
             replica=self.replica, replicas=self.replicas, num_workers=int(tc.num_workers),
         )
-        comm = self.ctx.comm
-        ckpt_every = int(tc.checkpoint_every)
         if self.ctx.device.type == "cpu":
             hostmem.retain_freed_memory()  # steps reuse freed activation pages instead of faulting them in anew
         if self.peak is not None:
@@ -180,41 +132,62 @@ class Trainer:
                 n = step + 1  # 1-based, as in metrics rows, messages and train.debug.fault_step
                 self.faults.before_step(n)
                 with guards.naming_step(step=n, rank=self.ctx.rank, timeout_s=float(self.cfg.cluster.timeout_s)):
-                    comm.measuring = step >= warmup
+                    self.ctx.comm.measuring = step >= warmup
                     self.timer.start_step()
-                    with self.timer.phase("data"):
-                        inputs, targets = next(batches)
-                        inputs = inputs.to(self.ctx.device, non_blocking=True)
-                        targets = targets.to(self.ctx.device, non_blocking=True)
+                    inputs, targets = self._batch(batches=batches)
                     result = self._step(inputs=inputs, targets=targets, loss=self.faults.loss_fn(loss_fn, n), step=step,
                                         measured=step == max(warmup, self.state.step))
-                    lr = self.scheduler.get_last_lr()[0]
-                    self.scheduler.step()
-                    step_s = self.timer.end_step()
-                    comm.end_step()
-                    # Mean loss over the global batch + numerics check: one all-reduce, measurement traffic.
-                    loss, problem = self.guard.check(step=n, result=result)
-                    self.state.step = n
-                    self.state.samples_seen += self.global_batch
-                    self.state.skipped_steps = self.guard.skipped_steps
-                    if n % log_every == 0 or n == steps or problem:
-                        self.state.last_loss = loss
-                        row = {"step": n, "loss": loss, "lr": lr, "samples_per_s": self.global_batch / step_s, "step_s": step_s}
-                        self.logger.log({**row, "nonfinite": problem} if problem else row)
-                        bar.update(n, loss=loss, samples_per_s=self.global_batch / step_s)
-                    if problem and self.guard.policy == "stop":
-                        raise guards.NonFiniteError(f"{problem} (rank {self.ctx.rank} reporting)")
-                    if n in eval_at:
-                        with self.peak.phase("eval") if self.peak is not None else nullcontext():
+                    done = self._account(n=n, result=result)
+                    if self.cadence.logs(n, problem=done.problem):
+                        self._log(done=done, bar=bar)
+                    self.guard.stop_if(problem=done.problem)
+                    if self.cadence.evaluates(n):
+                        with self._memory_phase("eval"):
                             self.evaluate()
-                    if self.run_dir is not None and ckpt_every > 0 and (n % ckpt_every == 0 or n == steps):
-                        checkpoint.save(run_dir=self.run_dir, step=n, strategy=self.strategy, scheduler=self.scheduler,
-                                        train_state=asdict(self.state), data_key=self.data_key(),
-                                        keep=int(tc.checkpoint_keep), resume_key=checkpoint.resume_key(self.cfg),
-                                        timeout_s=float(checkpoint.io_timeout_s(self.cfg)))
+                    if self.run_dir is not None and self.cadence.checkpoints(n):
+                        self._checkpoint(run_dir=self.run_dir)
         finally:
             bar.close()
         return self.state
+
+    def _batch(self, *, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's (inputs, targets) on this rank's device, timed as the ``data`` phase."""
+        with self.timer.phase("data"):
+            inputs, targets = next(batches)
+            return inputs.to(self.ctx.device, non_blocking=True), targets.to(self.ctx.device, non_blocking=True)
+
+    def _account(self, *, n: int, result: StepResult) -> StepDone:
+        """Closes step ``n``: LR schedule, step timer, comm window, the guard's global loss and numerics check
+        (one all-reduce, measurement traffic), then the state a checkpoint saves."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        step_s = self.timer.end_step()
+        self.ctx.comm.end_step()
+        loss, problem = self.guard.check(step=n, result=result)
+        self.state.step = n
+        self.state.samples_seen += self.global_batch
+        self.state.skipped_steps = self.guard.skipped_steps
+        return StepDone(n=n, loss=loss, lr=lr, step_s=step_s, problem=problem)
+
+    def _log(self, *, done: StepDone, bar: ProgressBar) -> None:
+        """Step ``done.n``'s metrics row (with ``nonfinite`` where the guard flagged it) and the progress bar."""
+        self.state.last_loss = done.loss
+        row = {"step": done.n, "loss": done.loss, "lr": done.lr, "samples_per_s": self.global_batch / done.step_s,
+               "step_s": done.step_s}
+        self.logger.log({**row, "nonfinite": done.problem} if done.problem else row)
+        bar.update(done.n, loss=done.loss, samples_per_s=self.global_batch / done.step_s)
+
+    def _memory_phase(self, name: str) -> AbstractContextManager[None]:
+        """The peak tracker's phase ``name`` around a block (nothing without a tracker)."""
+        return self.peak.phase(name) if self.peak is not None else nullcontext()
+
+    def _checkpoint(self, *, run_dir: Path) -> None:
+        """The state after ``state.step`` under ``run_dir``; what it holds and keeps is
+        :func:`sdp.rank.checkpoint.save`'s call."""
+        tc = self.cfg.train
+        checkpoint.save(run_dir=run_dir, step=self.state.step, strategy=self.strategy, scheduler=self.scheduler,
+                        train_state=asdict(self.state), data_key=self.data_key(), keep=int(tc.checkpoint_keep),
+                        resume_key=checkpoint.resume_key(self.cfg), timeout_s=float(checkpoint.io_timeout_s(self.cfg)))
 
     def _step(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss: Any, step: int, measured: bool) -> Any:
         """One strategy step; the first measured step also counts the bytes saved for backward (one
@@ -239,9 +212,8 @@ class Trainer:
         the budget, the same samples for every strategy. One callable per replica shard (this rank's
         replica, or ``every_replica``: all of them, in replica order), each regenerating the shard's
         inputs from the step-indexed sampler: nothing is cached, and a resumed run calibrates alike."""
-        step = self.state.step
-        fraction = self.eval_at.get(step, Fraction(step, int(self.cfg.train.steps)))
-        steps = evaluation.calibration_steps(fraction=fraction, reference_steps=self.reference_steps,
+        steps = evaluation.calibration_steps(fraction=self.cadence.fraction(self.state.step),
+                                             reference_steps=self.cadence.reference_steps,
                                              count=int(self.cfg.eval.bn_batches))
         return [partial(self._inputs, steps=steps, replica=r)
                 for r in (range(self.replicas) if every_replica else (self.replica,))]
