@@ -103,3 +103,23 @@ def test_a_nonfinite_step_is_logged_then_stops_the_run_before_its_checkpoint(mon
     assert events == [("save", 2, 2), ("log", 4, True), ("evaluate", 4, "eval"), ("save", 4, 4), ("log", 5, False),
                       ("log", 6, False), ("evaluate", 6, "eval"), ("save", 6, 6)], events
     assert state.skipped_steps == 1, state
+
+
+def test_activations_are_counted_in_the_first_measured_step_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The saved-tensor meter wraps one step, the first after ``train.warmup_steps`` (its hooks would otherwise
+    run inside every timed step); ``activation_bytes`` is that step's."""
+    from sdp.rank import trainer as trainer_module
+
+    metered: list[int] = []
+    real = trainer_module.measure_saved_tensors
+
+    @contextmanager
+    def counted(**kw: Any) -> Iterator[Any]:
+        with real(**kw) as meter:
+            yield meter
+        metered.append(meter.bytes)
+
+    monkeypatch.setattr(trainer_module, "measure_saved_tensors", counted)
+    fit(["train.steps=6", "train.warmup_steps=2", "train.eval_every=0", "train.checkpoint_every=0"],
+        monkeypatch=monkeypatch, tmp_path=tmp_path)
+    assert len(metered) == 1 and metered[0] > 0, f"the meter wrapped {len(metered)} steps (bytes {metered}), want 1"

@@ -127,6 +127,7 @@ class Trainer:
             hostmem.retain_freed_memory()  # steps reuse freed activation pages instead of faulting them in anew
         if self.peak is not None:
             self.peak.set_phase("warmup")  # the set-up peak ends where the first step begins
+        first_measured = max(warmup, self.state.step)  # counts activations, starts the train peak (``_step``)
         try:
             for step in range(self.state.step, steps):
                 n = step + 1  # 1-based, as in metrics rows, messages and train.debug.fault_step
@@ -136,7 +137,7 @@ class Trainer:
                     self.timer.start_step()
                     inputs, targets = self._batch(batches=batches)
                     result = self._step(inputs=inputs, targets=targets, loss=self.faults.loss_fn(loss_fn, n), step=step,
-                                        measured=step == max(warmup, self.state.step))
+                                        measured=step == first_measured)
                     done = self._account(n=n, result=result)
                     if self.cadence.logs(n, problem=done.problem):
                         self._log(done=done, bar=bar)
