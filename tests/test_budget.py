@@ -197,8 +197,12 @@ def test_linear_decay_counts_its_mean_survival():
 
 
 def test_bad_survival_prob_names_the_key():
-    with pytest.raises(ConfigError, match="parallelism.survival_prob"):
-        resolve_steps(compose_with("parallelism=ddp_layerdrop", "parallelism.survival_prob=0", "train.budget=flops"))
+    """p = 0 would leave a FLOP budget nothing to divide by: its schema's range refuses it in the driver (run before
+    the budget is resolved), naming key, value and range."""
+    from sdp.driver.config import validate
+
+    with pytest.raises(ConfigError, match=r"parallelism.survival_prob=0 is invalid: must be a number in \(0, 1\]"):
+        validate(compose_with("parallelism=ddp_layerdrop", "parallelism.survival_prob=0", "train.budget=flops"))
 
 
 def test_scale_cpu_shrinks_resnet_and_command_line_still_wins():

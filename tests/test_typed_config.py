@@ -76,6 +76,39 @@ def test_a_wrong_choice_or_range_is_refused_by_the_parse(override: str, expect: 
     assert str(info.value) == expect, str(info.value)
 
 
+@pytest.mark.parametrize("preset, change, expect", [
+    ("sdp", {"groups": 0}, "parallelism.groups=0 is invalid: must be an integer >= 1"),
+    ("sdp", {"groups": "many"}, "parallelism.groups is invalid: Value 'many' of type 'str' could not be converted to Integer"),
+    ("sdp", {"resample_every": 0}, "parallelism.resample_every=0 is invalid: must be null or an integer >= 1"),
+    ("sdp", {"balance": {"params": 1, "flops": -1, "activations": 1}}, "parallelism.balance.flops=-1 is invalid: must be a number >= 0"),
+    ("ddp_ac", {"ac_every": 0}, "parallelism.ac_every=0 is invalid: must be an integer >= 1"),
+    ("ddp_layerdrop", {"decay": "linear"}, "parallelism.decay='linear' is invalid: allowed: uniform"),
+    ("ddp_stochastic_depth", {"survival_prob": 0}, "parallelism.survival_prob=0 is invalid: must be a number in (0, 1]"),
+    ("fsdp", {"reshard_after_forward": "maybe"},
+     "parallelism.reshard_after_forward is invalid: Value 'maybe' is not a valid bool (type str)"),
+    ("pipeline", {"schedule": "zb"}, "parallelism.schedule='zb' is invalid: allowed: gpipe, 1f1b, interleaved_1f1b"),
+], ids=["sdp-range", "sdp-type", "sdp-optional", "sdp-nested", "ddp_ac", "layerdrop", "stochastic_depth", "fsdp", "pipeline"])
+def test_an_untyped_preset_under_a_package_strategy_is_held_to_its_schema(
+        monkeypatch: pytest.MonkeyPatch, preset: str, change: dict, expect: str) -> None:
+    """A plugin's own YAML that extends no schema (docs/strategies.md), under a package strategy's spec: the parse
+    leaves it untyped (no schema has its name), and the strategy's ``validate`` holds the keys it shares with the
+    package's preset to the same dataclass (sdp.driver.fields.conform); its own keys are its strategy's."""
+    from sdp.driver.config import validate
+    from sdp.parallel import STRATEGIES
+
+    plugin = type("UntypedPlugin", (STRATEGIES.get(preset),), {"name": "untyped_plugin_test"})
+    monkeypatch.setitem(STRATEGIES._items, plugin.name, plugin)
+    cfg = compose_config("experiment=smoke", "model=mlp", f"parallelism={preset}")
+    node = {**OmegaConf.to_container(cfg.parallelism), "name": plugin.name, "own_key": 1}
+    cfg.parallelism = OmegaConf.create(node)
+    assert OmegaConf.get_type(cfg.parallelism) is dict and parse(cfg).parallelism is None, "the parse must leave it untyped"
+    validate(cfg)  # the package preset's values and a key of its own: valid
+    cfg.parallelism = OmegaConf.create({**node, **change})
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert str(info.value) == expect, str(info.value)
+
+
 def test_a_preset_of_another_family_refuses_keys_it_lacks() -> None:
     with pytest.raises(ConfigCompositionException, match="coverage"):
         compose_config("parallelism=ddp", "parallelism.coverage=0.5")

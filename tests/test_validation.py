@@ -4,7 +4,8 @@ message naming the key, the value and what is allowed. Rows run through Hydra's 
 type is refused by Hydra itself while composing (the typed schema, sdp/driver/schema.py); a wrong
 choice or range by the driver's parse of that schema (sdp/driver/typed.py).
 
-Strategy rows use the keys of ``conf/parallelism/*.yaml`` and each strategy's ``validate`` classmethod.
+Strategy rows use the keys of ``conf/parallelism/*.yaml``: one key's rule is its schema's, a rule of several keys
+(or of the world) its strategy's ``validate`` classmethod's.
 """
 
 from __future__ import annotations
@@ -114,6 +115,45 @@ CATALOGUE = [
         ["parallelism.replicate", "3"]),
     Bad("sdp-neuron-without-hidden-dims", ["parallelism=sdp_neuron_fwd", "model._target_=tests.opaque.OpaqueMLP"],
         ["parallelism.level='neuron'", "OpaqueMLP", "declares hidden dims", "allowed: block"]),
+    # One key's own rule in a parallelism preset: its schema's (sdp/driver/schema_parallel.py), refused by the parse
+    # (a choice or range) or by Hydra while composing (a type); each strategy's validate keeps the rules of several keys.
+    Bad("sdp-level-unknown", ["parallelism=sdp", "parallelism.level=layer"], ["parallelism.level='layer'", "allowed: block, neuron"]),
+    Bad("sdp-masking-unknown", ["parallelism=sdp", "parallelism.masking=sideways"], ["parallelism.masking='sideways'", "allowed: forward, backward"]),
+    Bad("sdp-assignment-unknown", ["parallelism=sdp", "parallelism.assignment=greedy"],
+        ["parallelism.assignment='greedy'", "allowed: cyclic, random, balanced"]),
+    Bad("sdp-groups-zero", ["parallelism=sdp", "parallelism.groups=0"], ["parallelism.groups=0", "integer >= 1"]),
+    Bad("sdp-groups-not-int", ["parallelism=sdp", "parallelism.groups=2.5"], ["2.5", "full_key: parallelism.groups", "Integer"]),
+    Bad("sdp-resample-every-zero", ["parallelism=sdp", "parallelism.resample_every=0"],
+        ["parallelism.resample_every=0", "must be null or an integer >= 1"]),
+    Bad("sdp-refresh-unknown", ["parallelism=sdp", "parallelism.refresh=all"], ["parallelism.refresh='all'", "allowed: holders, global"]),
+    Bad("sdp-rescale-unknown", ["parallelism=sdp", "parallelism.rescale=always"],
+        ["parallelism.rescale='always'", "allowed: auto, none, eval, train"]),
+    Bad("sdp-drop-downsample-not-bool", ["parallelism=sdp", "parallelism.drop_downsample=maybe"],
+        ["maybe", "full_key: parallelism.drop_downsample", "not a valid bool"]),
+    Bad("sdp-bucket-cap-zero", ["parallelism=sdp", "parallelism.bucket_cap_mb=0"], ["parallelism.bucket_cap_mb=0", "number > 0"]),
+    Bad("sdp-overlap-not-bool", ["parallelism=sdp", "parallelism.overlap=maybe"], ["maybe", "full_key: parallelism.overlap", "not a valid bool"]),
+    Bad("sdp-plan-seed-negative", ["parallelism=sdp", "parallelism.plan_seed=-1"], ["parallelism.plan_seed=-1", "integer >= 0"]),
+    Bad("sdp-max-holder-sets-zero", ["parallelism=sdp", "parallelism.max_holder_sets=0"],
+        ["parallelism.max_holder_sets=0", "must be null or an integer >= 1"]),
+    Bad("ddp-ac-every-zero", ["parallelism=ddp_ac", "parallelism.ac_every=0"], ["parallelism.ac_every=0", "integer >= 1"]),
+    Bad("layerdrop-p-zero", ["parallelism=ddp_layerdrop", "parallelism.survival_prob=0"],
+        ["parallelism.survival_prob=0", "number in (0, 1]"]),
+    Bad("stochdepth-p-above-one", ["parallelism=ddp_stochastic_depth", "parallelism.survival_prob=1.5"],
+        ["parallelism.survival_prob=1.5", "number in (0, 1]"]),
+    Bad("layerdrop-linear-decay", ["parallelism=ddp_layerdrop", "parallelism.decay=linear"], ["parallelism.decay='linear'", "allowed: uniform"]),
+    Bad("stochdepth-decay-unknown", ["parallelism=ddp_stochastic_depth", "parallelism.decay=exp"],
+        ["parallelism.decay='exp'", "allowed: uniform, linear"]),
+    Bad("drop-rescale-not-bool", ["parallelism=ddp_layerdrop", "parallelism.rescale=maybe"],
+        ["maybe", "full_key: parallelism.rescale", "not a valid bool"]),
+    Bad("fsdp-replicate-zero", ["parallelism=fsdp", "parallelism.replicate=0"], ["parallelism.replicate=0", "integer >= 1"]),
+    Bad("fsdp-reshard-not-bool", ["parallelism=fsdp", "parallelism.reshard_after_forward=maybe"],
+        ["maybe", "full_key: parallelism.reshard_after_forward", "not a valid bool"]),
+    Bad("pipeline-schedule-unknown", ["parallelism=pipeline", "parallelism.schedule=zb"],
+        ["parallelism.schedule='zb'", "allowed: gpipe, 1f1b, interleaved_1f1b"]),
+    Bad("pipeline-dp-zero", ["parallelism=pipeline", "parallelism.dp=0"], ["parallelism.dp=0", "integer >= 1"]),
+    Bad("pipeline-stages-per-rank-zero", ["parallelism=pipeline", "parallelism.stages_per_rank=0"],
+        ["parallelism.stages_per_rank=0", "integer >= 1"]),
+    Bad("pipeline-microbatches-zero", ["parallelism=pipeline", "parallelism.microbatches=0"], ["parallelism.microbatches=0", "integer >= 1"]),
     # On a machine with a GPU this is a valid config: the row runs where it can fail.
     Bad("cuda-without-gpu", ["cluster.device=cuda"], ["cluster.device='cuda'", "no CUDA device"], marks=(run_if(no_cuda=True),)),
 ]

@@ -6,7 +6,9 @@ would change how a value prints (``config.yaml`` and ``--cfg job`` must not chan
 numeric field's range, sit in the field's metadata; :func:`check` walks every field of a typed node
 once and refuses a value outside them with the message every check in ``sdp`` uses (key, value, what
 is allowed). Types (int, float, bool, ``Optional``) are OmegaConf's own: ``train.steps=abc`` never
-gets here, it is refused while Hydra composes the config.
+gets here, it is refused while Hydra composes the config. :func:`conform` is the same check for a node
+whether or not a schema typed it: what a strategy's ``validate`` runs on its ``parallelism`` node, so a
+plugin's own untyped YAML under a package strategy is held to the very same fields.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import typing
 from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from sdp.errors import fail
+from sdp.errors import ConfigError, fail
 
 MISSING = "???"  # omegaconf.MISSING: the value comes from the YAML preset (conf/), never from the schema
 
@@ -32,18 +35,20 @@ def key(*, choices: Iterable[str] | None = None, at_least: float | None = None, 
     return dataclasses.field(default=MISSING, metadata=meta)
 
 
-def allowed(*, meta: dict[str, Any], integer: bool) -> str:
-    """What a field's metadata allows, in the words of :mod:`sdp.errors`' helpers."""
+def allowed(*, meta: dict[str, Any], integer: bool, optional: bool = False) -> str:
+    """What a field's metadata allows, in the words of :mod:`sdp.errors`' helpers (``optional``: null as well)."""
     if meta.get("choices") is not None:
-        return f"allowed: {', '.join(map(str, meta['choices']))}"
+        return f"allowed: {', '.join(['null'] * optional + [str(c) for c in meta['choices']])}"
     lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("at_most")
     if integer and lo is not None:
-        return f"must be an integer >= {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
-    if above is not None and hi is not None:
-        return f"must be a number in ({above:g}, {hi:g}]"
-    if above is not None:
-        return f"must be a number > {above:g}"
-    return f"must be a number >= {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+        what = f"an integer >= {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+    elif above is not None and hi is not None:
+        what = f"a number in ({above:g}, {hi:g}]"
+    elif above is not None:
+        what = f"a number > {above:g}"
+    else:
+        what = f"a number >= {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+    return f"must be {'null or ' if optional else ''}{what}"
 
 
 def ok(value: Any, meta: dict[str, Any]) -> bool:
@@ -70,4 +75,30 @@ def check(node: DictConfig, *, schema: type, prefix: str) -> None:
         if value is None or not any(v is not None for v in meta.values()):
             continue
         if not ok(value, meta):
-            fail(name, value, allowed(meta=meta, integer=hints[f.name] in (int, Optional[int])))
+            fail(name, value, allowed(meta=meta, integer=hints[f.name] in (int, Optional[int]),
+                                      optional=type(None) in typing.get_args(hints[f.name])))
+
+
+def readable(exc: OmegaConfBaseException, *, prefix: str = "") -> ConfigError:
+    """OmegaConf's refusal as one ConfigError line: key (under ``prefix``), value and type (its message names both)."""
+    what = str(getattr(exc, "msg", None) or exc).splitlines()[0]
+    key = ".".join(k for k in (prefix, getattr(exc, "full_key", None)) if k)
+    return ConfigError(f"{key or '<config>'} is invalid: {what}")
+
+
+def conform(node: DictConfig, *, schema: type, prefix: str) -> None:
+    """:func:`check` of ``node`` whether or not ``schema`` typed it. Typed (every preset of ``conf/``: the driver's
+    parse checked it already) it is only checked again; untyped (a plugin's own YAML under a package strategy,
+    docs/strategies.md, whose keys no parse typed) its keys of ``schema`` are merged into the schema first, so a
+    wrong type is OmegaConf's refusal named by key, as while composing; keys ``schema`` lacks are the strategy's."""
+    kind = OmegaConf.get_type(node)
+    if not (isinstance(kind, type) and issubclass(kind, schema)):
+        given = OmegaConf.to_container(node, resolve=True)
+        known = {f.name for f in dataclasses.fields(schema)}
+        typed = OmegaConf.structured(schema)
+        try:
+            typed.merge_with({k: v for k, v in given.items() if k in known})
+        except OmegaConfBaseException as exc:
+            raise readable(exc, prefix=prefix) from None
+        node = typed
+    check(node, schema=schema, prefix=prefix)

@@ -1,8 +1,10 @@
 """The typed schema of each ``parallelism`` preset family (conf/parallelism/*.yaml): what each key means.
 
-One dataclass per shape, fields in the YAML's key order (see :mod:`sdp.driver.schema`). What depends
-on more than one key (``fsdp.replicate`` divides the world, pipeline degrees, an SDP plan that cannot
-hold every unit) stays in each strategy's own ``validate``.
+One dataclass per shape, fields in the YAML's key order (see :mod:`sdp.driver.schema`). Every rule of one
+key is here (type, choices, range); what depends on more than one key or on the world (``fsdp.replicate``
+divides the world, pipeline degrees, SDP's k = round(C n) >= 1 and a plan that cannot hold every unit)
+stays in each strategy's own ``validate``, which first holds its node to its dataclass
+(:func:`sdp.driver.fields.conform`: a plugin's untyped YAML too).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class DDPAC:
 
 @dataclass
 class Drop:
-    """``parallelism=ddp_layerdrop`` and ``ddp_stochastic_depth``: DDP whose ranks skip residual branches."""
+    """``parallelism=ddp_stochastic_depth`` (and :class:`LayerDrop`'s keys): DDP whose ranks skip residual branches."""
 
     name: str = key()
     """The strategy, looked up in sdp.parallel.STRATEGIES."""
@@ -60,6 +62,14 @@ class Drop:
     """Gradient bucket size in MiB."""
     broadcast_buffers: bool = key()
     """As in parallelism=ddp."""
+
+
+@dataclass
+class LayerDrop(Drop):
+    """``parallelism=ddp_layerdrop``: Drop's keys, the same survival probability for every block."""
+
+    decay: str = key(choices=("uniform",))
+    """uniform only: every block survives with p (the linear decay is ddp_stochastic_depth's)."""
 
 
 @dataclass
@@ -144,7 +154,7 @@ class SDP:
 
 
 # ConfigStore names under schema/parallelism/ (conf/parallelism/*.yaml: `- /schema/parallelism/<family>@_here_`).
-FAMILIES = {"ddp": DDP, "ddp_ac": DDPAC, "drop": Drop, "fsdp": FSDP, "pipeline": Pipeline, "sdp": SDP}
+FAMILIES = {"ddp": DDP, "ddp_ac": DDPAC, "drop": Drop, "layerdrop": LayerDrop, "fsdp": FSDP, "pipeline": Pipeline, "sdp": SDP}
 # parallelism.name -> schema, for a recorded config.yaml (written untyped).
-PRESETS = {"ddp": DDP, "ddp_ac": DDPAC, "ddp_layerdrop": Drop, "ddp_stochastic_depth": Drop, "fsdp": FSDP,
+PRESETS = {"ddp": DDP, "ddp_ac": DDPAC, "ddp_layerdrop": LayerDrop, "ddp_stochastic_depth": Drop, "fsdp": FSDP,
            "pipeline": Pipeline, "sdp": SDP}

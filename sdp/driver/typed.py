@@ -21,9 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sdp.driver import fields
+from sdp.driver.fields import readable
 from sdp.driver.schema import CLUSTERS, Job, Optim, Train
 from sdp.driver.schema_parallel import FAMILIES, PRESETS
-from sdp.errors import ConfigError
 
 # ConfigStore names (group schema/...) that conf/*.yaml extend, e.g. `- /schema/parallelism/sdp@_here_`.
 STORED: dict[str, Any] = {"schema/optim": Optim, **{f"schema/cluster/{name}": node for name, node in CLUSTERS.items()},
@@ -65,12 +65,6 @@ class Typed:
 def schema_of(node: Any) -> type | None:
     kind = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
     return kind if kind is not None and dataclasses.is_dataclass(kind) else None
-
-
-def readable(exc: OmegaConfBaseException) -> ConfigError:
-    """OmegaConf's refusal as one ConfigError line: key, value and type (its message names both)."""
-    what = str(getattr(exc, "msg", None) or exc).splitlines()[0]
-    return ConfigError(f"{getattr(exc, 'full_key', None) or '<config>'} is invalid: {what}")
 
 
 def parse(cfg: DictConfig) -> Typed:

@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sdp.errors import positive_int
+from sdp.driver.fields import conform
+from sdp.driver.schema_parallel import DDPAC
 from sdp.metrics.activations import note_retained
 from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory
@@ -90,7 +91,9 @@ class DDPActivationCheckpointSpec(DDPSpec):
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: Job) -> None:
-        positive_int("parallelism.ac_every", cfg.ac_every)
+        """Each key's own rule (``ac_every`` >= 1, DDP's keys) is its schema's:
+        :class:`sdp.driver.schema_parallel.DDPAC`; no rule here involves several keys."""
+        conform(cfg, schema=DDPAC, prefix="parallelism")
 
     @classmethod
     def prepare_for_plan(cls, *, model: SDPModel, cfg: DictConfig) -> None:

@@ -24,7 +24,9 @@ from typing import Any, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.errors import one_of, require, unit_interval
+from sdp.driver.fields import conform
+from sdp.driver.schema_parallel import Drop, LayerDrop
+from sdp.errors import require
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult
@@ -115,21 +117,19 @@ class _DropSpec(DDPSpec):
 
     runtime = _DropStrategy
 
-    decays: tuple[str, ...] = ("uniform",)
+    schema: type = Drop  # its keys' types, choices and ranges (sdp/driver/schema_parallel.py)
     plan_note = "stochastic depth / LayerDrop predicted with every block kept"
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: Job) -> None:
-        unit_interval("parallelism.survival_prob", cfg.survival_prob)
-        one_of("parallelism.decay", cfg.decay, cls.decays)
-        require(isinstance(cfg.rescale, bool), "parallelism.rescale", cfg.rescale, "must be true or false")
+        """Every key is one key's rule (p in (0, 1], the decays a preset allows, booleans): its :attr:`schema`'s."""
+        conform(cfg, schema=cls.schema, prefix="parallelism")
 
     @classmethod
     def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None, prepared: Any = None) -> Coverage | None:
         """The mean of :func:`survival_probs`: ``p`` under ``decay=uniform``; the linear decay's mean needs
         the block count ``n_units`` (fraction None without it)."""
-        p = cfg.survival_prob
-        unit_interval("parallelism.survival_prob", p)
+        p = cfg.survival_prob  # in (0, 1]: its schema's range, checked before any budget or rank
         fraction: float | None = float(p)
         if str(cfg.decay) != "uniform":
             probs = survival_probs(n=int(n_units), p=float(p), decay=str(cfg.decay)) if n_units else None
@@ -150,11 +150,10 @@ class DDPStochasticDepthSpec(_DropSpec):
 
     label = "DDP+StochDepth"
 
-    decays = ("linear", "uniform")
-
 
 @register("ddp_layerdrop")
 class DDPLayerDropSpec(_DropSpec):
     """LayerDrop (Fan et al. 2019): the same drop rate for every block."""
 
     label = "DDP+LayerDrop"
+    schema = LayerDrop  # decay: uniform only

@@ -36,7 +36,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from sdp.rank.distctx import mesh_overrides
-from sdp.errors import positive_int, require
+from sdp.driver.fields import conform
+from sdp.driver.schema_parallel import FSDP
+from sdp.errors import require
 from sdp.metrics.collectives import count_collectives
 from sdp.metrics.groups import mesh_process_groups
 from sdp.models import init
@@ -207,12 +209,12 @@ class FSDPSpec(StrategySpec):
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: Job) -> None:
+        """Its keys held to :class:`sdp.driver.schema_parallel.FSDP` (``replicate`` >= 1, a boolean reshard), then
+        the mesh: ``replicate`` divides the world."""
+        conform(cfg, schema=FSDP, prefix="parallelism")
         replicate = cfg.replicate
-        positive_int("parallelism.replicate", replicate)
         require(job.world_size % replicate == 0, "parallelism.replicate", replicate,
                 f"must divide cluster.world_size={job.world_size} (HSDP mesh = replicate x shard)")
-        require(isinstance(cfg.reshard_after_forward, bool), "parallelism.reshard_after_forward",
-                cfg.reshard_after_forward, "must be true or false")
 
     @classmethod
     def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],

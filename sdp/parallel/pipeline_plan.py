@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sdp.errors import ConfigError, fail, one_of, positive_int, require
+from sdp.driver.fields import conform
+from sdp.driver.schema_parallel import Pipeline
+from sdp.errors import ConfigError, fail, require
 from sdp.models.base import SDPModel, count_params
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # the schema's choices (a test keeps them equal)
 SINGLE_STAGE = ("gpipe", "1f1b")
 
 
@@ -74,12 +76,12 @@ def balanced_bounds(*, weights: Sequence[int], allowed: Sequence[int], stages: i
 
 
 def check_layout(*, cfg: Any, world_size: int) -> tuple[int, int, int, int]:
-    """Checks that need only the parallelism node; returns (pp, dp, stages_per_rank, microbatches)."""
-    one_of("parallelism.schedule", cfg.schedule, SCHEDULES)
+    """The body of :meth:`PipelineSpec.validate <sdp.parallel.pipeline.PipelineSpec.validate>`: the ``parallelism``
+    node held to its schema (:class:`sdp.driver.schema_parallel.Pipeline`: the schedule's choices, each degree
+    >= 1; :func:`sdp.driver.fields.conform`), then the layout's rules of several keys and ``world_size``;
+    returns (pp, dp, stages_per_rank, microbatches)."""
+    conform(cfg, schema=Pipeline, prefix="parallelism")
     dp, spr, mb = cfg.dp, cfg.stages_per_rank, cfg.microbatches
-    positive_int("parallelism.dp", dp)
-    positive_int("parallelism.stages_per_rank", spr)
-    positive_int("parallelism.microbatches", mb)
     require(world_size % dp == 0, "parallelism.dp", dp, f"must divide cluster.world_size={world_size} (pp x dp = world)")
     pp = world_size // dp
     require(pp >= 2, "parallelism.dp", dp,

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from sdp.errors import ConfigError, boolean, one_of, positive_float, positive_int, require, unit_interval
+from sdp.driver.fields import conform
+from sdp.driver.schema_parallel import SDP
+from sdp.errors import ConfigError, require
 from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
-from sdp.parallel import sdp_plan
 from sdp.parallel.sdp_plan import BALANCE_KEYS, plan_for
-from sdp.subnet.plan import ASSIGNMENTS, LEVELS, REDRAWS, Plan, PlanError, num_holders, warn_degenerate
+from sdp.subnet.plan import Plan, PlanError, num_holders, warn_degenerate
 
 
-RESCALES = ("auto", "none", "eval", "train")
+RESCALES = ("auto", "none", "eval", "train")  # what resolve_rescale acts on (the schema's choices: a test keeps them equal)
 
 
 def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
@@ -41,46 +42,33 @@ def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
 
 
 def validate(*, cfg: DictConfig, world_size: int) -> None:
-    """The body of :meth:`SDPSpec.validate <sdp.parallel.sdp.SDPSpec.validate>`: every key of the ``parallelism``
-    node ``cfg`` (``parallelism.coverage``: k >= 1 holders on ``world_size`` workers, :func:`holders`); the
-    plan itself is :func:`prepare`'s."""
-    one_of("parallelism.level", cfg.level, LEVELS)
-    one_of("parallelism.masking", cfg.masking, sdp_plan.MASKINGS)
+    """The body of :meth:`SDPSpec.validate <sdp.parallel.sdp.SDPSpec.validate>`: the ``parallelism`` node ``cfg``
+    held to its schema (:class:`sdp.driver.schema_parallel.SDP`: every key's type, choice and range, one place;
+    :func:`sdp.driver.fields.conform`), then the rules of several keys or of the world: k >= 1 holders of
+    ``parallelism.coverage`` on ``world_size`` workers (:func:`holders`), the re-draw, refresh and rescale rules
+    of each masking, the cap's assignment and the balance weights; the plan itself is :func:`prepare`'s."""
+    conform(cfg, schema=SDP, prefix="parallelism")
     holders(cfg=cfg, world_size=world_size)
-    one_of("parallelism.assignment", cfg.assignment, ASSIGNMENTS)
-    positive_int("parallelism.groups", cfg.groups)
-    require(cfg.resample_every is None or (isinstance(cfg.resample_every, int) and cfg.resample_every >= 1),
-            "parallelism.resample_every", cfg.resample_every, "null (fixed plan) or an integer >= 1")
-    one_of("parallelism.redraw", cfg.get("redraw", "relabel"), REDRAWS)  # absent from configs written before it
     require(cfg.get("redraw") != "rolling" or cfg.get("max_holder_sets") is None, "parallelism.max_holder_sets",
             cfg.get("max_holder_sets"), "null with parallelism.redraw=rolling (its windows fix the holder sets)")
-    one_of("parallelism.refresh", cfg.refresh, ("holders", "global"))
     require(cfg.masking == "backward" or cfg.refresh == "holders", "parallelism.refresh", cfg.refresh,
             "global refresh exists only for masking=backward (forward masking keeps no non-held values)")
-    one_of("parallelism.rescale", cfg.rescale, RESCALES)
     require(cfg.masking == "forward" or cfg.rescale in ("none", "auto"), "parallelism.rescale", cfg.rescale,
             "backward masking runs the full model in every forward, so only none (or auto) is meaningful")
-    require(isinstance(cfg.drop_downsample, bool), "parallelism.drop_downsample", cfg.drop_downsample, "true or false")
-    positive_float("parallelism.bucket_cap_mb", cfg.bucket_cap_mb)
-    boolean("parallelism.overlap", cfg.overlap)
-    positive_int("parallelism.plan_seed", cfg.plan_seed, minimum=0)
     if cfg.get("max_holder_sets") is not None:
-        positive_int("parallelism.max_holder_sets", cfg.max_holder_sets)
         require(str(cfg.assignment) == "balanced", "parallelism.max_holder_sets", cfg.max_holder_sets,
                 f"caps the balanced assignment only (parallelism.assignment={cfg.assignment!r}): set assignment=balanced")
-    b = cfg.balance
+    b = cfg.balance  # each weight >= 0 is its field's; a key added with `+` and all-zero weights are the node's
     require(isinstance(b, DictConfig) and set(b) == set(BALANCE_KEYS), "parallelism.balance",
             b, f"a mapping with exactly the keys {', '.join(BALANCE_KEYS)}")
-    for r in BALANCE_KEYS:
-        positive_float(f"parallelism.balance.{r}", b[r], allow_zero=True)
     require(any(b[r] for r in BALANCE_KEYS), "parallelism.balance", b, "at least one weight > 0")
 
 
 def holders(*, cfg: DictConfig, world_size: int) -> int:
     """k = round(C n) from the ``parallelism`` node alone (:func:`sdp.subnet.plan.num_holders`, the rule the
-    plan is built with), a ConfigError naming ``parallelism.coverage`` when it gives no holder; where the
+    plan is built with, which also refuses a C outside (0, 1] where no schema checked it: a budget or report
+    asked outside the driver), a ConfigError naming ``parallelism.coverage`` when it gives no holder; where the
     driver's plan exists, its ``k`` is read instead."""
-    unit_interval("parallelism.coverage", cfg.coverage)
     try:
         return num_holders(coverage=float(cfg.coverage), world_size=world_size)
     except PlanError as exc:
