@@ -35,7 +35,6 @@ from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import Job
 from sdp.parallel.spec import Coverage, StrategySpec, register
 from sdp.parallel import sdp_config, sdp_plan
-from sdp.parallel.sdp_config import plan_keys, resolve_rescale
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists  # noqa: F401 (re-exported: used widely)
 from sdp.planning.plan_entries import Entry
@@ -60,7 +59,7 @@ class SDPStrategy(Strategy):
         self.groups: GroupSet | None = None
         self.redraws, self.eval_copy_bytes, self.block_costs = 0, 0, None  # block costs: at the first re-draw, then reused
         self.redraw_log: list[dict[str, Any]] = []  # the re-draws this process ran (a resumed run: since it resumed)
-        self.rescale = resolve_rescale(cfg=cfg, eval_bn=self.job.eval_bn, model=model)
+        self.rescale = sdp_config.resolve_rescale(cfg=cfg, eval_bn=self.job.eval_bn, model=model)
         if self.prepared is None:  # built outside the driver (tests, benchmarks): the same plan, drawn here
             self.prepared = plan_for(model=model, cfg=cfg, world_size=ctx.world_size)
         plan: Plan = self.prepared  # the driver's plan (SDPSpec.prepare): k and the holders come from it
@@ -233,10 +232,10 @@ class SDPStrategy(Strategy):
         local = state["local"]
         saved = local["extra"]["plan"]
         if saved != plan_lists(self.plan):
-            require(bool(self.cfg.resample_every) and saved["draw"] > 0, "parallelism", plan_keys(self.cfg),
+            require(bool(self.cfg.resample_every) and saved["draw"] > 0, "parallelism", sdp_config.plan_keys(self.cfg),
                     f"must build the checkpoint's plan to resume (saved {saved}, now {plan_lists(self.plan)})")
             self._redraw(draw=int(saved["draw"]))  # its traffic: comm phase "resample"; the state is loaded below
-            require(saved == plan_lists(self.plan), "parallelism", plan_keys(self.cfg),
+            require(saved == plan_lists(self.plan), "parallelism", sdp_config.plan_keys(self.cfg),
                     f"re-draw {saved['draw']} gives {plan_lists(self.plan)}, the checkpoint holds {saved}")
         assert self.module is not None
         self.module.load_state_dict(local["model"])
