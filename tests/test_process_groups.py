@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from sdp.metrics.groups import process_groups
-from sdp.parallel.sdp_plan import predict as plan_sdp
+from sdp.parallel.job import Job
+from sdp.parallel.sdp_plan import plan_for, predict as plan_sdp
 from sdp.subnet.assign import PlanError
 from sdp.subnet.capped import cap_holder_sets, groups_needed
 from tests.helpers import compose, spawn
@@ -74,7 +75,9 @@ def test_predicted_process_groups_equal_created(world: int, tmp_path: Path) -> N
     for name, cfg in cfgs.items():  # sdp-plan's SDP path (predict() minus validation and the peaks)
         facts: dict = {}
         with torch.device("meta"):
-            plan_sdp(cfg=cfg, model=build(cfg.model), world=world, facts=facts)
+            model = build(cfg.model)
+        plan = plan_for(model=model, cfg=cfg.parallelism, world_size=world)  # the driver's plan (SDPSpec.prepare)
+        plan_sdp(cfg=cfg.parallelism, job=Job.of(cfg), model=model, plan=plan, facts=facts)
         predicted[name] = facts["process_groups"]
     spawn(_create, world=world, args=({n: OmegaConf.to_container(c, resolve=True) for n, c in cfgs.items()}, str(tmp_path)))
     for rank in range(world):
