@@ -29,8 +29,8 @@ def pieces_of(local: dict[str, Any], *, cfg: DictConfig, rank: int) -> dict[tupl
     """(name, start) -> {"param": view, "state": ...} for every parameter piece this
     rank's checkpoint has, with ``"state"``: {state key: view or scalar} where this rank trains the piece,
     None where it only stores it (backward masking, a non-held piece)."""
-    from sdp.parallel.sdp import plan_for, plan_lists
-    from sdp.rank.worker import build
+    from sdp.parallel.sdp_plan import plan_for, plan_lists
+    from sdp.registry import build
 
     p = cfg.parallelism
     mode = "forward" if p.masking == "forward" else ("backward" if p.refresh == "holders" else "global")

@@ -10,7 +10,6 @@ import importlib
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 

@@ -12,7 +12,8 @@ from torch.nn import functional as F
 
 from sdp.models.base import HiddenDim, HiddenSlice, ResidualBlock, SDPModel
 from sdp.models.resnet import ResNet
-from sdp.subnet.plan import PlanError, build_plan, cross_sliced
+from sdp.subnet.plan import PlanError, build_plan
+from sdp.subnet.units import cross_sliced
 
 
 class ChainBlock(ResidualBlock):
@@ -69,7 +70,8 @@ def test_bottleneck_resnet_plans_at_block_level_and_is_refused_at_neuron_level()
 
 def test_validation_refuses_resnet50_at_neuron_level_naming_model_and_level() -> None:
     """What sdp-train and sdp-plan run before any rank starts (the rank died on an AssertionError)."""
-    from sdp.driver.config import ConfigError, validate
+    from sdp.driver.config import validate
+    from sdp.errors import ConfigError
     from tests.helpers import compose
 
     with pytest.raises(ConfigError, match=r"parallelism.level='neuron' is not supported for model ResNet: .*"

@@ -15,7 +15,7 @@ import sdp.driver.train
 from sdp.planning.budget import model_flops, resolve_steps
 from sdp.metrics.flops import masked_fraction
 from sdp.parallel.sdp_plan import compute_fraction
-from sdp.driver.config import ConfigError
+from sdp.errors import ConfigError
 from sdp.models.base import forward_flop_counts
 from sdp.models.resnet import ResNetCIFAR
 from tests.hydra_cfg import compose_config, sweep_params

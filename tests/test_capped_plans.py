@@ -166,7 +166,8 @@ def test_redraws_of_a_capped_plan_relabel_it() -> None:
 
 
 def test_validation_refuses_a_cap_without_a_connected_plan_naming_the_smallest() -> None:
-    from sdp.driver.config import ConfigError, validate
+    from sdp.driver.config import validate
+    from sdp.errors import ConfigError
     from tests.helpers import compose
 
     base = ["parallelism=sdp", "model=resnet18_cifar", "model.width=8", "cluster.world_size=8"]  # k = 4

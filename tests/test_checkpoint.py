@@ -20,12 +20,13 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from sdp.rank import checkpoint, checkpoint_resume, rng
-from sdp.driver.config import ConfigError
+from sdp.errors import ConfigError
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.mlp import MLP
-from sdp.parallel.base import DistContext, StepResult, Strategy
+from sdp.parallel.base import StepResult, Strategy
+from sdp.rank.distctx import DistContext
 from sdp.parallel.job import Job
-from sdp.rank.trainer import loss_fn
+from sdp.rank.loss import loss_fn
 
 KEY = {"seed": 0, "global_batch": 8, "num_samples": 64}
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from sdp.rank import checkpoint, checkpoint_io, checkpoint_resume
 from sdp.rank.checkpoint_resume import CheckpointWarning
 from sdp.errors import ConfigError
-from sdp.parallel.base import DistContext
+from sdp.rank.distctx import DistContext
 from sdp.results.rundir import checkpoint_meta
 from tests.helpers import CORE, compose, run_job, spawn
 from tests.test_checkpoint import KEY, Plain, Sharded, make

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 import sdp.driver.train  # noqa: F401  (registers the sdp_uid resolver)
 from sdp.driver.config import validate
-from sdp.rank.worker import build
+from sdp.registry import build
 from tests.hydra_cfg import compose_config
 
 CONF = Path(sdp.driver.train.CONF_DIR)

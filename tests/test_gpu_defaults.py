@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from sdp.driver import sweep
-from sdp.driver.config import ConfigError, validate
+from sdp.driver.config import validate
+from sdp.errors import ConfigError
 from sdp.metrics.flops import compute_dtype
 from sdp.models.resnet import ResNetCIFAR
 from sdp.driver.rankenv import set_backends

@@ -69,7 +69,8 @@ def test_phases_hold_their_own_peaks() -> None:
 
 
 def test_memory_keys_are_validated() -> None:
-    from sdp.driver.config import ConfigError, validate
+    from sdp.driver.config import validate
+    from sdp.errors import ConfigError
     from tests.helpers import compose
 
     base = ["model=mlp", "dataset=digits", "parallelism=ddp", "cluster.world_size=1"]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from sdp.metrics.activations import measure_saved_tensors
-from sdp.parallel.sdp import plan_for
+from sdp.parallel.sdp_plan import plan_for
 from sdp.subnet import masking as M
-from sdp.rank.trainer import loss_fn
-from sdp.rank.worker import build
+from sdp.rank.loss import loss_fn
+from sdp.registry import build
 from tests.hydra_cfg import compose_config
 
 MODELS = {"mlp": ["model=mlp", "model.hidden=64"], "resnet": ["model=resnet18_cifar", "model.width=8"]}

@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 from sdp.models import init
 from sdp.parallel import STRATEGIES, DistContext, Job
 from sdp.subnet import masking as M
-from sdp.rank.worker import build, build_model
+from sdp.rank.worker import build_model
+from sdp.registry import build
 from tests.helpers import config_dict
 
 MODELS = {
@@ -75,7 +76,7 @@ def test_forward_masking_materialises_only_held(level: str) -> None:
     assert strategy.materialises_held
     strategy.mode = "forward"
     model = build_model(cfg, None, meta=True)
-    from sdp.parallel.sdp import plan_for
+    from sdp.parallel.sdp_plan import plan_for
 
     plan = plan_for(model=model, cfg=cfg.parallelism, world_size=4)
     pieces = M.pieces(model, plan)

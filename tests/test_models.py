@@ -15,7 +15,7 @@ from sdp.models.llama import LLaMA
 from sdp.models.resnet import ResNet, ResNetCIFAR
 from sdp.models.swin import Swin
 from sdp.models.vit import ViT
-from sdp.rank.worker import build
+from sdp.registry import build
 from tests.hydra_cfg import compose_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"

@@ -116,7 +116,7 @@ def test_sdp_train_prints_the_plan_warnings_once_not_per_rank(tmp_path: Path) ->
 def test_plan_options_refuse_bad_values_naming_the_key() -> None:
     from hydra.errors import ConfigCompositionException
 
-    from sdp.driver.config import ConfigError
+    from sdp.errors import ConfigError
     from sdp.planning.planner import plan_options
 
     assert plan_options(compose(["plan.frontier=true", "plan.output=p.json"])) == ("p.json", True)

@@ -37,10 +37,10 @@ def _create(rank: int, world: int, configs: dict, out: str) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from sdp.parallel.sdp import plan_for
+    from sdp.parallel.sdp_plan import plan_for
     from sdp.subnet import masking as M
     from sdp.subnet.holder_groups import GroupSet
-    from sdp.rank.worker import build
+    from sdp.registry import build
 
     seen = {}
     for name, cfg_dict in configs.items():
@@ -68,7 +68,7 @@ def _create(rank: int, world: int, configs: dict, out: str) -> None:
 def test_predicted_process_groups_equal_created(world: int, tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from sdp.rank.worker import build
+    from sdp.registry import build
 
     cfgs = {name: compose(o) for name, o in cases(world)}
     predicted = {}
@@ -106,7 +106,8 @@ def test_cap_keeps_every_unit_k_holders_and_every_worker_busy() -> None:
 
 
 def test_cap_needs_balanced_assignment() -> None:
-    from sdp.driver.config import ConfigError, validate
+    from sdp.driver.config import validate
+    from sdp.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"parallelism.max_holder_sets=3.*assignment=balanced"):
         validate(compose(["parallelism.max_holder_sets=3", "parallelism.assignment=cyclic"]))

@@ -256,7 +256,8 @@ def test_bad_redraw_values_are_refused() -> None:
     (["parallelism.redraw=rolling", "parallelism.max_holder_sets=3"], ["parallelism.max_holder_sets=3", "redraw=rolling"]),
 ])
 def test_config_refuses_bad_redraw_before_any_rank(overrides: list[str], expect: list[str]) -> None:
-    from sdp.driver.config import ConfigError, validate
+    from sdp.driver.config import validate
+    from sdp.errors import ConfigError
     from tests.hydra_cfg import compose_config
 
     with pytest.raises(ConfigError) as info:
@@ -279,7 +280,7 @@ def test_study_variants(variant: str) -> None:
 
 # ---- on ranks ----------------------------------------------------------------------------------------
 def _train_rolling(rank: int, world: int, config: dict) -> tuple[dict, int, float]:
-    from sdp.rank.trainer import loss_fn
+    from sdp.rank.loss import loss_fn
     from tests.helpers import batch, make_strategy
     from tests.test_sdp_redraw import _NoTimer
 
@@ -300,8 +301,8 @@ def test_rolling_redraws_on_four_ranks() -> None:
     optimizer state), and the loss is finite."""
     from omegaconf import OmegaConf
 
-    from sdp.parallel.sdp import plan_for, plan_lists
-    from sdp.rank.worker import build
+    from sdp.parallel.sdp_plan import plan_for, plan_lists
+    from sdp.registry import build
     from tests.helpers import config_dict, spawn
     from tests.holders import compare, pieces_of
 

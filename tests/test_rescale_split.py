@@ -271,7 +271,7 @@ class _NoTimer:
 
 
 def _scales(rank: int, world: int, config: dict[str, Any]) -> list[tuple[str, float, dict[str, float], float]]:
-    from sdp.rank.trainer import loss_fn
+    from sdp.rank.loss import loss_fn
 
     strategy, data, cfg = make_strategy(config, rank, world)
     x, y = batch(data, cfg, step=0, rank=rank, world_size=world)

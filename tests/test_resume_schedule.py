@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sdp.rank.schedule import lr_lambda
-from tests.helpers import CORE, core_cases, run_train
+from tests.helpers import core_cases, run_train
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sdp.subnet.masking import locate, view
-from sdp.rank.trainer import loss_fn
+from sdp.rank.loss import loss_fn
 from tests.helpers import CORE, batch, config_dict, make_strategy, spawn
 
 MLP = ["model=mlp", "dataset=digits", "model.hidden=64", "model.depth=4", "train.batch_size=8", "optim=sgd",
@@ -83,7 +83,7 @@ def _holder_set_runs(overrides: list[str]) -> dict[tuple[int, ...], int]:
     """Runs per holder set of a plan built on the meta device (one process: the piece list alone decides)."""
     from omegaconf import OmegaConf
 
-    from sdp.parallel.sdp import plan_for
+    from sdp.parallel.sdp_plan import plan_for
     from sdp.registry import build
     from sdp.subnet.masking import pieces
     from sdp.subnet.sync import holder_runs

@@ -8,8 +8,9 @@ import torch
 
 from sdp.models.base import count_params
 from sdp.subnet.masking import locate, view
-from sdp.rank.trainer import loss_fn
-from sdp.rank.worker import build, build_model
+from sdp.rank.loss import loss_fn
+from sdp.rank.worker import build_model
+from sdp.registry import build
 from tests.helpers import CORE, batch, compose, config_dict, make_strategy, run_job, spawn
 
 MLP = ["model=mlp", "dataset=digits", "model.hidden=64", "model.depth=4", "train.batch_size=8", "optim=sgd"]
@@ -174,7 +175,7 @@ def _shared_runs(overrides: list[str]) -> int:
     """Runs of consecutive shared (world-held) parameters in the model order: one bucket each here."""
     from omegaconf import OmegaConf
 
-    from sdp.parallel.sdp import plan_for
+    from sdp.parallel.sdp_plan import plan_for
     from sdp.registry import build
     from sdp.subnet.masking import pieces
     from sdp.subnet.sync import holder_runs

@@ -15,9 +15,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from sdp.parallel.sdp import plan_for, plan_lists
-from sdp.rank.trainer import loss_fn
-from sdp.rank.worker import build
+from sdp.parallel.sdp_plan import plan_for, plan_lists
+from sdp.rank.loss import loss_fn
+from sdp.registry import build
 from tests.helpers import batch, compose, config_dict, core_cases, make_strategy, run_job, spawn
 from tests.holders import compare, differing, pieces_of
 

@@ -8,7 +8,7 @@ import signal
 import pytest
 from omegaconf import OmegaConf
 
-from sdp.driver.config import ConfigError
+from sdp.errors import ConfigError
 from sdp.driver.slurm import install_preemption_handlers, master_port, slurm_environment
 from tests.hydra_cfg import compose_config
 

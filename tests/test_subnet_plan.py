@@ -240,7 +240,7 @@ def test_plan_reports_holders_holder_sets_connectivity_and_pair_coverage() -> No
 
 
 def _paper_model(name: str) -> torch.nn.Module:
-    from sdp.rank.worker import build
+    from sdp.registry import build
     from tests.hydra_cfg import compose_config
 
     data = {"resnet18": "imagenet", "swin_t": "imagenet", "llama_1b": "fineweb"}[name]

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import pytest
 
-from sdp.driver.config import ConfigError, validate
+from sdp.driver.config import validate
+from sdp.errors import ConfigError
 from sdp.parallel import STRATEGIES, Job
 from tests.helpers import run_if
 from tests.hydra_cfg import compose_config

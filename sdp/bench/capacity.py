@@ -70,8 +70,9 @@ def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: t
     from sdp.metrics.live import LiveTensorTracker
     from sdp.models.base import count_params
     from sdp.parallel import STRATEGIES as REGISTRY, DistContext, Job
-    from sdp.rank.trainer import loss_fn
-    from sdp.rank.worker import build, build_model
+    from sdp.rank.loss import loss_fn
+    from sdp.rank.worker import build_model
+    from sdp.registry import build
 
     cfg = compose([*overrides, f"cluster.world_size={world}", f"cluster.device={device.type}"])
     data = build(cfg.dataset)

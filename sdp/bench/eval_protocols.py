@@ -51,7 +51,8 @@ def _rank(rank: int, world: int, jobs: list[tuple[str, int, dict[str, Any]]]) ->
     from sdp.metrics.timing import PhaseTimer
     from sdp.parallel import STRATEGIES, DistContext, Job
     from sdp.rank.trainer import Trainer
-    from sdp.rank.worker import build, build_model
+    from sdp.rank.worker import build_model
+    from sdp.registry import build
 
     rows = []
     for label, seed, config in jobs:

@@ -51,7 +51,8 @@ def _minimal_rank(rank: int, world: int, config: dict, retain: bool) -> dict[str
     from torch.nn.parallel import DistributedDataParallel
 
     from sdp.data.base import GlobalBatchSampler
-    from sdp.rank.worker import build, build_model
+    from sdp.rank.worker import build_model
+    from sdp.registry import build
 
     cfg = OmegaConf.create(config)
     data = build(cfg.dataset)

@@ -17,7 +17,7 @@ from sdp.report.runs import Run, run_figures
 from sdp.bench.remedies import remedies_section
 from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, paired_difference
 from sdp.bench.study_report import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, mean_interval,
-                              peak_name, pm, verdict)
+                                    pm, verdict)
 
 LM_TARGET_HW, IMAGE_TARGET_HW = 0.02, 1.5  # issue 17's interval targets (nats; accuracy points)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.errors import ConfigError, boolean, fail, one_of, positive_float, positive_int, require  # noqa: F401 (re-exported)
+from sdp.errors import ConfigError, fail, one_of, positive_float, require
 
 if TYPE_CHECKING:
     from sdp.driver.preflight import Preflight

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdp.subnet.plan import LEVELS
+from sdp.subnet.units import LEVELS
 
 
 def masked_fraction(*, counts: dict[str, int], model: Any, level: str) -> float:

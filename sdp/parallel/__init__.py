@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from sdp.parallel.base import DistContext, StepResult, Strategy
+from sdp.parallel.base import StepResult, Strategy
+from sdp.rank.distctx import DistContext
 from sdp.parallel.job import Job
 from sdp.parallel.spec import STRATEGIES, Coverage, StrategySpec, register
 

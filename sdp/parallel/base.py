@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdp.metrics import memory
-from sdp.rank.distctx import DistContext, average_buffers, average_tensors  # noqa: F401 (re-exported)
+from sdp.rank.distctx import DistContext, average_buffers
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
 from sdp.rank.precision import autocast

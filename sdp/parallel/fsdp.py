@@ -28,7 +28,6 @@ import math
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import torch
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -44,7 +43,8 @@ from sdp.metrics.groups import mesh_process_groups
 from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.rank.precision import fsdp_policies
-from sdp.parallel.base import OptimizerFactory, Strategy, average_buffers
+from sdp.parallel.base import OptimizerFactory, Strategy
+from sdp.rank.distctx import average_buffers
 from sdp.parallel.job import Job
 from sdp.parallel.spec import StrategySpec, register
 from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry

@@ -41,7 +41,8 @@ from sdp.metrics.collectives import count_collectives
 from sdp.metrics.groups import mesh_process_groups
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel, count_params
-from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy, average_buffers
+from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy
+from sdp.rank.distctx import average_buffers
 from sdp.parallel.job import Job
 from sdp.parallel.spec import StrategySpec, register
 from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan

@@ -36,7 +36,7 @@ from sdp.parallel.job import Job
 from sdp.parallel.spec import Coverage, StrategySpec, register
 from sdp.parallel import sdp_config, sdp_plan
 from sdp.parallel.sdp_peaks import sdp_peaks
-from sdp.parallel.sdp_plan import plan_for, plan_lists  # noqa: F401 (re-exported: used widely)
+from sdp.parallel.sdp_plan import plan_for, plan_lists
 from sdp.planning.plan_entries import Entry
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
-from sdp.rank.evaluation import loss_and_correct
+from sdp.rank.eval_ops import loss_and_correct
 from sdp.subnet.assemble import partwise_names
 from sdp.rank.loss import loss_fn
 from sdp.registry import build

@@ -58,9 +58,8 @@ from torch import nn
 from sdp.rank import eval_ensemble
 from sdp.data.base import DataBundle
 from sdp.rank.distctx import DistContext, flatten, unflatten
-from sdp.rank.eval_ops import (  # noqa: F401 (LOSS_CHUNK_TOKENS, loss_and_correct, world_sum: re-exported)
-    LOSS_CHUNK_TOKENS, batch_norms, bn_pass, gathered, loss_and_correct, ordered_mean, ordered_sum, statistics,
-    val_totals, world_sum)
+from sdp.rank.eval_ops import (batch_norms, bn_pass, gathered, ordered_mean, ordered_sum, statistics,
+                                val_totals)
 from sdp.rank.eval_parts import Partwise, partwise_totals
 
 BN_PROTOCOLS = ("reestimate", "average")  # eval.bn (its choices in sdp/driver/schema.py)

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from sdp.rank.distctx import WHERE
-from sdp.parallel.base import DistContext, StepResult
+from sdp.parallel.base import StepResult
+from sdp.rank.distctx import DistContext
 
 POLICIES = ("stop", "skip")
 

@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from sdp.errors import fail, one_of
+from sdp.errors import one_of
 
 PRECISIONS = ("fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

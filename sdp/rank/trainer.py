@@ -22,7 +22,8 @@ from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches
 from sdp.rank.faults import Faults
 from sdp.rank.schedule import Cadence, lr_lambda
 from sdp.results.loggers import Logger, ProgressBar
-from sdp.rank.loss import loss_fn  # noqa: F401 (re-exported: sdp.rank.trainer.loss_fn is used widely)
+from sdp.rank.eval_ops import world_sum
+from sdp.rank.loss import loss_fn
 from sdp.metrics.activations import measure_saved_tensors
 from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
@@ -240,7 +241,7 @@ class Trainer:
             mine = evaluation.totals(full, bn_batches=self.calibration(every_replica=False)[0], rank=ctx.rank,
                                      world_size=ctx.world_size, part_batches=int(evaluation.part_batches(self.cfg)), **common)
         with ctx.comm.phase_as("eval"):  # the sums' gathers are evaluation traffic, not the step's
-            figures = {"full": evaluation.world_sum(mine, ctx=ctx)}
+            figures = {"full": world_sum(mine, ctx=ctx)}
         workers, ensemble = bool(ec.subnetworks), bool(evaluation.ensemble(self.cfg))
         if workers or ensemble:
             with self.strategy.subnetwork_module() as own:
@@ -250,7 +251,7 @@ class Trainer:
                                                        world_size=ctx.world_size, ensemble=ensemble, **common)
                     if workers:
                         with ctx.comm.phase_as("eval"):
-                            figures["workers"] = evaluation.world_sum(torch.stack([t[0] / t[2], t[1] / t[2]]),
+                            figures["workers"] = world_sum(torch.stack([t[0] / t[2], t[1] / t[2]]),
                                                                       ctx=ctx) / ctx.world_size
                     if ens is not None:  # the same totals on every rank
                         figures["ensemble"] = torch.stack([ens[0] / ens[2], ens[1] / ens[2]])

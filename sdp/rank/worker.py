@@ -34,7 +34,7 @@ from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
 from sdp.models.base import SDPModel
-from sdp.registry import build, import_plugins  # noqa: F401 (build re-exported: sdp.rank.worker.build is used widely)
+from sdp.registry import build, import_plugins
 from sdp.parallel import STRATEGIES, DistContext, Job, Strategy
 from sdp.rank.trainer import Trainer
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sdp.rank.distctx import DistContext
-from sdp.subnet.masking import Local, Piece, locate, view
+from sdp.subnet.masking import Local, Piece, locate
 
 # A piece's state as ``{key: description}``; a description is ("tensor", dtype) for state shaped like
 # the parameter, ("scalar", dtype, value, on_param_device) for a 0-dim tensor, ("number", value), ("none",).

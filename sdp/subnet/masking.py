@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from sdp.models.base import SDPModel
-from sdp.subnet.plan import Plan, sliced_names
+from sdp.subnet.plan import Plan
+from sdp.subnet.units import sliced_names
 from sdp.subnet.rejoin import _DeviceIndex, _split_forward
 
 

@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from sdp.models.base import SDPModel
-from sdp.subnet.assign import ASSIGNMENTS, PlanError, assign, components, connectable, relabel
+from sdp.subnet.assign import PlanError, assign, components, connectable, relabel
 from sdp.subnet.capped import cap_holder_sets
-from sdp.subnet.rolling import REDRAWS, check_redraw, rolling, shuffle
-from sdp.subnet.units import LEVELS, cross_sliced, declare_units, measure_block_costs, sliced_names  # noqa: F401
+from sdp.subnet.rolling import check_redraw, rolling, shuffle
+from sdp.subnet.units import declare_units, measure_block_costs, sliced_names
 
-__all__ = ["ASSIGNMENTS", "LEVELS", "REDRAWS", "Plan", "PlanError", "PlanWarning", "Unit", "assign", "build_plan",
+__all__ = ["Plan", "PlanError", "PlanWarning", "Unit", "assign", "build_plan",
            "check", "num_holders", "warn_degenerate"]
 
 
