@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from sdp.rank.distctx import mesh_overrides
+from sdp.rank.distctx import average_buffers, mesh_overrides
 from sdp.driver.fields import conform
 from sdp.driver.schema_parallel import FSDP
 from sdp.errors import require
@@ -44,7 +44,6 @@ from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.rank.precision import fsdp_policies
 from sdp.parallel.base import OptimizerFactory, Strategy
-from sdp.rank.distctx import average_buffers
 from sdp.parallel.job import Job
 from sdp.parallel.spec import StrategySpec, register
 from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry

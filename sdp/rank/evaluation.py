@@ -58,8 +58,7 @@ from torch import nn
 from sdp.rank import eval_ensemble
 from sdp.data.base import DataBundle
 from sdp.rank.distctx import DistContext, flatten, unflatten
-from sdp.rank.eval_ops import (batch_norms, bn_pass, gathered, ordered_mean, ordered_sum, statistics,
-                                val_totals)
+from sdp.rank.eval_ops import batch_norms, bn_pass, gathered, ordered_mean, ordered_sum, statistics, val_totals
 from sdp.rank.eval_parts import Partwise, partwise_totals
 
 BN_PROTOCOLS = ("reestimate", "average")  # eval.bn (its choices in sdp/driver/schema.py)

@@ -21,9 +21,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from sdp.rank.distctx import WHERE
 from sdp.parallel.base import StepResult
-from sdp.rank.distctx import DistContext
+from sdp.rank.distctx import WHERE, DistContext
 
 POLICIES = ("stop", "skip")
 

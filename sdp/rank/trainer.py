@@ -252,7 +252,7 @@ class Trainer:
                     if workers:
                         with ctx.comm.phase_as("eval"):
                             figures["workers"] = world_sum(torch.stack([t[0] / t[2], t[1] / t[2]]),
-                                                                      ctx=ctx) / ctx.world_size
+                                                           ctx=ctx) / ctx.world_size
                     if ens is not None:  # the same totals on every rank
                         figures["ensemble"] = torch.stack([ens[0] / ens[2], ens[1] / ens[2]])
         flat = iter(torch.cat(list(figures.values())).tolist())  # the one read of the evaluation

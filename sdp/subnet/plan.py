@@ -45,8 +45,7 @@ from sdp.subnet.capped import cap_holder_sets
 from sdp.subnet.rolling import check_redraw, rolling, shuffle
 from sdp.subnet.units import declare_units, measure_block_costs, sliced_names
 
-__all__ = ["Plan", "PlanError", "PlanWarning", "Unit", "assign", "build_plan",
-           "check", "num_holders", "warn_degenerate"]
+__all__ = ["Plan", "PlanError", "PlanWarning", "Unit", "assign", "build_plan", "check", "num_holders", "warn_degenerate"]
 
 
 class PlanWarning(UserWarning):
