@@ -3,76 +3,31 @@
 Why append-only and one call per run: the check runs on a lent GPU under a hard time limit; whatever
 finished before a kill must already be in the file. Each sub-command appends and exits:
 
-- ``floor``: ``sdp-plan``'s prediction (:func:`sdp.planning.planner.predict`, in process) of DDP's and SDP's
-  model state for the run's config, and the floor SDP at its coverage cannot go below there, because
-  every rank holds the parts outside the blocks (the LLaMA stem and head). Written to ``floor.json``.
+- ``plan``: ``sdp-plan``'s prediction (:func:`sdp.planning.planner.predict`, in process) for a run, before it
+  runs, with the run's own overrides; written beside the run as ``NAME.plan.json``.
+- ``floor``: from the DDP and SDP runs' plans, the model-state floor SDP at its coverage cannot go below,
+  because every rank holds the parts outside the blocks (the LLaMA stem and head). Written to ``floor.json``.
 - ``row``: one run's line of the table from its summary.json (or its exit code and last error line).
-- ``verdict``: one of the issue's checks from the runs it needs (``memory``, ``fsdp_setup``,
-  ``device_figures``, ``tf32``, ``deterministic``, ``bn``).
+- ``verdict``: one of the checks from the runs it needs (``memory``, ``fsdp_setup``, ``device_figures``,
+  ``tf32``, ``deterministic``, ``bn``, ``peaks``: measured against predicted peaks, ``mfu``: step time and MFU
+  of the whole model and of one SDP worker's share of it, ``groups``: the NCCL communicator life cycle of
+  ``nccl_groups.py``).
+- ``caveats``: which of the figures mean nothing when several ranks share one GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
 
-MIB = 2**20
+from checks import cmd_caveats, cmd_groups, cmd_verdict
+from gpu_io import _max, _mib, _opt, append, backend, last_error, plan, state, summary, table_open
+
 COLUMNS = ["run", "rc", "s", "ranks", "backend", "alloc peak MiB (train, max rank)", "max reserved MiB",
            "device used MiB (whole GPU)", "set-up peak MiB", "model state MiB", "activations MiB", "tokens/s",
-           "tf32 matmul", "eval loss", "note"]
-
-
-def append(results: Path, text: str) -> None:
-    with results.open("a") as f:
-        f.write(text.rstrip("\n") + "\n")
-
-
-def summary(runs: Path, name: str) -> dict[str, Any] | None:
-    path = runs / name / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _max(per_rank: list[dict[str, Any]], key: str) -> int | None:
-    vals = [m[key] for m in per_rank if m.get(key) is not None]
-    return max(vals) if vals else None
-
-
-def state(s: dict[str, Any]) -> int:
-    """The largest rank's model state: parameters, gradients, optimizer state."""
-    return max(m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in s["memory"]["per_rank"])
-
-
-def _mib(v: int | float | None) -> str:
-    return "-" if v is None else f"{v / MIB:.0f}" if v >= 100 * MIB else f"{v / MIB:.2f}"
-
-
-def backend(runs: Path, name: str) -> str:
-    """The run's process-group backend as its recorded config says (cluster.backend, auto resolved by device)."""
-    from omegaconf import OmegaConf
-
-    path = runs / name / "config.yaml"
-    if not path.exists():
-        return "-"
-    c = OmegaConf.load(path).cluster
-    return str(c.backend) if str(c.backend) != "auto" else ("nccl" if str(c.device) == "cuda" else "gloo")
-
-
-def table_open(results: Path) -> bool:
-    """Whether the file ends inside a table (a verdict or note since the last row closes it)."""
-    lines = results.read_text().rstrip("\n").splitlines() if results.exists() else []
-    return bool(lines) and lines[-1].startswith("|")
-
-
-def last_error(log: Path) -> str:
-    """The last line of the log that names an error (what a row says when there is no summary)."""
-    if not log.exists():
-        return "no log"
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    errs = [ln for ln in lines if re.search(r"Error|error:|refused|Killed|Traceback", ln)]
-    return (errs or lines or ["empty log"])[-1][:200].replace("|", "/")
+           "step ms", "MFU", "tf32 matmul", "eval loss", "note"]
 
 
 def cmd_header(a: argparse.Namespace) -> None:
@@ -94,100 +49,50 @@ def cmd_row(a: argparse.Namespace) -> None:
         cells = [a.name, a.rc, a.secs, s["world_size"], backend(a.runs, a.name), _mib(_max(mem, "cuda_max_allocated_bytes")),
                  _mib(_max(mem, "cuda_max_reserved_bytes")), _mib(_max(mem, "cuda_device_used_bytes")),
                  _mib(_max(mem, "setup_peak_bytes")), _mib(state(s)), _mib(acts),
-                 "-" if not s["time"].get("tokens_per_s") else f"{s['time']['tokens_per_s']:.0f}", (s.get("backends") or {}).get("tf32_matmul", "not recorded"),
+                 "-" if not s["time"].get("tokens_per_s") else f"{s['time']['tokens_per_s']:.0f}",
+                 _opt(s["time"].get("step_s_median"), ".1f", 1e3), _opt(s["time"].get("mfu"), ".3f"),
+                 (s.get("backends") or {}).get("tf32_matmul", "not recorded"),
                  "-" if s["final"].get("eval_loss") is None else f"{s['final']['eval_loss']:.4f}", ""]
     append(a.results, "| " + " | ".join(str(c) for c in cells) + " |")
 
 
-def cmd_floor(a: argparse.Namespace) -> None:
-    """The plan's DDP and SDP model state for the check's config, and their ratio: the floor."""
-    import torch  # the package comes from the checkout: h200_check.sh puts it on PYTHONPATH
+def _compose(overrides: list[str]) -> Any:
     from hydra import compose, initialize_config_dir
 
-    from sdp.planning.planner import predict
-    from sdp.registry import build
-    from sdp.driver.train import CONF_DIR
+    from sdp.driver.train import CONF_DIR  # the package comes from the checkout: h200_check.sh puts it on PYTHONPATH
 
-    def plan(extra: list[str]) -> dict[str, Any]:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return predict(compose(config_name="config", overrides=[*a.overrides, *extra]))
-
-    ddp, sdp = plan(a.ddp), plan(a.sdp)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(a.overrides))
+        return compose(config_name="config", overrides=overrides)
+
+
+def cmd_plan(a: argparse.Namespace) -> None:
+    """The run's prediction, made before it runs from the same overrides (the planner the user runs)."""
+    from sdp.planning.planner import predict
+
+    (a.runs / f"{a.name}.plan.json").write_text(json.dumps(predict(_compose(list(a.overrides))), indent=1))
+
+
+def cmd_floor(a: argparse.Namespace) -> None:
+    """The plan's DDP and SDP model state for the check's config, and their ratio: the floor."""
+    import torch
+
+    from sdp.registry import build
+
     with torch.device("meta"):
-        model = build(cfg.model)
+        model = build(_compose(list(a.overrides)).model)
     total = sum(p.numel() for p in model.parameters())
     blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
-    st = {k: max(m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in p["memory"]["per_rank"])
-          for k, p in (("ddp", ddp), ("sdp", sdp))}
+    plans = {k: plan(a.runs, n) for k, n in (("ddp", a.ddp), ("sdp", a.sdp))}
+    if None in plans.values():
+        raise SystemExit(f"floor: no {a.ddp}.plan.json / {a.sdp}.plan.json in {a.runs}: run `rows.py plan` for both first")
+    st = {k: state(p) for k, p in plans.items()}
     floor = st["sdp"] / st["ddp"]
     out = {"floor": floor, "ddp_state_bytes": st["ddp"], "sdp_state_bytes": st["sdp"], "params": total,
            "params_outside_blocks": total - blocks}
     (a.runs / "floor.json").write_text(json.dumps(out, indent=1))
-    append(a.results, f"\nPlan floor ({' '.join(a.sdp)} vs DDP, from sdp-plan): largest rank's model state "
+    append(a.results, f"\nPlan floor ({a.sdp} vs {a.ddp}, from sdp-plan): largest rank's model state "
                       f"{_mib(st['sdp'])} / {_mib(st['ddp'])} MiB = **{floor:.3f}x**; {(total - blocks) / 1e6:.1f} M of "
                       f"{total / 1e6:.1f} M parameters are outside the blocks (stem, head) and held by every rank.\n")
-
-
-def _verdict(a: argparse.Namespace, ok: bool | None, text: str) -> None:
-    mark = {True: "PASS", False: "FAIL", None: "n/a"}[ok]
-    append(a.results, f"\n- **{a.kind}: {mark}** {text}")
-
-
-def cmd_verdict(a: argparse.Namespace) -> None:  # noqa: C901 - one branch per check, each short
-    runs, need = a.runs, a.need or []
-    got = {n: summary(runs, n) for n in need}
-    missing = [n for n, s in got.items() if s is None]
-    if a.kind == "deterministic":  # a refusal has no summary by design
-        name = need[0]
-        s, log = got[name], runs / f"{name}.log"
-        text = log.read_text(errors="replace") if log.exists() else ""
-        if s is not None:
-            return _verdict(a, True, f"{name} trained with train.deterministic=true (backends: {s.get('backends')})")
-        refused = "ConfigError: train.deterministic" in text and "RankFailure" not in text  # the driver's, not a rank's
-        return _verdict(a, refused, f"{name}: {'refused before any rank started' if refused else 'failed'}: {last_error(log)}")
-    if missing:
-        return _verdict(a, None, f"missing runs: {', '.join(missing)}")
-    if a.kind == "memory":
-        ddp, sdp = got[need[0]], got[need[1]]
-        floor = json.loads((runs / "floor.json").read_text())["floor"]
-        ratio = state(sdp) / state(ddp)
-        peak = [_max(s["memory"]["per_rank"], "cuda_max_allocated_bytes") or _max(s["memory"]["per_rank"], "train_peak_bytes")
-                for s in (sdp, ddp)]
-        pr = f"{peak[0] / peak[1]:.3f}x" if all(peak) else "n/a"
-        return _verdict(a, abs(ratio - floor) <= 0.03 * floor,
-                        f"{need[1]} / {need[0]} model state {ratio:.3f}x against the plan's floor {floor:.3f}x (within 3%); "
-                        f"train allocator peak {pr} (state + activations + transients)")
-    if a.kind == "fsdp_setup":
-        ddp, fsdp = got[need[0]], got[need[1]]
-        full = max(m["param_bytes"] for m in ddp["memory"]["per_rank"])
-        setup = _max(fsdp["memory"]["per_rank"], "setup_peak_bytes") or 0
-        return _verdict(a, setup < full, f"{need[1]} set-up peak {_mib(setup)} MiB (largest rank) = {setup / full:.2f}x the "
-                                         f"full fp32 model ({_mib(full)} MiB, {need[0]}'s parameters); one rank's shards "
-                                         f"plus one module are expected, never the whole model")
-    if a.kind == "device_figures":
-        bad = []
-        for n, s in got.items():
-            for m in s["memory"]["per_rank"]:
-                alloc, res, used = (m.get(k) for k in ("cuda_max_allocated_bytes", "cuda_max_reserved_bytes",
-                                                       "cuda_device_used_bytes"))
-                if None in (alloc, res, used) or not (alloc <= res <= used):
-                    bad.append(f"{n} rank {m['rank']}: allocated {_mib(alloc)}, reserved {_mib(res)}, used {_mib(used)}")
-        return _verdict(a, not bad, "max allocated <= max reserved (over the run) <= device used (largest seen) on every "
-                                    "rank" + (": " + "; ".join(bad) if bad else ""))
-    if a.kind == "tf32":
-        rec = {n: s.get("backends") or {} for n, s in got.items()}
-        if all(b.get("device_type") == "cpu" for b in rec.values()):
-            return _verdict(a, None, f"CPU run (TF32 does not exist there): backends {rec}")
-        tf32 = {n: b.get("tf32_matmul") for n, b in rec.items()}
-        return _verdict(a, all(v is not None for v in tf32.values()), f"summary.json backends.tf32_matmul: {tf32}")
-    if a.kind == "bn":
-        ddp, sdp = (got[n]["final"]["eval_loss"] for n in need)
-        gap = abs(sdp - ddp) / max(abs(ddp), 1e-12)
-        return _verdict(a, gap < 0.01, f"eval.bn=average at C=1: {need[1]} eval loss {sdp:.4f} vs {need[0]} {ddp:.4f} "
-                                       f"(relative gap {gap:.2e}; stale statistics after the move to the GPU show as a large gap)")
-    raise SystemExit(f"unknown verdict {a.kind!r}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,16 +107,24 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--name", required=True)
     r.add_argument("--rc", required=True)
     r.add_argument("--secs", required=True)
+    p = sub.add_parser("plan")
+    p.add_argument("--name", required=True)
+    p.add_argument("overrides", nargs="*")
     f = sub.add_parser("floor")
-    f.add_argument("--ddp", nargs="+", required=True)
-    f.add_argument("--sdp", nargs="+", required=True)
+    f.add_argument("--ddp", required=True, help="the DDP run's name (its NAME.plan.json)")
+    f.add_argument("--sdp", required=True, help="the SDP run's name")
     f.add_argument("overrides", nargs="*")
     v = sub.add_parser("verdict")
-    v.add_argument("kind", choices=["memory", "fsdp_setup", "device_figures", "tf32", "deterministic", "bn"])
+    v.add_argument("kind", choices=["memory", "fsdp_setup", "device_figures", "tf32", "deterministic", "bn", "peaks", "mfu"])
     v.add_argument("need", nargs="*")
+    g = sub.add_parser("groups")
+    g.set_defaults(kind="groups")
+    c = sub.add_parser("caveats")
+    c.set_defaults(kind="caveats")
     a = ap.parse_args(argv)
     a.runs.mkdir(parents=True, exist_ok=True)
-    {"header": cmd_header, "row": cmd_row, "floor": cmd_floor, "verdict": cmd_verdict}[a.cmd](a)
+    {"header": cmd_header, "row": cmd_row, "plan": cmd_plan, "floor": cmd_floor, "verdict": cmd_verdict,
+     "groups": cmd_groups, "caveats": cmd_caveats}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""The GPU check's verdicts: each reads the runs it needs (summary.json, NAME.plan.json, nccl_groups.json) and
+appends one line, PASS, FAIL or n/a with the figures it judged (``rows.py verdict KIND RUN...``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from gpu_io import _max, _mib, _opt, _verdict, append, last_error, plan, state, summary
+
+
+def cmd_verdict(a: argparse.Namespace) -> None:  # noqa: C901 - one branch per check, each short
+    runs, need = a.runs, a.need or []
+    got = {n: summary(runs, n) for n in need}
+    missing = [n for n, s in got.items() if s is None]
+    if a.kind == "deterministic":  # a refusal has no summary by design
+        name = need[0]
+        s, log = got[name], runs / f"{name}.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if s is not None:
+            return _verdict(a, True, f"{name} trained with train.deterministic=true (backends: {s.get('backends')})")
+        refused = "ConfigError: train.deterministic" in text and "RankFailure" not in text  # the driver's, not a rank's
+        return _verdict(a, refused, f"{name}: {'refused before any rank started' if refused else 'failed'}: {last_error(log)}")
+    if missing:
+        return _verdict(a, None, f"missing runs: {', '.join(missing)}")
+    if a.kind == "memory":
+        ddp, sdp = got[need[0]], got[need[1]]
+        floor = json.loads((runs / "floor.json").read_text())["floor"]
+        ratio = state(sdp) / state(ddp)
+        peak = [_max(s["memory"]["per_rank"], "cuda_max_allocated_bytes") or _max(s["memory"]["per_rank"], "train_peak_bytes")
+                for s in (sdp, ddp)]
+        pr = f"{peak[0] / peak[1]:.3f}x" if all(peak) else "n/a"
+        return _verdict(a, abs(ratio - floor) <= 0.03 * floor,
+                        f"{need[1]} / {need[0]} model state {ratio:.3f}x against the plan's floor {floor:.3f}x (within 3%); "
+                        f"train allocator peak {pr} (state + activations + transients)")
+    if a.kind == "fsdp_setup":
+        ddp, fsdp = got[need[0]], got[need[1]]
+        full = max(m["param_bytes"] for m in ddp["memory"]["per_rank"])
+        setup = _max(fsdp["memory"]["per_rank"], "setup_peak_bytes") or 0
+        return _verdict(a, setup < full, f"{need[1]} set-up peak {_mib(setup)} MiB (largest rank) = {setup / full:.2f}x the "
+                                         f"full fp32 model ({_mib(full)} MiB, {need[0]}'s parameters); one rank's shards "
+                                         f"plus one module are expected, never the whole model")
+    if a.kind == "device_figures":
+        bad = []
+        for n, s in got.items():
+            for m in s["memory"]["per_rank"]:
+                alloc, res, used = (m.get(k) for k in ("cuda_max_allocated_bytes", "cuda_max_reserved_bytes",
+                                                       "cuda_device_used_bytes"))
+                if None in (alloc, res, used) or not (alloc <= res <= used):
+                    bad.append(f"{n} rank {m['rank']}: allocated {_mib(alloc)}, reserved {_mib(res)}, used {_mib(used)}")
+        return _verdict(a, not bad, "max allocated <= max reserved (over the run) <= device used (largest seen) on every "
+                                    "rank" + (": " + "; ".join(bad) if bad else ""))
+    if a.kind == "tf32":
+        rec = {n: s.get("backends") or {} for n, s in got.items()}
+        if all(b.get("device_type") == "cpu" for b in rec.values()):
+            return _verdict(a, None, f"CPU run (TF32 does not exist there): backends {rec}")
+        tf32 = {n: b.get("tf32_matmul") for n, b in rec.items()}
+        return _verdict(a, all(v is not None for v in tf32.values()), f"summary.json backends.tf32_matmul: {tf32}")
+    if a.kind == "bn":
+        ddp, sdp = (got[n]["final"]["eval_loss"] for n in need)
+        gap = abs(sdp - ddp) / max(abs(ddp), 1e-12)
+        return _verdict(a, gap < 0.01, f"eval.bn=average at C=1: {need[1]} eval loss {sdp:.4f} vs {need[0]} {ddp:.4f} "
+                                       f"(relative gap {gap:.2e}; stale statistics after the move to the GPU show as a large gap)")
+    if a.kind == "peaks":
+        return _verdict_peaks(a, got)
+    if a.kind == "mfu":
+        return _verdict_mfu(a, got)
+    raise SystemExit(f"unknown verdict {a.kind!r}")
+
+
+PEAKS = ("setup_peak_bytes", "train_peak_bytes", "eval_peak_bytes")
+
+
+def _verdict_peaks(a: argparse.Namespace, got: dict[str, dict[str, Any]]) -> None:
+    """Measured (the allocator's on CUDA, the live-tensor tracker's on CPU) over predicted, per phase, largest rank.
+    PASS within 10 %, the bound the CPU tests hold the planner to (tests/test_plan_peaks.py)."""
+    parts, ok = [], True
+    for name, s in got.items():
+        p = plan(a.runs, name)
+        if p is None:
+            parts.append(f"{name}: no plan")
+            ok = False
+            continue
+        ratios = []
+        for key in PEAKS:
+            meas, pred = _max(s["memory"]["per_rank"], key), _max(p["memory"]["per_rank"], key)
+            if meas is None or not pred:
+                ratios.append(f"{key.split('_')[0]} -")
+                continue
+            ok = ok and abs(meas / pred - 1) <= 0.10
+            ratios.append(f"{key.split('_')[0]} {_mib(meas)}/{_mib(pred)} MiB = {meas / pred:.2f}x")
+        parts.append(f"{name}: " + ", ".join(ratios))
+    _verdict(a, ok, "measured / predicted peak (largest rank; within 10 %): " + "; ".join(parts))
+
+
+def _verdict_mfu(a: argparse.Namespace, got: dict[str, dict[str, Any]]) -> None:
+    """The whole model's step against one SDP worker's compute (the same model with half its blocks, alone on
+    the GPU): what SDP's per-worker compute costs where nothing else shares the device."""
+    (full_n, full), (half_n, half) = got.items()
+    t = {n: s["time"] for n, s in got.items()}
+    cells = [f"{n}: step {_opt(x.get('step_s_median'), '.1f', 1e3)} ms, {_opt(x.get('tokens_per_s'), '.0f')} tokens/s, "
+             f"MFU {_opt(x.get('mfu'), '.3f')} ({x.get('mfu_dtype') or '-'})" for n, x in t.items()]
+    steps = [x.get("step_s_median") for x in t.values()]
+    ratio = f"; step time {half_n} / {full_n} = {steps[1] / steps[0]:.3f}x" if all(steps) else ""
+    mfu = [x.get("mfu") for x in t.values()]
+    _verdict(a, None if None in mfu else True, "; ".join(cells) + ratio + (" (no MFU: no known device peak)" if None in mfu else ""))
+
+
+def cmd_groups(a: argparse.Namespace) -> None:
+    """The verdict on nccl_groups.py's JSON: every step passed (a step torch lacks is n/a, not a failure)."""
+    path = a.runs / "nccl_groups.json"
+    if not path.exists():
+        return _verdict(a, False, f"no {path.name} (the script did not finish)")
+    r = json.loads(path.read_text())
+    failed = [f"{x['step']}: {x['error']}" for x in r.get("steps", []) if x["ok"] is False]
+    if r.get("error"):
+        failed.insert(0, f"init: {r['error']}")
+    done = ", ".join(f"{x['step']} {'ok' if x['ok'] else x.get('note', 'FAILED')}" for x in r.get("steps", []))
+    _verdict(a, not failed and bool(r.get("steps")), f"{r['backend']} on {r['device']} (torch {r['torch']}"
+             f"{', NCCL ' + r['nccl_version'] if r.get('nccl_version') else ''}): {done}" + (": " + "; ".join(failed) if failed else ""))
+
+
+SHARED_GPU = [
+    "step time, tokens/s and MFU of the runs with several ranks on one GPU: the ranks take turns on one device, so "
+    "none of them measures a worker with a GPU of its own (only the world-size-1 runs do)",
+    "communication time and overlap of those runs: gloo moves every tensor through host memory, not NVLink or "
+    "InfiniBand; SDP's and DDP's comm time there says nothing of NCCL's",
+    "device used MiB (whole GPU): mem_get_info counts every process on the device, so each rank sees the others' memory",
+    "NCCL sub-communicators of several ranks (SDP's holder sets): never made here, because NCCL refuses two ranks on "
+    "one GPU; the groups check splits a one-rank communicator only",
+]
+
+
+def cmd_caveats(a: argparse.Namespace) -> None:
+    append(a.results, "\n### Figures above that mean nothing on a shared GPU\n\n" + "\n".join(f"- {c}" for c in SHARED_GPU)
+           + "\n\nWhat does mean something with 4 ranks on one GPU: each rank's allocator peaks and model state "
+             "(the allocator is per process), the measured-vs-predicted peaks, and every world-size-1 figure.")
