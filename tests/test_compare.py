@@ -1,5 +1,6 @@
-"""What ``sdp-train`` alone runs (experiment=compare: DDP next to SDP at k = 2, one multirun), the
-comparison table it ends with (ratios to DDP, on the committed reference runs) and the sweep's
+"""What ``sdp-train`` runs: the composition its arguments name (the comparison, ``experiment=compare``: DDP next
+to SDP at k = 2, one multirun; without an experiment one plain run, as ``--cfg job`` prints), the comparison table
+it ends with (ratios to DDP, on the committed reference runs) and the sweep's
 progress label. All fast: nothing is launched."""
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMA_RUNS = ROOT / "benchmarks" / "results" / "cpu-4ranks" / "llama" / "runs"  # DDP, FSDP, B-SDP C=0.5, 4 ranks
 
 
-def test_sdp_train_alone_composes_the_comparison_and_any_argument_a_plain_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = compose_config(*train.DEFAULT_JOB, hydra=True)
+COMPARE = ["experiment=compare"]  # the README's first command: the comparison, asked for by name
+
+
+def test_the_comparison_is_asked_for_by_name_and_sdp_train_alone_is_the_default_composition(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = compose_config(*COMPARE, hydra=True)
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN" and cfg.hydra.callbacks.report.compare is True
     methods = str(cfg.hydra.sweeper.params.parallelism).split(",")
     assert methods[0] == "ddp" and "sdp" in methods, methods
     assert sweep_size(params=dict(cfg.hydra.sweeper.params), overrides=[]) == (len(methods), ["parallelism"])
-    jobs = {m: compose_config(*train.DEFAULT_JOB, f"parallelism={m}") for m in methods}
+    jobs = {m: compose_config(*COMPARE, f"parallelism={m}") for m in methods}
     for m, job in jobs.items():  # a fair comparison: only the strategy differs
         for key in ("seed", "train", "dataset", "model", "optim", "cluster"):
             assert job[key] == jobs["ddp"][key], (m, key)
@@ -40,16 +44,40 @@ def test_sdp_train_alone_composes_the_comparison_and_any_argument_a_plain_run(mo
     assert (sdp.dataset.name, sdp.cluster.world_size, sdp.parallelism.level, sdp.parallelism.masking) == ("digits", 4, "block", "forward")
     assert num_holders(coverage=sdp.parallelism.coverage, world_size=sdp.cluster.world_size) == 2  # holders really share
 
-    plain = compose_config("parallelism=sdp", hydra=True)  # one plain run, as before the comparison existed
+    plain = compose_config("parallelism=sdp", hydra=True)  # one plain run: no experiment named
     assert plain.hydra.mode is None and not plain.hydra.sweeper.params and plain.hydra.callbacks.report.compare is False
     assert plain.cluster.world_size == 2 and plain.parallelism.name == "sdp"
 
-    seen: list[list[str]] = []
+    seen: list[list[str]] = []  # what Hydra is handed: the arguments as typed, whatever their number
     monkeypatch.setattr(train, "_hydra_main", lambda: seen.append(sys.argv[1:]))
-    for argv, expected in ((["sdp-train"], train.DEFAULT_JOB), (["sdp-train", "parallelism=ddp"], ["parallelism=ddp"])):
+    for argv in (["sdp-train"], ["sdp-train", "logger.progress=false"], ["sdp-train", "--cfg", "job"], ["sdp-train", *COMPARE]):
         monkeypatch.setattr(sys, "argv", list(argv))
         train.main()
-        assert seen[-1] == expected, (argv, seen[-1])
+        assert seen[-1] == argv[1:], (argv, seen[-1])
+
+
+def _cfg_job(*args: str) -> dict:
+    """What ``sdp-train <args> --cfg job`` prints, as a dict."""
+    import subprocess
+
+    import yaml
+
+    out = subprocess.run([sys.executable, "-m", "sdp.driver.train", *args, "--cfg", "job"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return yaml.safe_load(out.stdout)
+
+
+def test_cfg_job_prints_what_runs() -> None:
+    """``--cfg job`` shows the job ``sdp-train`` with the same arguments runs: the bare command's one plain run
+    (2 ranks, the default strategy) and, under the comparison, the comparison's 4 ranks and data."""
+    from omegaconf import OmegaConf
+
+    bare, progress_off = _cfg_job(), _cfg_job("logger.progress=false")
+    assert bare == OmegaConf.to_container(compose_config(), resolve=False), "the bare --cfg job differs from the composition"
+    assert progress_off["logger"]["progress"] is False and {**progress_off, "logger": bare["logger"]} == bare
+    compare = _cfg_job(*COMPARE)
+    assert compare["cluster"]["world_size"] == 4 and bare["cluster"]["world_size"] == 2, (compare["cluster"], bare["cluster"])
 
 
 def _cells(text: str, method: str) -> dict[str, str]:

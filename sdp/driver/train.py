@@ -5,9 +5,10 @@ as ``config.yaml`` into the run directory, and then the ranks are started below 
 under an external launcher, this process is a rank). Multirun with Hydra's basic launcher therefore
 runs each job's ranks in turn.
 
-``sdp-train`` with no arguments at all runs :data:`DEFAULT_JOB`, the comparison of
-``conf/experiment/compare.yaml`` (DDP and SDP side by side, one table of ratios to DDP); any argument
-(``sdp-train parallelism=sdp``) composes ``conf/config.yaml`` as given: one plain run.
+What runs is what Hydra composes from ``conf/config.yaml`` and the arguments, nothing else: ``sdp-train``
+alone is one plain run of the default composition (``sdp-train --cfg job`` prints it), and the comparison (DDP
+and SDP side by side, one table of ratios to DDP) is asked for by name, ``sdp-train experiment=compare``
+(``conf/experiment/compare.yaml``); every further argument modifies what it names.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ if not OmegaConf.has_resolver("sdp_mul"):
 register()  # the typed schemas conf/*.yaml extend (sdp/driver/schema.py), stored before anything composes conf/
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent.parent / "conf")
-DEFAULT_JOB = ["experiment=compare"]  # what `sdp-train` alone runs (the first Quick start command of the README)
 
 
 def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
@@ -114,11 +114,6 @@ def main() -> None:
     stale = renamed_overrides(sys.argv[1:])  # before Hydra, whose struct error would not name the new key
     if stale is not None:
         sys.exit(f"sdp-train: {stale}")
-    if len(sys.argv) == 1:
-        sys.argv += DEFAULT_JOB
-        print(f"sdp-train with no arguments runs `sdp-train {' '.join(DEFAULT_JOB)}`: DDP and SDP side by side, one "
-              "table of ratios to DDP at the end (conf/experiment/compare.yaml). One plain run: sdp-train parallelism=sdp",
-              flush=True)
     _hydra_main()
 
 

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exclude", nargs="*", default=None,
                         help=f"config keys (fnmatch patterns) never used to group runs; default {' '.join(DEFAULT_EXCLUDE)}")
     parser.add_argument("--compare", action="store_true",
-                        help="print one table of ratios to DDP instead (and write it with the plots): what sdp-train's default job prints")
+                        help="print one table of ratios to DDP instead (and write it with the plots): what sdp-train experiment=compare prints")
     args = parser.parse_args(argv)
     exclude = tuple(args.exclude) if args.exclude is not None else DEFAULT_EXCLUDE
     try:

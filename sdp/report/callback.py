@@ -1,8 +1,8 @@
 """Hydra callback: at the end of every multirun, build the sweep's tables and print them.
 
 Registered in ``conf/config.yaml`` under ``hydra.callbacks.report``. Single runs are untouched (only
-the multirun hooks are implemented). With ``compare: true`` (``experiment=compare``, the default job
-of ``sdp-train``) it prints one table of ratios to DDP instead (:mod:`sdp.report.compare`), writes it
+the multirun hooks are implemented). With ``compare: true`` (``experiment=compare``, the README's first
+command) it prints one table of ratios to DDP instead (:mod:`sdp.report.compare`), writes it
 and the plots next to the full report, and prints where each file is. When a job fails, Hydra's sweeper raises before
 ``on_multirun_end``; the tables are then built at interpreter exit instead, so the failed run is
 reported in them rather than the whole table being lost. With W&B on (``logger.wandb.mode`` online or

@@ -1,6 +1,6 @@
 """Every ratio-to-DDP table: the comparison of a sweep and the tables of the benchmark suites.
 
-- :func:`comparison_markdown`: what ``sdp-train`` prints at the end of its default job
+- :func:`comparison_markdown`: what ``sdp-train experiment=compare`` prints at its end
   (``experiment=compare``; the multirun callback with ``compare: true``) and what ``sdp-report SWEEP
   --compare`` rebuilds: one row per method with its eval accuracy, then training peak memory, model state,
   comm bytes per step and step time, each a ratio of means to the DDP row of the same table (the
