@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from sdp.errors import ConfigError
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.mlp import MLP
 from sdp.parallel import STRATEGIES
@@ -35,8 +36,6 @@ SYNC, SAVE_AT, STEPS = 4, 3, 6  # averages after steps 4 and 8 (1-based); the ch
 class LocalSGD(Strategy):
     """Local SGD (a stand-in): every rank updates its own replica; the replicas are averaged every
     ``SYNC`` steps. Declares nothing, so its replicas are not taken to be identical."""
-
-    name = "local_sgd"
 
     def setup(self, *, model, optimizer_factory) -> None:  # type: ignore[no-untyped-def]
         self.module = model
@@ -125,6 +124,7 @@ def test_identical_replicas_keep_the_shared_layout() -> None:
         replicas_identical = True
 
     ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    written: dict[type, dict[str, Any]] = {}
     for cls, layout in ((Replicated, {"shared": ["model", "optimizer"], "local": ["buffers"]}),
                         (LocalSGD, {"local": ["buffers", "model", "optimizer"]})):
         s = cls(cfg=None, job=Job(), ctx=ctx)
@@ -133,3 +133,8 @@ def test_identical_replicas_keep_the_shared_layout() -> None:
         state = s.checkpoint_state()
         assert {k: sorted(v) for k, v in state.items()} == layout, (cls.__name__, {k: sorted(v) for k, v in state.items()})
         s.load_checkpoint_state(state)
+        written[cls] = state
+    # a checkpoint of the other layout is refused by name, not loaded as rank 0's copy or failed with a KeyError
+    with pytest.raises(ConfigError, match=r"^parallelism.name='LocalSGD' \(replicas_identical=False\) reads its parameters "
+                                          r"from the checkpoint's 'local' part, which holds none"):
+        s.load_checkpoint_state(written[Replicated])

@@ -229,8 +229,8 @@ class Strategy(ABC):
         assert self.optimizer is not None, f"strategy {self.name!r} has no optimizer to restore"
         part = "shared" if self.replicas_identical else "local"
         if "model" not in state.get(part, {}):
-            raise ConfigError(f"parallelism.name={self.name!r}: its replicas_identical={self.replicas_identical} reads the "
-                              f"parameters from the checkpoint's {part!r} part, which holds none (written with the other "
-                              "layout); resume it with the strategy that wrote it")
+            raise ConfigError(f"parallelism.name={self.name!r} (replicas_identical={self.replicas_identical}) reads its "
+                              f"parameters from the checkpoint's {part!r} part, which holds none: the checkpoint was written "
+                              f"with replicas_identical={not self.replicas_identical}; resume with the declaration it was written with")
         self.unwrapped().load_state_dict({**state[part]["model"], **state["local"]["buffers"]})
         self.optimizer.load_state_dict(state[part]["optimizer"])
