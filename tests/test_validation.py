@@ -290,3 +290,39 @@ def test_the_driver_builds_the_model_and_the_plan_once_and_hands_them_on(monkeyp
         assert isinstance(built[coverage].job, Job) and built[coverage].job.world_size == 4, built[coverage].job
         assert info["coverage"] == built[coverage].prepared.k / 4 == coverage, (info, built[coverage].prepared.k)
     assert built[0.5].prepared is not built[0.75].prepared and built[0.5].model is not built[0.75].model
+
+
+@pytest.fixture
+def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine with one visible GPU, as far as the driver's validation asks."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+SHARED_GPU = ["cluster.device=cuda", "cluster.world_size=2"]
+
+
+def test_pipeline_over_gloo_on_cuda_is_refused_naming_the_keys(one_gpu: None) -> None:
+    """Ranks sharing a GPU run on gloo, which has no CUDA point-to-point: a pipeline's stages would fail at
+    their first send ("Bad address" or a crash), so the combination is refused before any rank starts."""
+    with pytest.raises(ConfigError) as err:
+        compose_and_validate(["parallelism=pipeline", *SHARED_GPU, "cluster.backend=gloo"])
+    msg = str(err.value)
+    assert msg.startswith("cluster.backend='gloo' is invalid: parallelism=pipeline cannot run on cluster.device=cuda "
+                          "over gloo") and "point to point" in msg and "cluster.backend=nccl" in msg and "\n" not in msg, msg
+
+
+def test_nccl_refusal_recommends_gloo_only_where_it_works(one_gpu: None) -> None:
+    """NCCL needs a GPU per rank; the refusal points to gloo for sharing one only for a strategy that runs on it
+    (SDP's re-draws stage their transfers through host memory), never into the pipeline's refusal above."""
+    with pytest.raises(ConfigError) as err:
+        compose_and_validate(["parallelism=pipeline", *SHARED_GPU, "cluster.backend=nccl"])
+    msg = str(err.value)
+    assert msg.startswith("cluster.world_size=2 is invalid: NCCL needs one GPU per rank") and "gloo to share" not in msg \
+        and "parallelism=pipeline cannot share a GPU over gloo" in msg, msg
+    sdp = ["parallelism=sdp", "parallelism.resample_every=2", *SHARED_GPU]
+    with pytest.raises(ConfigError, match="use cluster.backend=gloo to share a GPU"):
+        compose_and_validate([*sdp, "cluster.backend=nccl"])
+    compose_and_validate([*sdp, "cluster.backend=gloo"])  # what that message recommends passes

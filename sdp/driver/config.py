@@ -153,9 +153,15 @@ def validate(cfg: DictConfig) -> Preflight:
 
         n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
         require(n_gpu > 0, "cluster.device", cl.device, "no CUDA device is visible on this machine; use cluster.device=cpu")
+        name, no_gloo = cfg.parallelism.name, STRATEGIES.get(str(cfg.parallelism.name)).gloo_cuda_refusal
+        require(cl.backend != "gloo" or not no_gloo, "cluster.backend", cl.backend,
+                f"parallelism={name} cannot run on cluster.device=cuda over gloo: {no_gloo}; "
+                "allowed: cluster.backend=nccl (one GPU per rank), or cluster.device=cpu")
         if not external_launcher():
+            share = (f"parallelism={name} cannot share a GPU over gloo ({no_gloo}): use at most {n_gpu} ranks, "
+                     "or cluster.device=cpu") if no_gloo else "use cluster.backend=gloo to share a GPU"
             require(cl.backend != "nccl" or cl.world_size <= n_gpu, "cluster.world_size", cl.world_size,
-                    f"NCCL needs one GPU per rank and {n_gpu} are visible; use cluster.backend=gloo to share a GPU")
+                    f"NCCL needs one GPU per rank and {n_gpu} are visible; {share}")
     if cl.device == "cpu":
         require(cl.backend != "nccl", "cluster.backend", cl.backend, "NCCL needs cluster.device=cuda; use gloo or auto on CPU")
     validate_train(cfg)

@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from sdp.errors import ConfigError
 from sdp.metrics import memory
 from sdp.rank.distctx import DistContext, average_buffers
 from sdp.metrics.timing import PhaseTimer
@@ -63,6 +64,11 @@ class Strategy(ABC):
     # True: ``setup`` receives the model on the meta device and materialises what this rank holds
     # itself (sdp.models.init); False: the fully materialised model.
     materialises_held: bool = False
+    # True: every rank holds the same parameters and optimizer state after every step (the DDP family:
+    # gradients averaged over the world before each update), so the default checkpoint writes rank 0's copy
+    # once. False, what a strategy that declares nothing gets: replicas may differ between synchronisations
+    # (local SGD, DiLoCo, gossip), so every rank writes and reads its own copy (n times the bytes, never wrong).
+    replicas_identical: bool = False
 
     def __init__(self, *, cfg: DictConfig, job: Job, ctx: DistContext, prepared: Any = None) -> None:
         self.name = str(cfg.get("name") or type(self).__name__) if hasattr(cfg, "get") else type(self).__name__
@@ -202,25 +208,29 @@ class Strategy(ABC):
 
         Values are tensors, numbers, strings and containers only (loaded with ``weights_only=True``);
         put strategy facts that must survive a restart (SDP's plan) under ``"extra"`` in either part.
-        Default, right for the DDP family: parameters and optimizer state are replicated (shared);
-        buffers are rank-local (BatchNorm statistics with ``broadcast_buffers=false``), so they are
-        local. Disjoint strategies (SDP: each rank's held subnetwork and its optimizer state; pipeline:
-        each rank's stages) return everything under ``"local"``.
+        Default: buffers are rank-local (BatchNorm statistics with ``broadcast_buffers=false``), so they are
+        local; parameters and optimizer state are shared where the strategy declares
+        :attr:`replicas_identical` (the DDP family), else local, each rank's own copy (rank 0's would resume
+        every other replica silently wrong). Disjoint strategies (SDP: each rank's held subnetwork and its
+        optimizer state; pipeline: each rank's stages) override this and return everything under ``"local"``.
         """
         assert self.optimizer is not None, f"strategy {self.name!r} has no optimizer to checkpoint"
         model = self.unwrapped()
         buffers = {name for name, _ in model.named_buffers()}
         full = model.state_dict()
-        return {
-            "shared": {"model": {k: v for k, v in full.items() if k not in buffers},
-                       "optimizer": self.optimizer.state_dict()},
-            "local": {"buffers": {k: v for k, v in full.items() if k in buffers}},
-        }
+        replica = {"model": {k: v for k, v in full.items() if k not in buffers}, "optimizer": self.optimizer.state_dict()}
+        local = {"buffers": {k: v for k, v in full.items() if k in buffers}}
+        return {"shared": replica, "local": local} if self.replicas_identical else {"local": {**replica, **local}}
 
     def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Inverse of :meth:`checkpoint_state`: ``state`` has the same keys, read back (``"sharded"``
         already loaded in place into a fresh :meth:`checkpoint_state` template; FSDP2 then calls
         ``set_state_dict``). Called after ``setup``; must leave the rank exactly as it was saved."""
         assert self.optimizer is not None, f"strategy {self.name!r} has no optimizer to restore"
-        self.unwrapped().load_state_dict({**state["shared"]["model"], **state["local"]["buffers"]})
-        self.optimizer.load_state_dict(state["shared"]["optimizer"])
+        part = "shared" if self.replicas_identical else "local"
+        if "model" not in state.get(part, {}):
+            raise ConfigError(f"parallelism.name={self.name!r} (replicas_identical={self.replicas_identical}) reads its "
+                              f"parameters from the checkpoint's {part!r} part, which holds none: the checkpoint was written "
+                              f"with replicas_identical={not self.replicas_identical}; resume with the declaration it was written with")
+        self.unwrapped().load_state_dict({**state[part]["model"], **state["local"]["buffers"]})
+        self.optimizer.load_state_dict(state[part]["optimizer"])

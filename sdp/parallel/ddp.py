@@ -94,6 +94,8 @@ def ddp_buckets(sizes: list[int], *, cap_mb: float) -> int:
 class DDPStrategy(Strategy):
     """Every rank holds the full model; gradients are averaged over the world each step."""
 
+    replicas_identical = True  # the averaged gradient updates every replica alike: one checkpoint copy ("shared")
+
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         model.to(self.ctx.device)
         self.module = wrap_ddp(model, cfg=self.cfg, comm=self.ctx.comm, device=self.ctx.device)

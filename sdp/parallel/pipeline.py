@@ -242,6 +242,8 @@ class PipelineSpec(StrategySpec):
 
     label = "Pipeline"
     runtime = PipelineStrategy
+    gloo_cuda_refusal = ("its stages send activations and gradients point to point (torch.distributed.pipelining), "
+                         "which gloo does not do for CUDA tensors")
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: Job) -> None:

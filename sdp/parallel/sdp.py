@@ -42,7 +42,7 @@ from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map
 from sdp.subnet import redraw as R
 from sdp.subnet.plan import Plan
-from sdp.subnet.holder_groups import GroupSet
+from sdp.subnet.holder_groups import GroupSet, check_same_plan
 from sdp.subnet.sync import OwnerSetSync
 
 
@@ -63,6 +63,7 @@ class SDPStrategy(Strategy):
         if self.prepared is None:  # built outside the driver (tests, benchmarks): the same plan, drawn here
             self.prepared = plan_for(model=model, cfg=cfg, world_size=ctx.world_size)
         plan: Plan = self.prepared  # the driver's plan (SDPSpec.prepare): k and the holders come from it
+        check_same_plan(identity=plan_lists(plan), draw=plan.draw, ctx=ctx)  # each process's own driver drew it (Slurm)
         if self.mode != "forward":
             init.materialise(model)  # backward masking keeps every value by definition
         self._mask(model, plan=plan)
@@ -102,9 +103,7 @@ class SDPStrategy(Strategy):
 
     def _trainable(self) -> list[nn.Parameter]:
         assert self.module is not None
-        if self.mode == "global":
-            return list(self.module.parameters())
-        return list(M.held_parameters(self.layout, self.pieces, self.ctx.rank))
+        return list(self.module.parameters() if self.mode == "global" else M.held_parameters(self.layout, self.pieces, self.ctx.rank))
 
     # ---- one step ---------------------------------------------------------------------------------
     # train_step: the base template with these hooks.
@@ -134,6 +133,7 @@ class SDPStrategy(Strategy):
         ctx = self.ctx
         plan, self.block_costs = sdp_plan.next_plan(model=self.skeleton, cfg=self.cfg, world_size=ctx.world_size, draw=draw,
                                                     first=self.prepared, costs=self.block_costs)
+        check_same_plan(identity=plan_lists(plan), draw=draw, ctx=ctx)  # derived on each rank: a divergence fails here, named
         with ctx.comm.phase_as("resample"), measured_phase("redraw") as measured:
             self.sync.close()  # the old subnetwork's gradient hooks go
             self.sync = None

@@ -60,6 +60,10 @@ class StrategySpec:
     label_keys: tuple[str, ...] = ()  # parallelism keys the label already says (no table column of their own)
     plan_note: str = ""  # a caveat of this strategy's ``sdp-plan`` prediction, listed in the plan's notes
     runtime: type[Strategy]  # what each rank instantiates: ``runtime(cfg=..., job=..., ctx=..., prepared=...)``
+    # Why the ranks cannot exchange CUDA tensors over gloo (``cluster.device=cuda cluster.backend=gloo``, several
+    # ranks sharing a GPU), "" (default) where they can: the driver refuses that combination naming this reason,
+    # and does not recommend gloo to share a GPU (:func:`sdp.driver.config.validate`).
+    gloo_cuda_refusal: str = ""
 
     # ---- validation and what the driver builds once -----------------------------------------------
     @classmethod

@@ -2,10 +2,12 @@
 
 Layout of ``<run_dir>/checkpoints/step_00000012/``:
 
-- ``shared.pt`` (rank 0): the strategy's ``"shared"`` state (replicated parameters and optimizer
-  state), the LR scheduler, the trainer's counters and the data-order key;
-- ``rank00003.pt`` (every rank): the strategy's ``"local"`` state (rank-local buffers; SDP's held
-  subnetwork; a pipeline stage) and the rank's RNG streams (torch CPU/CUDA, python, numpy);
+- ``shared.pt`` (rank 0): the strategy's ``"shared"`` state (parameters and optimizer state of a strategy
+  whose replicas are identical, ``Strategy.replicas_identical``), the LR scheduler, the trainer's counters
+  and the data-order key;
+- ``rank00003.pt`` (every rank): the strategy's ``"local"`` state (rank-local buffers; a replica that may
+  differ from the others; SDP's held subnetwork; a pipeline stage) and the rank's RNG streams (torch
+  CPU/CUDA, python, numpy);
 - ``sharded/`` (strategies with DTensor state, FSDP2): ``torch.distributed.checkpoint`` files;
 - ``meta.json``: step, world size, strategy, the data-order key, the values of :data:`RESUME_KEYS`
   (LR schedule, optimizer and model hyper-parameters) and every file's size and SHA-256

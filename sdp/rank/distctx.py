@@ -36,6 +36,14 @@ class DistContext:
     comm: CommCounter = field(default_factory=CommCounter)
 
 
+def staged_through_host(*, backend: str, device: torch.device) -> bool:
+    """Whether a point-to-point send or receive of a tensor on ``device`` must go through a host copy: gloo
+    runs its collectives (all-reduce, broadcast, all-gather) on CUDA tensors, but its send and receive hand
+    the tensor's pointer to the socket as host memory (an I/O error, "Bad address", or a crash). That is the
+    case of several ranks sharing one GPU (``cluster.device=cuda cluster.backend=gloo``)."""
+    return backend == "gloo" and device.type != "cpu"
+
+
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``tensors`` as one new 1-D tensor: one collective (or one summation) for all of them."""
     return torch.cat([t.detach().reshape(-1) for t in tensors])

@@ -9,16 +9,20 @@ group, in one order derived from the plan alone (:func:`group_rank_sets`).
 Why a module of its own: which groups exist is a fact of the plan, asked also where nothing is
 synchronised: ``sdp-plan`` predicts summary.json's ``process_groups`` (:func:`predicted_process_groups`,
 for DDP too: the default group only) and the peak rehearsal builds a :class:`GroupSet` that creates no
-group; neither needs the gradient buckets of :mod:`sdp.subnet.sync`.
+group; neither needs the gradient buckets of :mod:`sdp.subnet.sync`. Before a plan's groups are made the
+ranks check that they derived the same plan (:func:`check_same_plan`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Iterable
 
+import torch
 import torch.distributed as dist
 
-from sdp.rank.distctx import WHERE, subgroup_kwargs
+from sdp.rank.distctx import WHERE, DistContext, subgroup_kwargs
 
 
 def group_rank_sets(*, world_size: int, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> list[tuple[int, ...]]:
@@ -32,6 +36,34 @@ def group_rank_sets(*, world_size: int, holder_sets: Iterable[tuple[int, ...]], 
             if 1 < len(ranks) < n and ranks not in out:
                 out.append(ranks)
     return out
+
+
+class PlanMismatch(RuntimeError):
+    """The ranks derived different plans (raised on every rank, naming those that differ from rank 0)."""
+
+
+def check_same_plan(*, identity: Any, draw: int, ctx: DistContext) -> None:
+    """Fail on every rank, naming the ranks whose plan differs from rank 0's, unless every rank derived the
+    same plan (``identity``: what identifies it as plain JSON types, :func:`sdp.parallel.sdp_plan.plan_lists`).
+
+    Why: every rank derives each plan itself (a re-draw; under Slurm tasks or torchrun the first one too),
+    and the groups are created in an order read from it (:func:`group_rank_sets`), so a divergence (a float
+    tie broken differently, a library that differs between nodes) would give mismatched communicators and
+    transfers that wait for a peer that never sends: a hang until ``cluster.timeout_s``. One all-gather of a
+    32-byte SHA-256 per rank settles it first; a check, not the strategy's traffic, so not counted as comm."""
+    if ctx.world_size == 1:
+        return
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(ctx.device)
+    everyone = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, mine)
+    hexes = [bytes(t.cpu().tolist()).hex()[:12] for t in everyone]
+    differ = [r for r, h in enumerate(hexes) if h != hexes[0]]
+    if differ:
+        raise PlanMismatch(f"draw {draw} of the SDP plan: ranks {differ} derived a different plan from rank 0's (plan "
+                           f"SHA-256 by rank: {', '.join(f'{r}: {h}' for r, h in enumerate(hexes))}); every rank derives "
+                           "it from the config and the draw, so their hosts differ (a library version, a float tie); "
+                           "stopped before its process groups were built, which would hang until cluster.timeout_s")
 
 
 def refresh_set(h: tuple[int, ...], *, n: int) -> tuple[int, ...]:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdp.rank.distctx import DistContext
+from sdp.rank.distctx import DistContext, staged_through_host
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import average_statistics
 from sdp.subnet.carry import Described, descriptions, gather_descriptions, rebuild
@@ -46,7 +46,8 @@ from sdp.subnet.holder_groups import GroupSet
 class Wire:
     """The ranks' transport: one batch of point-to-point sends and receives per tensor
     (``batch_isend_irecv`` on the default group), waited on before the next tensor, so at most one
-    tensor's staging buffers exist; every transfer recorded (comm phase "resample"). Batched, because
+    tensor's staging buffers exist; every transfer recorded (comm phase "resample"); on gloo, a CUDA tensor
+    passes through a host copy (gloo has no CUDA send/recv: ranks sharing a GPU). Batched, because
     torch runs batched point-to-point on the group's own communicator when the group is bound to its
     device (NCCL: the worker's ``init_world``), rather than making a communicator per pair of ranks."""
 
@@ -73,11 +74,21 @@ class Wire:
             t.copy_(buf)
 
     def _post(self, ops: list[tuple[bool, int, torch.Tensor]]) -> None:
+        """Send and receive ``ops`` (send?, peer, contiguous buffer) as one batch; a buffer gloo cannot move
+        point to point (:func:`~sdp.rank.distctx.staged_through_host`: CUDA) goes through a host copy, a
+        received one copied back after the wait, so the device holds no more than without staging."""
         for send, peer, buf in ops:
             self.ctx.comm.record(kind="send" if send else "recv", payload=buf.numel() * buf.element_size(), group_size=2)
-        if ops:
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend if s else dist.irecv, b, p) for s, p, b in ops]):
-                work.wait()
+        if not ops:
+            return
+        staged = [(s, p, b, staged_through_host(backend=self.ctx.backend, device=b.device)) for s, p, b in ops]
+        wire = [(s, p, (b.to("cpu", copy=True) if s else torch.empty(b.shape, dtype=b.dtype)) if host else b)
+                for s, p, b, host in staged]
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend if s else dist.irecv, b, p) for s, p, b in wire]):
+            work.wait()
+        for (send, _, buf, host), (_, _, got) in zip(staged, wire, strict=True):
+            if host and not send:
+                buf.copy_(got)
 
     def reduce(self, flat: torch.Tensor, ranks: tuple[int, ...]) -> None:
         self.ctx.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(ranks))
