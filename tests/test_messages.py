@@ -98,3 +98,36 @@ def test_ctrl_c_prints_the_hint_and_exits_130(tmp_path: Path, capsys: pytest.Cap
     with pytest.raises(KeyboardInterrupt):
         with messages.interrupts(prog="sdp-train", run_dir=tmp_path, sweep_dir=None, checkpoint_every=3):
             raise KeyboardInterrupt
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_ctrl_c_of_a_run_names_its_resume_command(tmp_path: Path) -> None:
+    """End to end, as a terminal's Ctrl-C: SIGINT to the whole process group (driver, elastic agent, ranks)
+    once the run has a checkpoint: no traceback, exit 130, the last line the resume command."""
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    args = ["parallelism=ddp", "model=mlp", "cluster.world_size=2", "train.steps=100000", "train.checkpoint_every=5",
+            "train.warmup_steps=1", "train.eval_every=0"]
+    env = sdp_env()
+    env.pop(messages.TRACEBACK_ENV, None)
+    proc = subprocess.Popen([sys.executable, "-m", "sdp.driver.train", f"hydra.run.dir={run_dir}", *QUIET, *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 150
+        while not RunDir(run_dir).checkpoints.is_dir() or not any(RunDir(run_dir).checkpoints.glob("*/meta.json")):
+            assert proc.poll() is None and time.time() < deadline, f"no checkpoint:\n{proc.communicate()[0][-3000:]}"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert proc.returncode == messages.INTERRUPT_EXIT and "Traceback" not in out, (proc.returncode, out[-3000:])
+    assert _command(lines[-1], "; to resume: ") == ["sdp-train", *QUIET, *args, "train.resume=auto",
+                                                    f"hydra.run.dir={run_dir}"], lines[-1]
