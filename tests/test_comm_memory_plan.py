@@ -86,3 +86,37 @@ def test_comm_bytes_per_group_is_a_checked_config_key() -> None:
     assert [m["communicator_bytes"] for m in plan["memory"]["per_rank"]] == [1048576] * 8
     with pytest.raises(ConfigError, match="cluster.comm_bytes_per_group"):
         predict(compose([*MLP, "parallelism=ddp", "cluster.comm_bytes_per_group=-1"]))
+
+
+def _printed(text: str) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of format_plan's table."""
+    header = next(line for line in text.splitlines() if line.startswith("| rank |"))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line != header]
+    return [c.strip() for c in header.strip("|").split("|")], [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+
+
+@pytest.mark.parametrize(("sel", "peaks"), [
+    (["parallelism=ddp_stochastic_depth"], ("setup", "train", "eval")),
+    (["parallelism=sdp", "parallelism.resample_every=2"], ("setup", "train", "redraw", "eval")),
+], ids=["stochastic_depth", "sdp_redraw"])
+def test_sdp_plan_prints_every_peak_it_predicts_and_only_its_own_note(sel: list[str], peaks: tuple[str, ...]) -> None:
+    """The printed table shows each peak the JSON holds, with the JSON's value per rank, and the notes say
+    the caveat of the planned strategy alone (stochastic depth's, not under SDP)."""
+    from sdp.parallel import STRATEGIES
+    from sdp.planning.planner import format_plan, predict
+
+    names = {"setup": "set-up peak MiB", "train": "train peak MiB", "redraw": "re-draw peak MiB", "eval": "eval peak MiB"}
+    plan = predict(compose([*MLP, "cluster.world_size=4", *sel]))
+    mem = plan["memory"]["per_rank"]
+    held = [f"{p}_peak_bytes" for p in names if all(f"{p}_peak_bytes" in m for m in mem)]
+    assert held == [f"{p}_peak_bytes" for p in peaks], (held, mem[0].keys())
+    text = format_plan(plan)
+    cols, rows = _printed(text)
+    for key, name in ((f"{p}_peak_bytes", n) for p, n in names.items()):
+        if key in held:
+            assert [float(r[cols.index(name)]) for r in rows] == [round(m[key] / 2**20, 2) for m in mem], (name, text)
+        else:
+            assert name not in cols, (name, cols)
+    note = STRATEGIES.get("ddp_stochastic_depth").plan_note
+    assert note and (note in text) == (sel[0] == "parallelism=ddp_stochastic_depth"), text
+    assert (note in plan["notes"][0]) == (note in text), plan["notes"]

@@ -100,7 +100,7 @@ def test_comparison_table_is_ratios_to_ddp_and_prefers_the_training_peak(tmp_pat
     text = comparison_markdown(table)
     sdp, ddp = runs["sdp"], runs["ddp"]
     cells = _cells(text, "B-SDP")
-    assert cells["C"] == "0.5" and cells["k"] == "2" and cells["n"] == "1", cells
+    assert cells["C"] == "0.5" and cells["k"] == "2" and cells["seeds"] == "1", cells
     for header, key in (("model state ×DDP", "model_state_bytes"), ("comm bytes/step ×DDP", "comm_bytes_per_step"),
                         ("step time ×DDP", "step_s"), ("peak RSS delta ×DDP", "peak_bytes")):
         assert cells[header] == f"{sdp[key] / ddp[key]:.2f}x", (header, cells[header])
@@ -141,3 +141,28 @@ def test_sweep_progress_labels_each_job_with_the_runs_done(monkeypatch: pytest.M
         cb.on_job_end(job)
     assert labels == ["0/4 runs done · parallelism=ddp seed=0", "1/4 runs done · parallelism=sdp seed=0"], labels
     assert SWEEP_PROGRESS_ENV not in os.environ
+
+
+QUICKSTART = ROOT / "benchmarks" / "results" / "quickstart"  # the README's table: DDP, B-SDP, B_β-SDP, one seed
+
+
+def test_comparison_says_what_each_plus_minus_is_and_its_title_no_false_scale(tmp_path: Path) -> None:
+    """Column ``seeds`` (not ``n``); the footer says a ± after a mean is the std over seeds and a Δ's is the 95 %
+    half-width; the title of a digits run does not claim ``scale=paper`` (the default), a ``scale=cpu`` run's says so."""
+    from sdp.report import render
+
+    [table] = build_tables(find_runs(QUICKSTART))
+    for text in (comparison_markdown(table), render.to_markdown(table)):
+        cells = _cells(text, "B-SDP")
+        assert cells.get("seeds") == "1" and "n" not in cells, cells
+        assert cells["Δ eval loss vs DDP (95 % CI)"].endswith(" (1 seed: no interval)"), cells
+        assert render.STD_NOTE in text and render.DELTA_NOTE in text, text
+        assert text.startswith("### model=resnet18_cifar, dataset=digits, workers=4, budget=iterations, eval BN="), text
+    [alone] = build_tables([r for r in find_runs(QUICKSTART) if r.flat["parallelism.name"] != "ddp"])
+    assert "Δ" not in comparison_markdown(alone) and render.STD_NOTE in comparison_markdown(alone)  # no DDP row: no Δ
+    cpu = tmp_path / "cpu"
+    shutil.copytree(QUICKSTART, cpu, ignore=shutil.ignore_patterns("report"))
+    for config in cpu.glob("*/config.yaml"):
+        config.write_text(config.read_text().replace("scale:\n  name: paper\n", "scale:\n  name: cpu\n"))
+    [table] = build_tables(find_runs(cpu))
+    assert ", scale=cpu, " in table.title, table.title

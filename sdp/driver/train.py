@@ -24,9 +24,10 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.driver import sweep
+from sdp.driver import messages, sweep
 from sdp.rank import checkpoint_resume
 from sdp.results import contract as results
 from sdp.planning import budget as budgets
@@ -50,6 +51,7 @@ if not OmegaConf.has_resolver("sdp_mul"):
 register()  # the typed schemas conf/*.yaml extend (sdp/driver/schema.py), stored before anything composes conf/
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent.parent / "conf")
+PROG = "sdp-train"
 
 
 def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
@@ -103,7 +105,14 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> Any:
-    summary = run(cfg, run_dir=Path(HydraConfig.get().runtime.output_dir))  # this job's output directory
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)  # this job's output directory
+    sweep_dir = Path(str(hc.sweep.dir)) if hc.mode == RunMode.MULTIRUN else None
+    # a bad value: one line, exit 2; Ctrl-C: the command that resumes (sdp/driver/messages.py)
+    with messages.config_errors(prog=PROG, sweep=sweep_dir is not None), \
+            messages.interrupts(prog=PROG, run_dir=run_dir, sweep_dir=sweep_dir,
+                                checkpoint_every=cfg.train.get("checkpoint_every")):
+        summary = run(cfg, run_dir=run_dir)
     if summary is None:
         return None
     # A small JSON-safe return value (the Hydra callback on multirun end and tests use it).
@@ -113,7 +122,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
 def main() -> None:
     stale = renamed_overrides(sys.argv[1:])  # before Hydra, whose struct error would not name the new key
     if stale is not None:
-        sys.exit(f"sdp-train: {stale}")
+        messages.refuse(prog=PROG, message=stale)
     _hydra_main()
 
 

@@ -22,19 +22,27 @@ from typing import Any
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from sdp.driver.config import validate, validate_strategy
+from sdp.driver.messages import config_errors
 from sdp.driver.preflight import Preflight, meta_model
 from sdp.errors import positive_int, require
 from sdp.models.base import SDPModel
 from sdp.parallel import STRATEGIES, Job, StrategySpec
-from sdp.planning.plan_entries import MIB, Entry, communicators
+from sdp.planning.plan_entries import Entry, communicators
 from sdp.planning.plan_peaks import predict_peaks
 from sdp.driver.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
 from sdp.registry import build
+from sdp.report.compare import mib
 
 BASE_NOTE = "activation_bytes: saved for backward by a meta-device forward at the per-rank batch"
+# The peaks a prediction may hold (sdp/planning/plan_peaks.py; a re-draw's only with parallelism.resample_every),
+# in the order a run reaches them: each is a column of the printed table where the plan has it.
+PEAKS = (("setup_peak_bytes", "set-up peak MiB"), ("train_peak_bytes", "train peak MiB"),
+         ("redraw_peak_bytes", "re-draw peak MiB"), ("eval_peak_bytes", "eval peak MiB"))
 COMM_NOTE = ("groups: process groups per rank, the default one included; NCCL comm. MiB: their communicators' device "
              "memory outside the allocator (and outside the peaks), groups x cluster.comm_bytes_per_group, an "
              "assumption a GPU run calibrates (summary.json: cuda_device_used_bytes, process_groups); none on gloo")
@@ -56,11 +64,10 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
     positive_int("cluster.comm_bytes_per_group", per_group, minimum=0)
     for (mem, _), comms in zip(entries, communicators(per_group=per_group, groups=facts.get("process_groups"), world=world)):
         mem.update(comms)
-    notes = sorted({STRATEGIES.get(n).plan_note for n in STRATEGIES.names()} - {""})  # every strategy's caveat
     return {**facts, "strategy": name, "model": str(cfg.model.get("name", "")), "world_size": world,
             "batch_size": int(cfg.train.batch_size), "optimizer": str(cfg.optim.optimizer._target_),
             "memory": {"per_rank": [m for m, _ in entries]}, "comm": {"per_rank": [c for _, c in entries]},
-            "notes": ["; ".join([BASE_NOTE, *notes])]}
+            "notes": ["; ".join([BASE_NOTE, *([spec.plan_note] if spec.plan_note else [])])]}  # this strategy's caveat
 
 
 def add_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, entries: list[Entry], spec: type[StrategySpec],
@@ -86,18 +93,22 @@ def frontier(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, An
 
 
 def format_plan(plan: dict[str, Any]) -> str:
+    """The printed table: per rank its memory (the peaks the plan holds, :data:`PEAKS`) and comm, then the notes
+    (the communicators' and the plan's own: this strategy's caveat only)."""
+    mem, comm = plan["memory"]["per_rank"], plan["comm"]["per_rank"]
+    peaks = [(key, name) for key, name in PEAKS if any(m.get(key) is not None for m in mem)]
+    header = ["rank", "params MiB", "grads MiB", "optim MiB", "activations MiB", "model state MiB",
+              *(name for _, name in peaks), "groups", "NCCL comm. MiB", "comm MiB/step", "wire MiB/step", "collectives/step"]
     lines = [f"sdp-plan: strategy={plan['strategy']} model={plan['model']} world_size={plan['world_size']} "
              f"batch_size/rank={plan['batch_size']} optimizer={plan['optimizer']}",
-             "| rank | params MiB | grads MiB | optim MiB | activations MiB | model state MiB | groups | NCCL comm. MiB "
-             "| comm MiB/step | wire MiB/step | collectives/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for m, c in zip(plan["memory"]["per_rank"], plan["comm"]["per_rank"]):
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for m, c in zip(mem, comm):
         state = m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"]
-        lines.append(f"| {m['rank']} | {m['param_bytes'] / MIB:.2f} | {m['grad_bytes'] / MIB:.2f} | {m['optim_bytes'] / MIB:.2f} | "
-                     f"{m['activation_bytes'] / MIB:.2f} | {state / MIB:.2f} | {m['process_groups']} | "
-                     f"{m['communicator_bytes'] / MIB:.2f} | {c['bytes_per_step'] / MIB:.2f} | "
-                     f"{c['wire_bytes_per_step'] / MIB:.2f} | {c['collectives_per_step']:.0f} |")
-    lines.append(COMM_NOTE)
+        cells = [m["rank"], *map(mib, (m["param_bytes"], m["grad_bytes"], m["optim_bytes"], m["activation_bytes"], state)),
+                 *(mib(m.get(key), missing="") for key, _ in peaks), m["process_groups"], mib(m["communicator_bytes"]),
+                 mib(c["bytes_per_step"]), mib(c["wire_bytes_per_step"]), f"{c['collectives_per_step']:.0f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += [COMM_NOTE, *plan.get("notes", [])]
     return "\n".join(lines)
 
 
@@ -110,9 +121,10 @@ def plan_options(cfg: DictConfig) -> tuple[str | None, bool]:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
-    output, with_frontier = plan_options(cfg)
-    built = validate(cfg)
-    plan = predict(cfg, built=built)
+    with config_errors(prog="sdp-plan", sweep=HydraConfig.get().mode == RunMode.MULTIRUN):  # a bad value: one line, exit 2
+        output, with_frontier = plan_options(cfg)
+        built = validate(cfg)
+        plan = predict(cfg, built=built)
     print(format_plan(plan), flush=True)
     for line in getattr(STRATEGIES.get(plan["strategy"]), "format_facts", lambda _facts: [])(plan):
         print(line, flush=True)  # the strategy's own facts (SDP: its plan), where it has any

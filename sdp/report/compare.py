@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sdp.report.render import Column, layout, markdown_grid
+from sdp.report.render import STD_NOTE, Column, delta_note, layout, markdown_grid
 from sdp.report.runs import run_figures
 from sdp.report.stats import ratio
 from sdp.report.tables import Row, Table
@@ -82,7 +82,8 @@ def _mib(v: float | None, unit: str = "MiB") -> str:
 
 
 def comparison_markdown(table: Table) -> str:
-    """One table: method, C, k, n, eval accuracy and four ratios to DDP, then DDP's figures and a legend."""
+    """One table: method, C, k, seeds, eval accuracy and four ratios to DDP, then DDP's figures and a legend
+    (what each ± is: :data:`~sdp.report.render.STD_NOTE`, :data:`~sdp.report.render.DELTA_NOTE`)."""
     kind = peak_kind(table)
     labels = [(row.method, row.coverage) for row in table.rows]
     if len(set(labels)) == len(labels):  # method and C name every row: the preset knobs that differ add nothing
@@ -107,11 +108,11 @@ def comparison_markdown(table: Table) -> str:
                      f"step {'n/a' if step is None else f'{step:.3f} s'}.")
     steps = {row.stats["steps"].mean for row in table.rows if row.n_ok}
     lines += [f"Every row: the same seed(s), data, initialisation and {'/'.join(f'{s:.0f}' for s in sorted(steps))} "
-              "optimizer steps; n = seeds with results (mean ± sample std when n > 1). C = coverage, k = workers "
+              f"optimizer steps. {STD_NOTE} C = coverage, k = workers "
               "holding each unit (k = 1: no unit gradient is ever averaged). Ratios are ratios of means to the "
               f"{REFERENCE} row, each figure on the rank where it is largest: model state = params + grads + "
               "optimizer state; comm = bytes all-reduced per training step; step time = the slowest rank's median "
-              f"step; {peak_note}."]
+              f"step; {peak_note}.{delta_note(header)}"]
     lines += [f"- {n}" for n in table.notes]
     return "\n".join(lines)
 

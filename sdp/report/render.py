@@ -1,7 +1,8 @@
 """Tables to markdown, CSV and W&B: the paper's layout (rows = method variants, columns = metrics).
 
-Markdown shows mean ± sample std over seeds with ``n`` (``2 of 3`` when a seed is missing), ratios to
-DDP as ``0.52x``, and a ``paper`` column right after every metric the paper gives a value for in
+Markdown shows mean ± sample std over seeds with ``seeds`` (``2 of 3`` when a seed is missing), ratios to
+DDP as ``0.52x``, paired differences to DDP as mean ± the half-width of their 95 % interval (:data:`STD_NOTE`,
+:data:`DELTA_NOTE`: the footer of every table says which ± is which), and a ``paper`` column right after every metric the paper gives a value for in
 this table. Columns empty in every row are left out (no accuracy for language models). CSV keeps
 every number apart (mean, std, n) so that plots and checks read it without parsing.
 """
@@ -24,6 +25,18 @@ class Column:
     header: str
     kind: str           # "stat" | "ratio"
     digits: int
+
+
+# What each ± of a table is, said under every table that shows one (this module's and sdp.report.compare's).
+STD_NOTE = "seeds = the seeds with results (of the sweep's); a ± after a mean is the sample std over those seeds."
+DELTA_NOTE = ("Δ vs DDP (95 % CI): the mean of the per-seed differences to DDP (same seed = same initial weights and "
+              "data order) ± the half-width of its 95 % Student t interval (seeds − 1 degrees of freedom), "
+              "\"not resolved\" when the interval contains 0; one seed gives no interval.")
+
+
+def delta_note(header: list[str]) -> str:
+    """`` `` + :data:`DELTA_NOTE` where the table has a Δ column (a table without a DDP row has none), else ``""``."""
+    return f" {DELTA_NOTE}" if any(h.startswith("Δ") for h in header) else ""
 
 
 COLUMNS = (
@@ -63,7 +76,7 @@ def _cell(row: Row, col: Column) -> str:
     return "" if r is None else f"{r:.{col.digits}f}x"
 
 
-def _n(row: Row) -> str:
+def _seeds(row: Row) -> str:
     if not row.runs:
         return ""
     total = len(row.expected_seeds)
@@ -75,7 +88,7 @@ def _paired(row: Row, metric: str, digits: int) -> str:
     if p is None or p.mean is None:
         return ""
     if p.half_width is None:
-        return f"{p.mean:+.{digits}f} (n={p.n}, no interval)"
+        return f"{p.mean:+.{digits}f} ({p.n} seed: no interval)"
     return f"{p.mean:+.{digits}f} ± {p.half_width:.{digits}f}" + ("" if p.resolved else " (not resolved)")
 
 
@@ -96,21 +109,21 @@ def _coverage(row: Row) -> str:
 def layout(table: Table, *, columns: tuple[Column, ...] = COLUMNS,
            after_coverage: tuple[tuple[str, Callable[[Row], str]], ...] = ()) -> tuple[list[str], list[list[str]]]:
     """Header and string cells of the markdown table (empty columns dropped): method, C, the
-    ``after_coverage`` columns, the row keys, n, then ``columns`` (each with its paper column, if any)."""
+    ``after_coverage`` columns, the row keys, seeds, then ``columns`` (each with its paper column, if any)."""
     cols: list[tuple[str, Callable[[Row], str]]] = [("method", lambda r: r.method), ("C", _coverage), *after_coverage]
     cols += [(k.split(".")[-1] if k.count(".") else k, (lambda r, k=k: str(r.keys.get(k, "")))) for k in table.extra_keys]
-    cols.append(("n", _n))
+    cols.append(("seeds", _seeds))
     for col in columns:
         cols.append((col.header, lambda r, col=col: _cell(r, col)))
         if any(col.key in r.paper for r in table.rows):
             cols.append((f"paper {col.header}", lambda r, col=col: _num(r.paper.get(col.key), col.digits)))
-    cols.append(("Δ eval loss vs DDP", lambda r: _paired(r, "eval_loss", 4)))
-    cols.append(("Δ eval acc vs DDP (pts)", lambda r: _paired(r, "eval_accuracy", 2)))
+    cols.append(("Δ eval loss vs DDP (95 % CI)", lambda r: _paired(r, "eval_loss", 4)))
+    cols.append(("Δ eval acc vs DDP (pts, 95 % CI)", lambda r: _paired(r, "eval_accuracy", 2)))
     cols.append((f"steps to DDP loss ×{TARGET_FACTOR:g}", lambda r: _target(r, "steps", 0)))
     cols.append((f"seconds to DDP loss ×{TARGET_FACTOR:g}", lambda r: _target(r, "seconds", 1)))
     cols.append(("notes", lambda r: "; ".join(r.notes)))
     cells = [[fn(r) for _, fn in cols] for r in table.rows]
-    keep = [i for i, (name, _) in enumerate(cols) if name in ("method", "n") or any(c[i] for c in cells)]
+    keep = [i for i, (name, _) in enumerate(cols) if name in ("method", "seeds") or any(c[i] for c in cells)]
     return [cols[i][0] for i in keep], [[c[i] for i in keep] for c in cells]
 
 
@@ -126,11 +139,9 @@ def to_markdown(table: Table) -> str:
     notes = table.notes + table.paper_notes
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
-    lines += ["", "mean ± sample std over seeds; ratios are ratios of means to the DDP row; memory and comm "
-              "on the rank where each is largest; peak = CUDA max allocated when on GPU, else peak RSS delta. "
-              "Δ vs DDP: mean of the per-seed differences (same seed = same initial weights and data order) "
-              "± the half-width of its 95 % Student t interval (n - 1 degrees of freedom); \"not resolved\" "
-              f"when the interval contains 0. Steps / seconds to DDP loss ×{TARGET_FACTOR:g}: first evaluation "
+    lines += ["", f"{STD_NOTE} Ratios are ratios of means to the DDP row; memory and comm "
+              "on the rank where each is largest; peak = CUDA max allocated when on GPU, else peak RSS delta."
+              f"{delta_note(header)} Steps / seconds to DDP loss ×{TARGET_FACTOR:g}: first evaluation "
               "at or below DDP's mean final eval loss times that factor (resolution: train.eval_every)."]
     return "\n".join(lines)
 

@@ -34,6 +34,9 @@ DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run
 METHOD_KEYS = ("parallelism.*", "train.steps", *SCALED_KEYS)
 TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
               "train.budget": "budget", "scale.name": "scale", "eval.bn": "eval BN"}
+# A title fact left out at this value: scale=paper is conf/scale's default, "the experiment as written", so it
+# says nothing of a run's size (a digits run is no paper-scale run); a scale that changed the run (cpu) is shown.
+TITLE_DEFAULTS = {"scale.name": "paper"}
 METHOD_ORDER = ("DDP", "B-SDP", "B_β-SDP", "N-SDP", "N_β-SDP")
 AGGREGATED = ("eval_accuracy", "eval_loss", "eval_loss_workers", "assembly_gap", "eval_loss_ensemble", "train_loss",
               "model_state_bytes",
@@ -140,9 +143,11 @@ class Table:
 
     @property
     def title(self) -> str:
-        """What the rows share: model, dataset, workers, budget, scale, then the other context keys."""
+        """What the rows share: model, dataset, workers, budget, scale (unless :data:`TITLE_DEFAULTS`' value), then
+        the other context keys."""
         runs = [r for row in self.rows for r in row.runs]
-        facts = {k: runs[0].flat.get(k) for k in TITLE_KEYS if runs and runs[0].flat.get(k) is not None}
+        facts = {k: runs[0].flat.get(k) for k in TITLE_KEYS
+                 if runs and runs[0].flat.get(k) is not None and runs[0].flat.get(k) != TITLE_DEFAULTS.get(k)}
         facts.update(self.context)
         return ", ".join(f"{TITLE_KEYS.get(k, k)}={v}" for k, v in facts.items()) or "all runs"
 
