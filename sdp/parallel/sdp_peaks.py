@@ -6,8 +6,9 @@ Each rank's subnetwork is the strategy's own masking of the driver's plan on the
 (the largest flat buffer of a step, or under ``parallelism.overlap`` every launched bucket until the sync
 finishes); evaluation builds the model part by part next to the rank's own state
 (:func:`sdp.planning.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
-time); with ``resample_every`` the first re-draw is rehearsed too (``redraw_peak_bytes``:
-:func:`sdp.parallel.sdp_plan.rehearse_redraw`). ``tests/test_plan_peaks.py`` compares with the CPU tracker.
+time); with ``resample_every`` every peak is the largest over the draws the run makes, and the re-draws between
+them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_plan.rehearse_redraw`).
+``tests/test_plan_peaks.py`` compares with the CPU tracker.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def sdp_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, eval_ba
     for p in run_plans(model=model, cfg=pc, first=plan, draws=range(draw_at(step=steps - 1, every=every) + 1), costs=costs):
         plans.append(p)
         visit(p, train=True)
-        if _rotated(first=plan, plan=p, seen=roles, capped=pc.get("max_holder_sets") is not None):
-            break
+        if p.draw > 0 and _rotated(first=plan, plan=p, seen=roles, capped=pc.get("max_holder_sets") is not None):
+            break  # (not before a first re-draw: ranks alike at draw 0, e.g. LLaMA's equal blocks, still re-draw)
     later = sorted(d for d in eval_draws if d > plans[-1].draw)  # evaluations after the rotation, in their own draws
     for p in run_plans(model=model, cfg=pc, first=plan, draws=later, costs=costs):
         visit(p, train=False)

@@ -277,8 +277,8 @@ def format_redraw(plan: dict[str, Any]) -> list[str]:
         return []
     mib = 2**20
     mem = {m["rank"]: m for m in plan["memory"]["per_rank"]}
-    lines = [f"re-draw every {facts['every']} steps, bytes predicted for {facts['predicted']}, peaks the largest of the "
-             f"run's re-draws:"]
+    lines = [f"re-draw every {facts['every']} steps, bytes predicted for {facts['predicted']}, peaks the largest over the "
+             f"run's re-draws (up to one full rotation):"]
     for t in facts["per_rank"]:
         m = mem.get(t["rank"], {})
         peak = f"peak {m['redraw_peak_bytes'] / mib:.2f} MiB (train {m['train_peak_bytes'] / mib:.2f}), " \
