@@ -47,8 +47,10 @@ def sdp_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, eval_ba
     state (:func:`rehearse_partwise`), or a whole assembled copy for a model that cannot be cut.
 
     Cheap over many draws: a subnetwork is rehearsed once per distinct :func:`_key` (a relabelling re-draw hands
-    the ranks draw 0's roles again), the block costs are measured once, and the training and re-draw peaks stop
-    at one full rotation (:func:`_rotated`) where the run makes more draws; evaluations are placed exactly."""
+    the ranks draw 0's roles again), a re-draw once per pair of roles (:func:`_role`), the block costs are measured
+    once, and the draws stop at one full rotation where the run makes more (:func:`_rotated`, and every re-draw
+    from one of draw 0's roles to another made; ``rolling``: where its windows repeat); evaluations are placed
+    exactly."""
     assert plan is not None, "SDP's peak rehearsal reads the driver's plan (sdp.driver.preflight), got none"
     pc, world, every = cfg, plan.world_size, cfg.get("resample_every")
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
@@ -76,17 +78,26 @@ def sdp_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, eval_ba
                     evals[key] = _eval_extra(job=job, model=model, flats=flats, eval_batch=eval_batch)
                 entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["state"] + evals[key])
 
-    plans = []
+    plans, pairs, rotated = [], set(), False
+    base = {_role(plan, r) for r in range(world)}
     for p in run_plans(model=model, cfg=pc, first=plan, draws=range(draw_at(step=steps - 1, every=every) + 1), costs=costs):
+        pairs |= {(_role(plans[-1], r), _role(p, r)) for r in range(world)} if plans else set()
         plans.append(p)
         visit(p, train=True)
-        if p.draw > 0 and _rotated(first=plan, plan=p, seen=roles, capped=pc.get("max_holder_sets") is not None):
-            break  # (not before a first re-draw: ranks alike at draw 0, e.g. LLaMA's equal blocks, still re-draw)
+        # one full rotation: every rank has held every role and every re-draw from one role to another has been
+        # made (not before a first re-draw: ranks alike at draw 0, e.g. LLaMA's equal blocks, still re-draw)
+        if p.draw > 0 and p.redraw == "rolling" and p.holders == plan.holders:
+            break  # its windows repeat from here, and so does every rank's sequence of re-draws
+        rotated = p.draw > 0 and _rotated(first=plan, plan=p, seen=roles, capped=pc.get("max_holder_sets") is not None) \
+            and pairs >= {(a, b) for a in base for b in base}
+        if rotated:
+            break
     later = sorted(d for d in eval_draws if d > plans[-1].draw)  # evaluations after the rotation, in their own draws
     for p in run_plans(model=model, cfg=pc, first=plan, draws=later, costs=costs):
         visit(p, train=False)
     if len(plans) > 1:  # the re-draws between them, rehearsed as they run (sdp.subnet.redraw)
-        for entry, peak in zip(out, redraw_peaks(cfg=pc, optimizer=job.optimizer, model=model, plans=plans)):
+        for entry, peak in zip(out, redraw_peaks(cfg=pc, optimizer=job.optimizer, model=model, plans=plans, role=_role,
+                                                 rotated=rotated and len(plans) - 1 < draw_at(step=steps - 1, every=every))):
             entry["redraw_peak_bytes"] = peak
     return out
 

@@ -256,17 +256,28 @@ def predict_redraw(*, cfg: DictConfig, optimizer: DictConfig, model: SDPModel, w
             "every": int(pc.resample_every), "per_rank": [{"rank": r, **t} for r, t in enumerate(table)]}
 
 
-def redraw_peaks(*, cfg: DictConfig, optimizer: DictConfig, model: SDPModel, plans: list[Plan]) -> list[int]:
+def redraw_peaks(*, cfg: DictConfig, optimizer: DictConfig, model: SDPModel, plans: list[Plan],
+                 role: Callable[[Plan, int], Any] | None = None, rotated: bool = False) -> list[int]:
     """Per rank, the predicted peak of the re-draws between consecutive ``plans`` (:func:`rehearse_redraw` of each,
     the largest; ``plans``: the draws in order, from :func:`run_plans`; ``cfg``: the ``parallelism`` node,
-    ``optimizer``: the ``optim.optimizer`` node); zeros without a re-draw."""
+    ``optimizer``: the ``optim.optimizer`` node); zeros without a re-draw. ``role`` (rank's role in a plan): a
+    re-draw from role a to role b is rehearsed once, on the first rank that makes it, and stands for every rank
+    that makes it; ``rotated``: ``plans`` make a full rotation of the role pairs, after which a longer run hands
+    any rank any of them: every rank gets the largest."""
     pc, world = cfg, plans[0].world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     factory = build(optimizer)
     template = state_template(optimizer_factory=factory, dtype=next(model.parameters()).dtype)
-    return [max((rehearse_redraw(skeleton=model, old_plan=old, new_plan=new, rank=r, mode=mode, optimizer_factory=factory,
-                                 template=template)["peak_bytes"] for old, new in zip(plans, plans[1:])), default=0)
-            for r in range(world)]
+    values: dict[Any, int] = {}
+    out = [0] * world
+    for old, new in zip(plans, plans[1:]):
+        for r in range(world):
+            key = (role(old, r), role(new, r)) if role is not None else (old.draw, r)
+            if key not in values:
+                values[key] = rehearse_redraw(skeleton=model, old_plan=old, new_plan=new, rank=r, mode=mode,
+                                              optimizer_factory=factory, template=template)["peak_bytes"]
+            out[r] = max(out[r], values[key])
+    return [max(values.values(), default=0)] * world if rotated else out
 
 
 def format_redraw(plan: dict[str, Any]) -> list[str]:
