@@ -1,7 +1,9 @@
 """sdp-plan's predicted peaks (set-up, train, eval; sdp.planning.plan_peaks) against the CPU live-tensor
 tracker of the same config on 2 gloo ranks, per rank: within 10 %, except FSDP's training step, a
 rule rather than a rehearsal (FSDP2's all-gather and reduce-scatter buffers are not rehearsed), held
-to 15 % (LOOSE). SDP's evaluation is rehearsed part by part as it runs (sdp.rank.evaluation.partwise_totals)."""
+to 15 % (LOOSE). SDP's evaluation is rehearsed part by part as it runs (sdp.rank.evaluation.partwise_totals);
+under re-draws every peak is the largest over the draws the run makes (and the re-draw peak is checked too);
+the evaluation batch is a rank's share of the real validation set (digits: no ``dataset.num_val``)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ CASES = {
     "fsdp": ["parallelism=fsdp", *SMALL],
     "sdp_llama": ["parallelism=sdp", *LLAMA],
     "ddp_llama": ["parallelism=ddp", *LLAMA],
+    # the default digits (359 validation images, 180 on a rank, below the default evaluation batch of 256)
+    "ddp_digits": ["parallelism=ddp", "train.steps=4", "train.warmup_steps=2", "train.eval_every=0"],
+    # cyclic roles differ by rank; relabel re-draws move them between the ranks, evaluated in every draw
+    "sdp_redraw": ["parallelism=sdp", *SMALL, "parallelism.assignment=cyclic", "parallelism.resample_every=2",
+                   "train.steps=8", "train.eval_every=2"],
 }
 PEAKS = ("setup_peak_bytes", "train_peak_bytes", "eval_peak_bytes")
 LOOSE = {("fsdp", "train_peak_bytes"): 0.15}
@@ -36,12 +43,83 @@ def test_predicted_peaks_match_the_cpu_tracker(name: str, tmp_path: Path) -> Non
     summary, _ = run_job(CASES[name], world=2, run_dir=tmp_path)
     plan = predict(compose_cfg([*CASES[name], "cluster.world_size=2"]))
     errors, checked = [], 0
+    keys = PEAKS + (("redraw_peak_bytes",) if "redraw" in name else ())
     for pm, mm in zip(plan["memory"]["per_rank"], summary["memory"]["per_rank"]):
         assert mm["peak_source"] == "live_tensors", mm
-        for key in PEAKS:
+        for key in keys:
             p, m = pm[key], mm[key]
             checked += 1
             if abs(p - m) > LOOSE.get((name, key), 0.10) * m:
                 errors.append(f"rank {mm['rank']} {key}: predicted {p / 2**20:.2f} MiB, measured {m / 2**20:.2f} MiB "
                               f"({(p - m) / m:+.1%})")
-    assert checked == 6 and not errors, f"{name}: " + "; ".join(errors)
+    assert checked == 2 * len(keys) and not errors, f"{name}: " + "; ".join(errors)
+
+
+REDRAW = ["parallelism=sdp", "model=resnet18_cifar", "model.width=8", "dataset=synthetic", "dataset.image_size=8",
+          "train.batch_size=4", "train.eval_batch_size=8", "cluster.world_size=4", "parallelism.resample_every=1"]
+
+
+def test_peaks_under_redraws_are_the_largest_over_the_run_s_draws() -> None:
+    """Issue 35 item 6: a relabel re-draw hands a rank another role, so sdp-plan's training and evaluation peak
+    of a rank is the largest of its predictions for each draw the run makes (evaluated after every step here),
+    not draw 0's; set-up stays draw 0's; the re-draw peak is at least each re-draw's between consecutive draws."""
+    from dataclasses import replace
+
+    from sdp.driver.config import validate
+    from sdp.parallel.sdp_peaks import sdp_peaks
+    from sdp.parallel.sdp_plan import redraw_peaks, run_plans
+
+    steps = 6
+    cfg = compose_cfg([*REDRAW, f"train.steps={steps}"])
+    built = validate(cfg)
+    pc, job, model, first = cfg.parallelism, built.job, built.model, built.prepared
+    whole = sdp_peaks(cfg=pc, job=job, model=model, plan=first, eval_batch=8, steps=steps,
+                      eval_steps=frozenset(range(1, steps + 1)))
+    plans = list(run_plans(model=model, cfg=pc, first=first, draws=range(steps)))
+    each = [sdp_peaks(cfg=pc, job=job, model=model, plan=replace(p, draw=0), eval_batch=8, steps=1,
+                      eval_steps=frozenset({1})) for p in plans]  # each draw's own prediction, as a one-step run
+    grew = []
+    for r, entry in enumerate(whole):
+        assert entry["setup_peak_bytes"] == each[0][r]["setup_peak_bytes"], (r, entry, each[0][r])
+        for key in ("train_peak_bytes", "eval_peak_bytes"):
+            per_draw = [e[r][key] for e in each]
+            assert entry[key] == max(per_draw), f"rank {r} {key}: {entry[key]}, per draw {per_draw}"
+            grew += [(r, key, per_draw[0], entry[key])] if entry[key] > per_draw[0] else []
+    assert grew, f"no rank takes a heavier role in a later draw: the case does not test the re-draws ({each})"
+    for old, new in zip(plans, plans[1:]):
+        one = redraw_peaks(cfg=pc, optimizer=job.optimizer, model=model, plans=[old, new])
+        assert all(e["redraw_peak_bytes"] >= p for e, p in zip(whole, one)), \
+            (new.draw, [e["redraw_peak_bytes"] for e in whole], one)
+
+
+def test_a_long_run_is_predicted_over_one_rotation() -> None:
+    """Many re-draws cost one rotation, not one rehearsal set per draw: 10,000 re-draws of a relabelled plan
+    give every rank the largest of draw 0's roles (each rank holds each of them within the rotation)."""
+    from sdp.driver.config import validate
+    from sdp.parallel.sdp_peaks import sdp_peaks
+
+    steps = 10_001
+    cfg = compose_cfg([*REDRAW, f"train.steps={steps}"])
+    built = validate(cfg)
+    pc, job, model, first = cfg.parallelism, built.job, built.model, built.prepared
+    whole = sdp_peaks(cfg=pc, job=job, model=model, plan=first, eval_batch=8, steps=steps, eval_steps=frozenset({steps}))
+    draw0 = sdp_peaks(cfg=pc, job=job, model=model, plan=first, eval_batch=8, steps=1, eval_steps=frozenset({1}))
+    top = max(e["train_peak_bytes"] for e in draw0)
+    assert len({e["train_peak_bytes"] for e in draw0}) > 1, f"draw 0's roles are alike: nothing to rotate ({draw0})"
+    assert [e["train_peak_bytes"] for e in whole] == [top] * len(whole), (whole, draw0)
+
+
+def test_the_evaluation_batch_is_a_rank_s_share_of_the_real_validation_set() -> None:
+    """Issue 35 item 8: the evaluation batch sdp-plan rehearses is ``min(train.eval_batch_size, ceil(N / world))``
+    with N the validation set the dataset builds (digits sets no ``dataset.num_val``: 20 % of 1797 = 359)."""
+    from sdp.driver.config import validate
+    from sdp.planning.plan_peaks import eval_batch
+
+    built = validate(compose_cfg(["parallelism=ddp", "cluster.world_size=2"]))
+    assert built.val_samples == 359, built.val_samples
+    assert eval_batch(eval_batch_size=256, val_samples=built.val_samples, world=2) == 180
+    assert eval_batch(eval_batch_size=64, val_samples=built.val_samples, world=2) == 64
+    synthetic = validate(compose_cfg(["parallelism=ddp", "dataset=synthetic", "dataset.image_size=8", "dataset.num_val=40",
+                                      "cluster.world_size=4"]))
+    assert synthetic.val_samples == 40 and eval_batch(eval_batch_size=256, val_samples=40, world=4) == 10
+    assert eval_batch(eval_batch_size=256, val_samples=41, world=4) == 11, "rank 0 holds the largest share"

@@ -107,16 +107,18 @@ def validate_determinism(cfg: DictConfig) -> None:
             "step); allowed: train.deterministic=false on cluster.device=cuda for this model, or cluster.device=cpu")
 
 
-def validate_strategy(cfg: DictConfig, *, model: Any) -> Preflight:
+def validate_strategy(cfg: DictConfig, *, model: Any, val_samples: int | None = None) -> Preflight:
     """The strategy's own checks, given its ``parallelism`` node and the job's facts (:class:`Job`, read here
     once), then what it builds once from ``model`` (the driver's meta build) for the ranks (SDP's plan,
-    checked): the :class:`Preflight` the budget, ``sdp-plan`` and the launch read."""
+    checked): the :class:`Preflight` the budget, ``sdp-plan`` and the launch read (``val_samples``: the built
+    validation set's size, None where the data was not built)."""
     from sdp.driver.preflight import Preflight
     from sdp.parallel import STRATEGIES, Job
 
     job, spec = Job.of(cfg), STRATEGIES.get(str(cfg.parallelism.name))
     spec.validate(cfg=cfg.parallelism, job=job)
-    return Preflight(job=job, model=model, prepared=spec.prepare(cfg=cfg.parallelism, job=job, model=model))
+    return Preflight(job=job, model=model, prepared=spec.prepare(cfg=cfg.parallelism, job=job, model=model),
+                     val_samples=val_samples)
 
 
 def validate(cfg: DictConfig) -> Preflight:
@@ -171,6 +173,6 @@ def validate(cfg: DictConfig) -> Preflight:
     positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)  # the optimizer's own arguments have no schema
     from sdp.driver.preflight import build_once
 
-    model = build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on, named here
+    model, val_samples = build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on
     validate_determinism(cfg)
-    return validate_strategy(cfg, model=model)
+    return validate_strategy(cfg, model=model, val_samples=val_samples)

@@ -64,6 +64,8 @@ class Preflight:
     job: Job  # the facts of the job a strategy reads besides its own node
     model: Any  # the model on the meta device (read it, do not change it)
     prepared: Any  # what the strategy built for its ranks (StrategySpec.prepare: SDP's plan), None for most
+    val_samples: int | None = None  # len() of the validation set the dataset built (what evaluation shards over the
+    #   ranks; sdp-plan's evaluation batch); None: the data was not built (validate_strategy alone)
 
 
 def meta_model(cfg: DictConfig) -> Any:
@@ -87,15 +89,17 @@ def check_forward(*, model: torch.nn.Module, data: Any) -> None:
                          f"{data.num_classes} values (dataset.num_classes / vocab_size); allowed: >= {data.num_classes}")
 
 
-def build_once(cfg: DictConfig) -> Any:
+def build_once(cfg: DictConfig) -> tuple[Any, int]:
     """Build data index, meta-device model, optimizer and sampler as a rank would; returns the meta-device
-    model (the driver's one build of it, :class:`Preflight`)."""
+    model (the driver's one build of it, :class:`Preflight`) and the validation set's size, read here from the
+    data the ranks will shard (``len(data.val)``: the real size whatever the config says or leaves unset, e.g.
+    digits' ``val_fraction`` of 1797 images, FineWeb's windows under ``val_tokens``)."""
     from sdp.data.base import GlobalBatchSampler
     from sdp.rank.trainer import global_batch_size
 
     with building("dataset", cfg.dataset.get("_target_")):
         data = build(cfg.dataset)
-        num_samples = len(data.train)
+        num_samples, val_samples = len(data.train), len(data.val)
     with building("model", cfg.model.get("_target_")):
         model = meta_model(cfg)  # the driver's one meta build, handed on for the strategy and the budget
         params = list(model.parameters())
@@ -104,4 +108,4 @@ def build_once(cfg: DictConfig) -> Any:
         build(cfg.optim.optimizer)(params)
     with building("train", "the global-batch sampler over the data index"):
         GlobalBatchSampler(num_samples=num_samples, global_batch=global_batch_size(cfg), seed=int(cfg.seed))
-    return model
+    return model, val_samples

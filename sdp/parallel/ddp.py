@@ -150,6 +150,6 @@ class DDPSpec(StrategySpec):
         return [rank_entry(rank=r, params=total, grads=total, optim=optim, acts=acts, records=records) for r in range(world)]
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int,
-                      state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
+    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int, steps: int,
+                      eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         return ddp_peaks(job=job, model=model, eval_batch=eval_batch, prepare=lambda m: cls.prepare_for_plan(model=m, cfg=cfg))

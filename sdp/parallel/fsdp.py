@@ -248,6 +248,6 @@ class FSDPSpec(StrategySpec):
         return out
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int,
-                      state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
+    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int, steps: int,
+                      eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         return fsdp_peaks(job=job, model=model, eval_batch=eval_batch, state=state)

@@ -284,9 +284,9 @@ class SDPSpec(StrategySpec):
         return sdp_plan.predict(cfg=cfg, job=job, model=model, plan=prepared, facts=facts)
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int,
-                      state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
-        return sdp_peaks(cfg=cfg, job=job, model=model, plan=prepared, eval_batch=eval_batch)
+    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int, steps: int,
+                      eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
+        return sdp_peaks(cfg=cfg, job=job, model=model, plan=prepared, eval_batch=eval_batch, steps=steps, eval_steps=eval_steps)
 
     # ---- SDP's own questions (sdp-plan asks them only of a strategy that has them) ----------------------
     @classmethod

@@ -6,71 +6,170 @@ Each rank's subnetwork is the strategy's own masking of the driver's plan on the
 (the largest flat buffer of a step, or under ``parallelism.overlap`` every launched bucket until the sync
 finishes); evaluation builds the model part by part next to the rank's own state
 (:func:`sdp.planning.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
-time); with ``resample_every`` the first re-draw is rehearsed too (``redraw_peak_bytes``:
-:func:`sdp.parallel.sdp_plan.rehearse_redraw`). ``tests/test_plan_peaks.py`` compares with the CPU tracker.
+time); with ``resample_every`` every peak is the largest over the draws the run makes, and the re-draws between
+them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_plan.rehearse_redraw`).
+``tests/test_plan_peaks.py`` compares with the CPU tracker.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from sdp.rank.evaluation import batch_norms
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
-from sdp.parallel.sdp_plan import redraw_peaks
+from sdp.parallel.sdp_plan import draw_at, redraw_peaks, run_plans
 from sdp.planning.plan_entries import nbytes
 from sdp.planning.plan_peaks import rehearse, rehearse_partwise
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import partwise_names
 from sdp.subnet.holder_groups import GroupSet
 from sdp.subnet.plan import Plan
+from sdp.subnet.units import measure_block_costs
 from sdp.subnet.sync import OwnerSetSync
 
 
-def sdp_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, eval_batch: int) -> list[dict[str, int]]:
-    """Per rank, SDP's set-up, train and eval peaks for the driver's ``plan``: each rank's masked subnetwork
-    rehearsed (:func:`sdp.planning.plan_peaks.rehearse`) with its owner-set buckets' flat buffers (overlapped:
-    :func:`_overlap_stand_in`); evaluation part by part next to the rank's state (:func:`rehearse_partwise`),
-    or a whole assembled copy for a model that cannot be cut; with ``resample_every`` the first re-draw
-    (``cfg``: the ``parallelism`` node)."""
+def sdp_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, eval_batch: int, steps: int,
+              eval_steps: frozenset[int]) -> list[dict[str, int]]:
+    """Per rank, SDP's set-up, train and eval peaks over the plans a run of ``steps`` steps trains on: draw 0 (the
+    driver's ``plan``), then with ``resample_every`` its re-draws (:func:`sdp.parallel.sdp_plan.run_plans`), each of
+    which hands a rank another role: its training peak is the largest over the draws it trains on, its evaluation
+    peak the largest over the draws it evaluates in (``eval_steps``: the 1-based steps evaluated after), set-up
+    draw 0's, and ``redraw_peak_bytes`` the largest re-draw between those draws (``cfg``: the ``parallelism`` node).
+    Each rank's masked subnetwork is rehearsed (:func:`sdp.planning.plan_peaks.rehearse`) with its owner-set
+    buckets' flat buffers (overlapped: :func:`_overlap_stand_in`); evaluation part by part next to the rank's
+    state (:func:`rehearse_partwise`), or a whole assembled copy for a model that cannot be cut.
+
+    Cheap over many draws: a subnetwork is rehearsed once per distinct :func:`_key` (a relabelling re-draw hands
+    the ranks draw 0's roles again), a re-draw once per pair of roles (:func:`_role`), the block costs are measured
+    once, and the draws stop at one full rotation where the run makes more (:func:`_rotated`, and every re-draw
+    from one of draw 0's roles to another made; ``rolling``: where its windows repeat); evaluations are placed
+    exactly."""
     assert plan is not None, "SDP's peak rehearsal reads the driver's plan (sdp.driver.preflight), got none"
-    pc, world, batch = cfg, plan.world_size, job.batch_size
+    pc, world, every = cfg, plan.world_size, cfg.get("resample_every")
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
-    pieces = M.pieces(model, plan)
-    partwise = bool(partwise_names(model))
-    if partwise:  # evaluation part by part (SDPStrategy.eval_module)
-        norms = batch_norms(model)
-        reestimate = job.eval_bn == "reestimate" and bool(norms)
-        eval_extra = rehearse_partwise(model=model, flats=_part_flats(pieces, n=world, forward=mode == "forward"),
-                                       batches=[(eval_batch, False)] + ([(batch, True)] if reestimate else []),
-                                       example=model.example_input)
-        eval_extra += nbytes(b for m in norms for b in m.buffers()) if reestimate else 0  # re-estimated statistics kept per part
-    else:  # a whole assembled copy next to the rank's state
-        full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, optimizer=job.optimizer,
-                             example=model.example_input)
-        eval_extra = nbytes(list(model.parameters()) + list(model.buffers())) + full_eval["eval"] - full_eval["setup"]
-    groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
-    out = []
-    for r, mine, layout, trained in M.rank_subnetworks(model, plan, mode=mode, all_pieces=pieces):
-        overlap = bool(pc.get("overlap", True))
-        sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
-                            bucket_cap_mb=float(pc.bucket_cap_mb), overlap=overlap)
-        sync.close()  # its hooks would launch collectives; the stand-in below allocates what they do
-        res = rehearse(module=mine, trainable=trained, batch=batch, eval_batch=eval_batch, optimizer=job.optimizer,
-                       example=mine.example_input,
-                       after_backward=_overlap_stand_in(sync) if overlap else None)
-        flats = [sum(p.nbytes for p in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
-        out.append({"setup_peak_bytes": res["setup"], "train_peak_bytes": max(res["train"], res["state"] + max(flats, default=0)),
-                    "eval_peak_bytes": res["state"] + eval_extra})
-    if pc.get("resample_every"):  # the first re-draw (draw 0 -> 1), rehearsed as it runs (sdp.subnet.redraw)
-        for entry, peak in zip(out, redraw_peaks(cfg=pc, optimizer=job.optimizer, model=model, plan=plan)):
+    costs = measure_block_costs(model) if every else None
+    rehearsed: dict[Any, dict[str, int]] = {}
+    evals: dict[Any, int] = {}
+    out = [{"setup_peak_bytes": 0, "train_peak_bytes": 0, "eval_peak_bytes": 0} for _ in range(world)]
+    eval_draws = {draw_at(step=s - 1, every=every) for s in eval_steps}
+    roles: list[set[Any]] = [set() for _ in range(world)]
+
+    def visit(p: Plan, *, train: bool) -> None:
+        pieces = M.pieces(model, p)
+        for r, got in _rank_peaks(cfg=pc, job=job, model=model, plan=p, pieces=pieces, mode=mode, eval_batch=eval_batch,
+                                  rehearsed=rehearsed):
+            entry = out[r]
+            if p.draw == 0:
+                entry["setup_peak_bytes"] = got["setup"]
+            if train:
+                entry["train_peak_bytes"] = max(entry["train_peak_bytes"], got["train"])
+                roles[r].add(_role(p, r))
+            if p.draw in eval_draws:
+                flats = _part_flats(pieces, n=world, forward=mode == "forward")
+                key = tuple(sorted(flats.items()))
+                if key not in evals:
+                    evals[key] = _eval_extra(job=job, model=model, flats=flats, eval_batch=eval_batch)
+                entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["state"] + evals[key])
+
+    plans, pairs, rotated = [], set(), False
+    base = {_role(plan, r) for r in range(world)}
+    for p in run_plans(model=model, cfg=pc, first=plan, draws=range(draw_at(step=steps - 1, every=every) + 1), costs=costs):
+        pairs |= {(_role(plans[-1], r), _role(p, r)) for r in range(world)} if plans else set()
+        plans.append(p)
+        visit(p, train=True)
+        # one full rotation: every rank has held every role and every re-draw from one role to another has been
+        # made (not before a first re-draw: ranks alike at draw 0, e.g. LLaMA's equal blocks, still re-draw)
+        if p.draw > 0 and p.redraw == "rolling" and p.holders == plan.holders:
+            break  # its windows repeat from here, and so does every rank's sequence of re-draws
+        rotated = p.draw > 0 and _rotated(first=plan, plan=p, seen=roles, capped=pc.get("max_holder_sets") is not None) \
+            and pairs >= {(a, b) for a in base for b in base}
+        if rotated:
+            break
+    later = sorted(d for d in eval_draws if d > plans[-1].draw)  # evaluations after the rotation, in their own draws
+    for p in run_plans(model=model, cfg=pc, first=plan, draws=later, costs=costs):
+        visit(p, train=False)
+    if len(plans) > 1:  # the re-draws between them, rehearsed as they run (sdp.subnet.redraw)
+        for entry, peak in zip(out, redraw_peaks(cfg=pc, optimizer=job.optimizer, model=model, plans=plans, role=_role,
+                                                 rotated=rotated and len(plans) - 1 < draw_at(step=steps - 1, every=every))):
             entry["redraw_peak_bytes"] = peak
     return out
+
+
+def _eval_extra(*, job: Job, model: SDPModel, flats: dict[str, int], eval_batch: int) -> int:
+    """What evaluation adds to a rank's state: the model part by part (SDPStrategy.eval_module; ``flats``: each
+    part's broadcast buffer, :func:`_part_flats`), re-estimated BatchNorm statistics kept per part, or a whole
+    assembled copy for a model that cannot be cut."""
+    if partwise_names(model):
+        norms = batch_norms(model)
+        reestimate = job.eval_bn == "reestimate" and bool(norms)
+        extra = rehearse_partwise(model=model, flats=flats, example=model.example_input,
+                                  batches=[(eval_batch, False)] + ([(job.batch_size, True)] if reestimate else []))
+        return extra + (nbytes(b for m in norms for b in m.buffers()) if reestimate else 0)
+    full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, optimizer=job.optimizer,
+                         example=model.example_input)
+    return nbytes(list(model.parameters()) + list(model.buffers())) + full_eval["eval"] - full_eval["setup"]
+
+
+def _rank_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, pieces: list[Any], mode: str, eval_batch: int,
+                rehearsed: dict[Any, dict[str, int]]) -> Iterator[tuple[int, dict[str, int]]]:
+    """Per rank of ``plan``: its set-up and train peaks and its state after a step, rehearsed unless
+    ``rehearsed`` already holds its :func:`_key` (filled here)."""
+    groups = GroupSet(world_size=plan.world_size, holder_sets=(), refresh=False)  # no process group is created
+    overlap = bool(cfg.get("overlap", True))
+    for r, mine, layout, trained in M.rank_subnetworks(model, plan, mode=mode, all_pieces=pieces):
+        sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
+                            bucket_cap_mb=float(cfg.bucket_cap_mb), overlap=overlap)
+        sync.close()  # its hooks would launch collectives; the stand-in below allocates what they do
+        key = _key(mine=mine, trained=trained, sync=sync)
+        if key not in rehearsed:
+            res = rehearse(module=mine, trainable=trained, batch=job.batch_size, eval_batch=eval_batch,
+                           optimizer=job.optimizer, example=mine.example_input,
+                           after_backward=_overlap_stand_in(sync) if overlap else None)
+            flats = [sum(q.nbytes for q in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
+            rehearsed[key] = {"setup": res["setup"], "train": max(res["train"], res["state"] + max(flats, default=0)),
+                              "state": res["state"]}
+        yield r, rehearsed[key]
+
+
+def _key(*, mine: nn.Module, trained: list[nn.Parameter], sync: Any) -> tuple[Any, ...]:
+    """Everything a rank's rehearsal allocates by: its subnetwork's tensors in order (shape, dtype, trained or
+    not) and its gradient buckets (members by position, bytes, in launch order) and refresh buffers. Two ranks
+    or draws with equal keys rehearse to the same bytes, whichever blocks they hold."""
+    params = list(mine.parameters())
+    index, mine_trained = {id(t): i for i, t in enumerate(params)}, {id(t) for t in trained}
+    tensors = tuple((tuple(t.shape), t.dtype, id(t) in mine_trained) for t in params)
+    order = sync.launch_order if sync.overlap else range(len(sync.grad_buckets))
+    grads = tuple((tuple(sorted(index.get(id(sync._tensor(q)), -1) for q in sync.grad_buckets[b][1])),
+                   sum(q.nbytes for q in sync.grad_buckets[b][1])) for b in order)
+    refresh = tuple(sum(q.nbytes for q in items) for _, items in sync.refresh_buckets)
+    return tensors, tuple((tuple(b.shape), b.dtype) for b in mine.buffers()), grads, refresh
+
+
+def _role(plan: Plan, rank: int) -> tuple[Any, ...]:
+    """A rank's role in ``plan`` up to which interchangeable units it holds: the costs of its units and of the
+    block remainders it holds with them."""
+    units = sorted((u.params, u.flops, u.act_bytes) for u in (plan.units[i] for i in plan.held_units(rank)))
+    return tuple(units), tuple(sorted(n for b, n in plan.remainder.items() if rank in plan.block_holders(b)))
+
+
+def _rotated(*, first: Plan, plan: Plan, seen: list[set[Any]], capped: bool) -> bool:
+    """Whether the draws up to ``plan`` make one full rotation, after which no later draw hands a rank a role
+    (:func:`_role`) it has not held: under ``relabel`` (cyclic or balanced assignment, or capped holder sets) and
+    ``shuffle`` every draw relabels draw 0's roles (``first``), so a rotation is done once every rank has held each
+    of them (``seen``: the roles each rank held); ``rolling`` repeats once its windows are back at draw 0's. A
+    random assignment without a cap draws fresh subsets every time: no rotation, every draw of the run counts."""
+    if plan.redraw == "rolling":
+        return plan.draw > 0 and plan.holders == first.holders
+    if plan.redraw == "relabel" and plan.assignment == "random" and not capped:
+        return False
+    return all(held >= {_role(first, r) for r in range(first.world_size)} for held in seen)
 
 
 def _overlap_stand_in(sync: Any) -> Callable[[], None]:

@@ -10,7 +10,7 @@ meta device, the owner-set buckets of :class:`sdp.subnet.sync.OwnerSetSync`, and
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -79,6 +79,24 @@ def next_plan(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int, f
     assert first.draw == 0, f"first must be draw 0's plan, got draw {first.draw}"
     costs = costs if costs is not None else measure_block_costs(model)
     return plan_for(model=model, cfg=cfg, world_size=world_size, draw=draw, block_costs=costs, base_holders=first.holders), costs
+
+
+def draw_at(*, step: int, every: int | None) -> int:
+    """The draw a run trains 0-based step ``step`` on (``every``: ``parallelism.resample_every``): a re-draw before
+    every step d R > 0 (``SDPStrategy._before_step``), so draw ``step // R``; without re-draws draw 0."""
+    return step // int(every) if every else 0
+
+
+def run_plans(*, model: SDPModel, cfg: DictConfig, first: Plan, draws: Iterable[int],
+              costs: dict[int, tuple[float, float]] | None = None) -> Iterator[Plan]:
+    """The plans of ``draws`` (from :func:`draw_at`), each as the ranks make it: draw 0 is ``first`` (the driver's),
+    later ones :func:`next_plan`'s (``costs``: the model's block costs, measured here once when not given)."""
+    for draw in draws:
+        if draw == 0:
+            yield first
+        else:
+            plan, costs = next_plan(model=model, cfg=cfg, world_size=first.world_size, draw=draw, first=first, costs=costs)
+            yield plan
 
 
 def plan_lists(plan: Plan) -> dict[str, Any]:
@@ -238,16 +256,28 @@ def predict_redraw(*, cfg: DictConfig, optimizer: DictConfig, model: SDPModel, w
             "every": int(pc.resample_every), "per_rank": [{"rank": r, **t} for r, t in enumerate(table)]}
 
 
-def redraw_peaks(*, cfg: DictConfig, optimizer: DictConfig, model: SDPModel, plan: Plan) -> list[int]:
-    """Per rank, the predicted peak of the first re-draw (:func:`rehearse_redraw`, the driver's ``plan`` -> draw 1;
-    ``cfg``: the ``parallelism`` node, ``optimizer``: the ``optim.optimizer`` node)."""
-    pc, world = cfg, plan.world_size
+def redraw_peaks(*, cfg: DictConfig, optimizer: DictConfig, model: SDPModel, plans: list[Plan],
+                 role: Callable[[Plan, int], Any] | None = None, rotated: bool = False) -> list[int]:
+    """Per rank, the predicted peak of the re-draws between consecutive ``plans`` (:func:`rehearse_redraw` of each,
+    the largest; ``plans``: the draws in order, from :func:`run_plans`; ``cfg``: the ``parallelism`` node,
+    ``optimizer``: the ``optim.optimizer`` node); zeros without a re-draw. ``role`` (rank's role in a plan): a
+    re-draw from role a to role b is rehearsed once, on the first rank that makes it, and stands for every rank
+    that makes it; ``rotated``: ``plans`` make a full rotation of the role pairs, after which a longer run hands
+    any rank any of them: every rank gets the largest."""
+    pc, world = cfg, plans[0].world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
-    plans = [plan, plan_for(model=model, cfg=pc, world_size=world, draw=1)]
     factory = build(optimizer)
     template = state_template(optimizer_factory=factory, dtype=next(model.parameters()).dtype)
-    return [rehearse_redraw(skeleton=model, old_plan=plans[0], new_plan=plans[1], rank=r, mode=mode,
-                            optimizer_factory=factory, template=template)["peak_bytes"] for r in range(world)]
+    values: dict[Any, int] = {}
+    out = [0] * world
+    for old, new in zip(plans, plans[1:]):
+        for r in range(world):
+            key = (role(old, r), role(new, r)) if role is not None else (old.draw, r)
+            if key not in values:
+                values[key] = rehearse_redraw(skeleton=model, old_plan=old, new_plan=new, rank=r, mode=mode,
+                                              optimizer_factory=factory, template=template)["peak_bytes"]
+            out[r] = max(out[r], values[key])
+    return [max(values.values(), default=0)] * world if rotated else out
 
 
 def format_redraw(plan: dict[str, Any]) -> list[str]:
@@ -258,7 +288,8 @@ def format_redraw(plan: dict[str, Any]) -> list[str]:
         return []
     mib = 2**20
     mem = {m["rank"]: m for m in plan["memory"]["per_rank"]}
-    lines = [f"re-draw every {facts['every']} steps, predicted for {facts['predicted']}:"]
+    lines = [f"re-draw every {facts['every']} steps, bytes predicted for {facts['predicted']}, peaks the largest over the "
+             f"run's re-draws (up to one full rotation):"]
     for t in facts["per_rank"]:
         m = mem.get(t["rank"], {})
         peak = f"peak {m['redraw_peak_bytes'] / mib:.2f} MiB (train {m['train_peak_bytes'] / mib:.2f}), " \

@@ -120,11 +120,14 @@ class StrategySpec:
         raise ValueError(f"parallelism.name={cls.name!r}: this strategy makes no sdp-plan prediction (StrategySpec.predict)")
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int,
-                      state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
+    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int, steps: int,
+                      eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         """``sdp-plan``'s set-up, train and eval peaks per rank (the strategy's own rehearsal, next to it in
         ``sdp/parallel/``, on :mod:`sdp.planning.plan_peaks`'s generic one); ``eval_batch``: a rank's evaluation
-        batch; ``state``: the memory entries of :meth:`predict`. None (default): no peak rehearsal."""
+        batch; ``steps``: the steps the run makes and ``eval_steps`` the 1-based steps it evaluates after (its budget
+        resolved, :class:`sdp.rank.schedule.Cadence`): a strategy whose state changes over the run, SDP's
+        re-draws, predicts the largest over it; ``state``: the memory entries of :meth:`predict`. None
+        (default): no peak rehearsal."""
         return None
 
 

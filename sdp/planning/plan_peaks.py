@@ -37,6 +37,7 @@ from sdp.registry import build
 
 if TYPE_CHECKING:
     from sdp.parallel.job import Job
+    from sdp.rank.schedule import Cadence
 
 
 class FusedAttention(TorchFunctionMode):
@@ -122,18 +123,23 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
     return {"setup": setup, "train": train, "eval": evaluation, "state": state}
 
 
-def _eval_batch(cfg: DictConfig, world: int) -> int:
-    """Per-rank evaluation batch: ``train.eval_batch_size``, or the rank's share of the val set if smaller."""
-    n_val = cfg.dataset.get("num_val")
-    per_rank = math.ceil(int(n_val) / world) if n_val else int(cfg.train.eval_batch_size)
-    return min(int(cfg.train.eval_batch_size), per_rank)
+def eval_batch(*, eval_batch_size: int, val_samples: int, world: int) -> int:
+    """The largest batch a rank evaluates: ``train.eval_batch_size``, or the rank's whole share of the
+    validation set when that is smaller (:func:`sdp.data.base.val_batches` deals sample ``i`` to rank
+    ``i mod world``, so rank 0's share, ``ceil(val_samples / world)``, is the largest; ``val_samples``: the
+    size of the set the dataset built, :attr:`sdp.driver.preflight.Preflight.val_samples`)."""
+    assert val_samples > 0 and world > 0 and eval_batch_size > 0, (val_samples, world, eval_batch_size)
+    return min(int(eval_batch_size), math.ceil(int(val_samples) / world))
 
 
-def predict_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, state: list[dict[str, Any]],
-                  spec: Any, prepared: Any = None) -> list[dict[str, int]] | None:
+def predict_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, state: list[dict[str, Any]], spec: Any,
+                  val_samples: int, cadence: Cadence, prepared: Any = None) -> list[dict[str, int]] | None:
     """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` from ``spec``'s
     :meth:`~sdp.parallel.spec.StrategySpec.predict_peaks` (None: a strategy without a peak rehearsal:
     pipeline). ``state``: the planner's per-rank memory entries (the held parameter, gradient and
-    optimizer bytes that FSDP's rule starts from); ``prepared``: what the driver built for the ranks."""
-    return spec.predict_peaks(cfg=cfg.parallelism, job=job, model=model, eval_batch=_eval_batch(cfg, job.world_size),
-                              state=state, prepared=prepared)
+    optimizer bytes that FSDP's rule starts from); ``val_samples``: the validation set's real size (what
+    evaluation batches, :func:`eval_batch`); ``cadence``: the run's steps and the steps it evaluates after (its
+    budget resolved); ``prepared``: what the driver built for the ranks."""
+    batch = eval_batch(eval_batch_size=int(cfg.train.eval_batch_size), val_samples=val_samples, world=job.world_size)
+    return spec.predict_peaks(cfg=cfg.parallelism, job=job, model=model, eval_batch=batch, steps=cadence.steps,
+                              eval_steps=frozenset(cadence.eval_at), state=state, prepared=prepared)

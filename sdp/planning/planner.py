@@ -15,6 +15,7 @@ prediction is of the very plan a run trains. This module names no strategy: addi
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -32,8 +33,10 @@ from sdp.driver.preflight import Preflight, meta_model
 from sdp.errors import positive_int, require
 from sdp.models.base import SDPModel
 from sdp.parallel import STRATEGIES, Job, StrategySpec
+from sdp.planning.budget import apply as apply_budget
 from sdp.planning.plan_entries import Entry, communicators
 from sdp.planning.plan_peaks import predict_peaks
+from sdp.rank.schedule import Cadence
 from sdp.driver.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
 from sdp.registry import build
 from sdp.report.compare import mib
@@ -59,7 +62,9 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
         model = build(cfg.model)  # a build of its own: a prediction may change it (activation checkpointing)
     facts: dict[str, Any] = {}  # strategy-specific facts for the plan (e.g. its unit plan)
     entries = spec.predict(cfg=cfg.parallelism, job=job, model=model, facts=facts, prepared=ready)
-    add_peaks(cfg=cfg, job=job, model=model, entries=entries, spec=spec, prepared=ready)
+    assert built.val_samples is not None, "sdp-plan's evaluation peak needs the validation set's size: validate(cfg) builds it"
+    add_peaks(cfg=cfg, job=job, model=model, entries=entries, spec=spec, prepared=ready, val_samples=built.val_samples,
+              cadence=run_cadence(cfg, built=built))
     per_group = cfg.cluster.comm_bytes_per_group  # read by sdp-plan only: checked here
     positive_int("cluster.comm_bytes_per_group", per_group, minimum=0)
     for (mem, _), comms in zip(entries, communicators(per_group=per_group, groups=facts.get("process_groups"), world=world)):
@@ -70,11 +75,21 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
             "notes": ["; ".join([BASE_NOTE, *([spec.plan_note] if spec.plan_note else [])])]}  # this strategy's caveat
 
 
+def run_cadence(cfg: DictConfig, *, built: Preflight) -> Cadence:
+    """The steps the run of ``cfg`` makes and those it evaluates after: its budget resolved into a copy of the config
+    (:func:`sdp.planning.budget.apply`, as the driver resolves it into the config the ranks read), then the
+    trainer's own :class:`~sdp.rank.schedule.Cadence` of it."""
+    run = copy.deepcopy(cfg)
+    return Cadence.of(train=run.train, budget=apply_budget(run, preflight=built))
+
+
 def add_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, entries: list[Entry], spec: type[StrategySpec],
-              prepared: Any) -> None:
-    """Add the predicted set-up, train and eval peaks (:mod:`sdp.planning.plan_peaks`) to each rank's memory entry."""
+              prepared: Any, val_samples: int, cadence: Cadence) -> None:
+    """Add the predicted set-up, train and eval peaks (:mod:`sdp.planning.plan_peaks`) to each rank's memory entry
+    (``val_samples``: the validation set's size; ``cadence``: the run's steps and evaluations, :func:`run_cadence`)."""
     assert len(entries) == job.world_size, f"one entry per rank: {len(entries)} entries, world_size={job.world_size}"
-    peaks = predict_peaks(cfg=cfg, job=job, model=model, state=[m for m, _ in entries], spec=spec, prepared=prepared)
+    peaks = predict_peaks(cfg=cfg, job=job, model=model, state=[m for m, _ in entries], spec=spec, prepared=prepared,
+                          val_samples=val_samples, cadence=cadence)
     for (mem, _), p in zip(entries, peaks or [{}] * len(entries)):
         mem.update(p)
 
