@@ -5,7 +5,9 @@ BatchNorm running statistics are part of the evaluated model, and they can be pr
 
 - ``average``: the statistics the training run accumulated (momentum averages), averaged over the
   ranks that ran each layer. Every strategy's ``eval_module`` already yields the model in this state
-  (only the strategy knows who ran a layer: SDP holders, pipeline stage owners, the world);
+  (only the strategy knows who ran a layer: SDP holders, pipeline stage owners, the world), and so does
+  its ``subnetwork_module`` under this protocol (a worker's units with the assembled model's statistics),
+  so the workers' own and ensemble evaluations follow the same rule as the full model's;
 - ``reestimate``: recompute them on the model being evaluated from one *calibration set*, as SWA's
   ``update_bn`` does: the global training batches of ``eval.bn_batches`` steps, split into the
   replicas' shards as training splits them. The statistics are the mean, in shard order, of each
