@@ -123,7 +123,7 @@ def own_totals(model: nn.Module, *, bn: str, calibration: Sequence[Callable[[], 
     ranks' models' ensemble (:func:`sdp.rank.eval_ensemble.add_batch` on every batch of the same pass), the
     same on every rank; else None."""
     ens = torch.zeros(3, dtype=torch.float64, device=ctx.device) if ensemble else None
-    each = partial(eval_ensemble.add_batch, ens, ctx=ctx) if ens is not None else None
+    each = partial(eval_ensemble.add_batch, ens, ctx=ctx, argmax=data.task == "classification") if ens is not None else None
     with applied(model, bn=bn, shards=[shard() for shard in calibration], ctx=ctx, average=False) as m:
         own = ordered_sum([val_totals(m, data=data, rank=j, world_size=world_size, batch_size=batch_size,
                                       num_workers=num_workers, device=ctx.device, each=each) for j in range(world_size)])
