@@ -3,7 +3,8 @@ arg-max of the mean of their predicted probabilities. At C = 1 every worker's su
 so the ensemble is DDP's evaluation; at C = 0.5 it equals a single-process reference computed from the
 workers' gathered probabilities; its evaluation peak per rank stays within one batch of probabilities of
 the workers' own evaluation (each rank runs its own subnetwork; the probabilities are all-reduced chunk by
-chunk, never kept for the validation set, never a second model on a rank). Backward masking: no ensemble."""
+chunk, never kept for the validation set, never a second model on a rank; a language model's ensemble moves
+two float64 values per token, never the vocabulary's probabilities). Backward masking: no ensemble."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_one_worker_ensemble_is_its_cross_entropy_chunk_by_chunk_and_survives_un
     out[0, 0, target[0, 0]] = -200.0  # exp(-200) is 0 in float32 (and -log of it inf)
     assert torch.softmax(out[0, 0], -1)[target[0, 0]] == 0, "the case must underflow in float32"
     totals = torch.zeros(3, dtype=torch.float64)
-    add_batch(totals, out, target, ctx=_ctx(), chunk=4)  # 15 rows in chunks of 4: the last chunk is short
+    add_batch(totals, out, target, ctx=_ctx(), argmax=True, chunk=4)  # 15 rows in chunks of 4: the last chunk is short
     ce = F.cross_entropy(out.reshape(-1, 7).double(), target.reshape(-1), reduction="sum")
     correct = (out.argmax(-1) == target).sum()
     assert math.isfinite(totals[0]) and torch.allclose(totals[0], ce, rtol=1e-6), (totals, ce)
@@ -170,3 +171,80 @@ def test_at_half_coverage_the_ensemble_is_the_mean_of_the_workers_probabilities(
         extra = g["peaks"][True] - g["peaks"][False]
         assert extra <= batch_probs, f"rank {r}: the ensemble adds {extra} B to the pass's peak, over one batch of " \
                                      f"probabilities ({batch_probs} B): {g['peaks']}"
+
+
+def _ensemble_traffic(rank: int, world: int, task: str) -> dict[str, Any]:
+    """:func:`sdp.rank.evaluation.own_totals` of this rank's own tiny model (seeded by rank: the workers differ)
+    on a validation set of ``task``, with and without the ensemble: its totals, the eval-phase bytes and
+    collectives each recorded, and this rank's probabilities on every validation row (the full-probability
+    reference the test computes)."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from sdp.data.base import DataBundle, val_batches
+    from sdp.parallel import DistContext
+    from sdp.rank.evaluation import own_totals
+
+    vocab, rows = (50, 6) if task == "lm" else (4, 16)  # few classes: the ensemble's arg-max is right on some rows
+    torch.manual_seed(1000 + rank)
+    if task == "lm":  # (rows, seq) tokens, next-token targets
+        x, y = torch.randint(0, vocab, (2, rows, 5)).unbind(0)
+        model: nn.Module = nn.Sequential(nn.Embedding(vocab, 8), nn.Linear(8, vocab))
+    else:  # (rows, features) inputs, class targets
+        x, y = torch.randn(rows, 8), torch.randint(0, vocab, (rows,))
+        model = nn.Linear(8, vocab)
+    g = torch.Generator().manual_seed(7)  # the same validation set on every rank
+    x = torch.randint(0, vocab, x.shape, generator=g) if task == "lm" else torch.randn(x.shape, generator=g)
+    y = torch.randint(0, vocab, y.shape, generator=g)
+    data = DataBundle(train=TensorDataset(x, y), val=TensorDataset(x, y), task=task, num_classes=vocab,
+                      input_shape=tuple(x.shape[1:]))
+    out: dict[str, Any] = {}
+    for ensemble in (False, True):
+        ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        with torch.no_grad():
+            own, ens = own_totals(model, bn="reestimate", calibration=[lambda: iter(())] * world, ctx=ctx, data=data,
+                                  world_size=world, batch_size=4, num_workers=0, ensemble=ensemble)
+        out[ensemble] = {"own": own, "ens": ens, **ctx.comm.summary()["outside_training"].get("eval", {"bytes": 0, "collectives": 0})}
+    with torch.no_grad():
+        out["probs"] = torch.cat([torch.softmax(model(xb).double(), -1).reshape(-1, vocab)
+                                  for j in range(world) for xb, _ in val_batches(data, rank=j, world_size=world, batch_size=4)])
+        out["targets"] = torch.cat([yb.reshape(-1) for j in range(world)
+                                    for _, yb in val_batches(data, rank=j, world_size=world, batch_size=4)])
+    out["batches"] = sum(1 for j in range(world) for _ in val_batches(data, rank=j, world_size=world, batch_size=4))
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.core
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("task", ["lm", "classification"])
+def test_a_language_models_ensemble_moves_two_values_per_token_and_a_classifiers_its_probabilities(task: str) -> None:
+    """The ensemble's loss (the log of the workers' mean probability of each target) equals the full-probability
+    computation's (every worker's whole softmax gathered), and the bytes it adds to the evaluation's comm records
+    are exact: 2 x 8 per token (the log-probabilities' MAX and SUM) for an LM, which reports no ensemble accuracy
+    and so never all-reduces the vocabulary's probabilities (2 TB per rank at FineWeb scale); a classifier adds
+    its probabilities (rows x classes x 4) for the arg-max it reports."""
+    from tests.helpers import spawn
+
+    world = 2
+    got = spawn(_ensemble_traffic, world=world, args=(task,))
+    probs, targets = torch.stack([g["probs"] for g in got]), got[0]["targets"]
+    assert not torch.allclose(probs[0], probs[1]), "the workers' models must differ"
+    mean = probs.mean(0)
+    ref_loss = -mean.gather(1, targets[:, None]).log().sum().item()
+    ref_correct = (mean.argmax(-1) == targets).sum().item()
+    tokens, classes, batches = targets.numel(), probs.shape[-1], got[0]["batches"]  # one chunk per batch here
+    expect = 2 * 8 * tokens + (tokens * classes * 4 if task == "classification" else 0)
+    for r, g in enumerate(got):
+        ens = g[True]["ens"]
+        added = g[True]["bytes"] - g[False]["bytes"]
+        calls = g[True]["collectives"] - g[False]["collectives"]
+        print(f"rank {r} {task}: ensemble loss sum {ens[0].item():.10f} (full probabilities {ref_loss:.10f}), correct "
+              f"{ens[1].item()} (reference {ref_correct}), {tokens} tokens x {classes} classes: +{added} B in {calls} collectives")
+        assert ens[2].item() == tokens and torch.equal(g[True]["own"], g[False]["own"]), (r, g)
+        assert ens[0].item() == pytest.approx(ref_loss, rel=1e-6), (r, ens, ref_loss)  # float32 log-softmax
+        assert ens[1].item() == (ref_correct if task == "classification" else 0), (r, ens, ref_correct)
+        assert added == expect, f"rank {r} {task}: the ensemble recorded {added} B, expected {expect} B ({tokens} tokens, " \
+                                f"{classes} classes)"
+        assert calls == batches * (3 if task == "classification" else 2), (r, calls, batches)
+        assert torch.equal(ens, got[0][True]["ens"]), "every rank has the same ensemble totals"

@@ -167,8 +167,9 @@ class Strategy(ABC):
     @contextmanager
     def subnetwork_module(self) -> Iterator[nn.Module | None]:
         """This worker's own trained model when workers train different models (``eval.subnetworks``:
-        the assembly gap; ``eval.ensemble``: their mean probability), else None. Default None: every
-        worker trains the full model, so there is nothing to compare or ensemble."""
+        the assembly gap; ``eval.ensemble``: their mean probability), else None; under ``eval.bn=average``
+        with each layer's statistics averaged over the ranks that ran it, as :meth:`eval_module`'s. Default
+        None: every worker trains the full model, so there is nothing to compare or ensemble."""
         yield None
 
     def unwrapped(self) -> nn.Module:

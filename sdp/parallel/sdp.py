@@ -39,7 +39,7 @@ from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
 from sdp.planning.plan_entries import Entry
 from sdp.subnet import masking as M
-from sdp.subnet.assemble import PartwiseAssembly, assemble, set_branch_scales, split_blocks, tensor_map
+from sdp.subnet.assemble import PartwiseAssembly, assemble, own_evaluated, set_branch_scales, split_blocks, tensor_map
 from sdp.subnet import redraw as R
 from sdp.subnet.plan import Plan
 from sdp.subnet.holder_groups import GroupSet, check_same_plan
@@ -190,16 +190,15 @@ class SDPStrategy(Strategy):
     def subnetwork_module(self) -> Iterator[nn.Module | None]:
         """Under forward masking, the subnetwork this worker trained, evaluated as trained (its own
         units, its ``rescale=train`` scales, no k/n): the model whose quality the assembly gap compares
-        the assembled one with. Backward masking trains the full model on every worker: None."""
+        the assembled one with; under ``eval.bn=average`` with the statistics of its units in the assembled
+        model (:func:`~sdp.subnet.assemble.own_evaluated`). Backward masking trains the full model on every worker: None."""
         if self.mode != "forward":
             yield None
             return
-        assert self.module is not None
-        self.module.eval()
-        try:
-            yield self.module
-        finally:
-            self.module.train()
+        assert self.module is not None and self.groups is not None
+        with own_evaluated(module=self.module, pieces=self.pieces, layout=self.layout, masking=self.mode, groups=self.groups,
+                           ctx=self.ctx, average=self.job.eval_bn == "average") as own:
+            yield own
 
     # ---- reporting ----------------------------------------------------------------------------------
     def summary_extra(self) -> dict[str, Any]:

@@ -5,7 +5,9 @@ BatchNorm running statistics are part of the evaluated model, and they can be pr
 
 - ``average``: the statistics the training run accumulated (momentum averages), averaged over the
   ranks that ran each layer. Every strategy's ``eval_module`` already yields the model in this state
-  (only the strategy knows who ran a layer: SDP holders, pipeline stage owners, the world);
+  (only the strategy knows who ran a layer: SDP holders, pipeline stage owners, the world), and so does
+  its ``subnetwork_module`` under this protocol (a worker's units with the assembled model's statistics),
+  so the workers' own and ensemble evaluations follow the same rule as the full model's;
 - ``reestimate``: recompute them on the model being evaluated from one *calibration set*, as SWA's
   ``update_bn`` does: the global training batches of ``eval.bn_batches`` steps, split into the
   replicas' shards as training splits them. The statistics are the mean, in shard order, of each
@@ -121,7 +123,7 @@ def own_totals(model: nn.Module, *, bn: str, calibration: Sequence[Callable[[], 
     ranks' models' ensemble (:func:`sdp.rank.eval_ensemble.add_batch` on every batch of the same pass), the
     same on every rank; else None."""
     ens = torch.zeros(3, dtype=torch.float64, device=ctx.device) if ensemble else None
-    each = partial(eval_ensemble.add_batch, ens, ctx=ctx) if ens is not None else None
+    each = partial(eval_ensemble.add_batch, ens, ctx=ctx, argmax=data.task == "classification") if ens is not None else None
     with applied(model, bn=bn, shards=[shard() for shard in calibration], ctx=ctx, average=False) as m:
         own = ordered_sum([val_totals(m, data=data, rank=j, world_size=world_size, batch_size=batch_size,
                                       num_workers=num_workers, device=ctx.device, each=each) for j in range(world_size)])

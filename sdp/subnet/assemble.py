@@ -20,7 +20,8 @@ re-estimation is the evaluation protocol's (:mod:`sdp.rank.evaluation`), applied
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -81,12 +82,8 @@ def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[st
         if spec is not None:
             target(p).copy_(view(*spec))
     if n > 1:
-        def reduce(flat: torch.Tensor, h: tuple[int, ...]) -> None:
-            ctx.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(h))
-            dist.all_reduce(flat, group=groups.get(h))
-
         average_statistics(pieces=[p for p in pieces if not p.is_param and state[p.name].is_floating_point()],
-                           target=target, masking=masking, rank=rank, world_size=n, reduce=reduce)
+                           target=target, masking=masking, rank=rank, world_size=n, reduce=_holder_sum(groups=groups, ctx=ctx))
     if masking == "forward" and n > 1:
         world = tuple(range(n))
         for src in range(n):
@@ -122,6 +119,45 @@ def average_statistics(*, pieces: list[Piece], target: Callable[[Piece], torch.T
             flat = flatten(views)
             reduce(flat, h)
             unflatten(flat / len(h), views)
+
+
+def _holder_sum(*, groups: GroupSet, ctx: DistContext) -> Callable[[torch.Tensor, tuple[int, ...]], None]:
+    """The ``reduce`` of :func:`average_statistics` on the ranks: an all-reduce SUM over the holder set's
+    process group, recorded as traffic of the current comm phase."""
+    def reduce(flat: torch.Tensor, h: tuple[int, ...]) -> None:
+        ctx.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(h))
+        dist.all_reduce(flat, group=groups.get(h))
+    return reduce
+
+
+@contextmanager
+def own_evaluated(*, module: nn.Module, pieces: list[Piece], layout: dict[str, Local], masking: str, groups: GroupSet,
+                  ctx: DistContext, average: bool) -> Iterator[nn.Module]:
+    """This rank's own subnetwork ``module`` (its pieces in ``layout``) in eval mode for the block. With
+    ``average`` (``eval.bn=average``) its BatchNorm statistics are meanwhile those of the assembled model's units
+    it holds: averaged over the ranks that ran each, exactly as :func:`fill` averages the assembled model's (the
+    same pieces, holder sets and arithmetic; traffic of comm phase "eval"). Why: one BatchNorm rule for every
+    evaluated model, so a worker's own subnetwork and the workers' ensemble are evaluated on the statistics the
+    assembled model uses (at C = 1 the assembled model itself, bit for bit). This rank's own values and train
+    mode come back after: evaluation never changes training. Collective over each holder set."""
+    def target(p: Piece) -> torch.Tensor:
+        spec = locate(p, layout)
+        assert spec is not None, f"rank {ctx.rank} averages statistics piece {p.name} it does not hold (holders {p.holders})"
+        return view(*spec)
+
+    mine = [p for p in pieces if average and not p.is_param and locate(p, layout) is not None and target(p).is_floating_point()]
+    kept = [target(p).clone() for p in mine]
+    if mine and ctx.world_size > 1:
+        with ctx.comm.phase_as("eval"):
+            average_statistics(pieces=mine, target=target, masking=masking, rank=ctx.rank, world_size=ctx.world_size,
+                               reduce=_holder_sum(groups=groups, ctx=ctx))
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train()
+        for p, value in zip(mine, kept):
+            target(p).copy_(value)
 
 
 def split_blocks(plan: Plan) -> dict[int, bool]:
