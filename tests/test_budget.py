@@ -84,8 +84,9 @@ def test_measured_ratio_counts_shared_parts_in_full():
 
 
 def test_backward_masking_fraction():
-    assert compute_fraction(masked=0.9, coverage=0.5, masking="backward") == pytest.approx((2 + 0.55) / 3)
-    assert compute_fraction(masked=0.9, coverage=1.0, masking="forward") == pytest.approx(1.0)
+    """Backward masking runs the forward and the input gradient in full: only the weight-gradient third shrinks."""
+    assert compute_fraction(forward=0.55, masking="backward") == pytest.approx((2 + 0.55) / 3)
+    assert compute_fraction(forward=0.55, masking="forward") == pytest.approx(0.55)
 
 
 def test_tokens_budget():
@@ -229,8 +230,7 @@ def test_flops_budget_uses_the_realised_k_over_n(world: int, coverage: float, k:
     assert steps == round(40 * world / k), info
     cfg = with_coverage(compose_with(*base, "train.flops_ratio=measured"), coverage)
     _, measured = resolve_steps(cfg)
-    masked = model_flops(cfg)[1]["block"]
-    assert measured["fraction_computed"] == pytest.approx(compute_fraction(masked=masked, coverage=k / world,
-                                                                           masking="forward")), measured
+    masked = sum(share.split for share in model_flops(cfg)[1]["block"].values())
+    assert measured["fraction_computed"] == pytest.approx(1 - masked + k / world * masked), measured
     with pytest.raises(ConfigError, match=r"coverage=0.1 with world_size=4 gives k=round\(0.4\)=0"):
         resolve_steps(with_coverage(compose_with("train.budget=flops", "cluster.world_size=4"), 0.1))

@@ -6,7 +6,8 @@ peak figures the test sets, so the numbers in summary.json's memory entry come f
   allocated one at every phase switch, so reading it at the end gave the last phase's);
 - ``cuda_device_used_bytes`` keeps the largest use seen, not the end snapshot;
 - bf16 activation bytes count autocast's weight copies the way FSDP's bf16 parameters are counted
-  (not at all), so DDP/SDP and FSDP report activations by one rule;
+  (not at all), so DDP/SDP and FSDP report activations by one rule, the copies of frozen weights
+  (SDP's backward masking) included;
 - ``sdp-bench capacity`` (:mod:`sdp.bench.capacity`) makes each rank's GPU current (a multi-GPU host put every rank on cuda:0).
 """
 
@@ -142,3 +143,24 @@ def test_bf16_activations_exclude_weight_copies_under_every_strategy() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16), measure_saved_tensors() as param:
         x2 @ nn.Parameter(w.clone())
     assert plain.bytes - param.bytes == 8 * 8 * 2, (plain.bytes, param.bytes)
+
+
+def test_bf16_casts_of_frozen_weights_are_not_activations() -> None:
+    """Backward masking freezes the weights a worker does not hold (``requires_grad=False``); a frozen Linear
+    between trainable ones still saves its weight for the input gradient, under autocast the weight's bf16
+    cast, which has no ``grad_fn`` pointing back at the parameter. It is model state like a trainable
+    weight's cast: the fp32 model under autocast saves what the same model with bf16 parameters saves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 256, bias=False), nn.ReLU(), nn.Linear(256, 4))
+    model[2].weight.requires_grad_(False)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the frozen weight is then a parameter the layer saves as it is
+    x = torch.randn(2, 8)
+
+    def saved(m: nn.Module) -> int:
+        with torch.autocast("cpu", dtype=torch.bfloat16), measure_saved_tensors(exclude=list(m.parameters())) as meter:
+            m(x).float().sum().backward()
+        return meter.bytes
+
+    cast, params = saved(model), saved(bf16)
+    assert cast == params > 0, (f"activation bytes: fp32 parameters under autocast {cast} B, bf16 parameters {params} B; "
+                                f"the frozen 256x256 weight's bf16 cast is {256 * 256 * 2} B")

@@ -61,3 +61,28 @@ def test_split_layers_save_no_full_weight_and_keep_gradients(model_name: str, pr
         assert torch.equal(loc.held.grad, want), f"{name}: held gradient differs from the unmasked model's"
         assert not hasattr(masked.get_submodule(name.rpartition('.')[0]), name.rpartition('.')[2]), (
             f"{name}: the re-joined tensor outlived the forward")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_block_backward_masking_saves_no_more_than_the_full_model(model_name: str, precision: str) -> None:
+    """Block-level backward masking freezes the blocks a worker does not hold: a frozen layer keeps its weight
+    (for the input gradient) but not its input (no weight gradient), a subset of what the trainable layer keeps,
+    and a weight, or autocast's bf16 cast of a frozen one, is model state, not an activation. So the masked
+    forward saves at most what the full model saves; counting the frozen weights' casts made it save more."""
+    cfg = compose_config(*MODELS[model_name], "dataset=digits", "parallelism=sdp_block_bwd",
+                         "parallelism.assignment=cyclic", "cluster.world_size=2", "logger.wandb.mode=disabled")
+    torch.manual_seed(0)
+    full = build(cfg.model)
+    masked = copy.deepcopy(full)
+    plan = plan_for(model=masked, cfg=cfg.parallelism, world_size=2)
+    M.apply(masked, plan, rank=0, masking="backward", all_pieces=M.pieces(masked, plan))
+    frozen = [n for n, p in masked.named_parameters() if not p.requires_grad]
+    assert frozen, "rank 0 holds every block: the test would check nothing"
+    x = torch.randn(8, *full.example_input(1).shape[1:])
+    y = torch.randint(0, int(cfg.dataset.num_classes), (8,))
+    _, ref_bytes = _step(full, x, y, precision)
+    _, saved = _step(masked, x, y, precision)
+    frozen_bytes = sum(p.numel() * 2 for p in masked.parameters() if not p.requires_grad)
+    assert saved <= ref_bytes, (f"{model_name}/{precision}: the backward-masked forward saves {saved} B, the full model "
+                                f"{ref_bytes} B ({len(frozen)} frozen tensors, {frozen_bytes} B as bf16)")

@@ -18,18 +18,18 @@ from torch import nn
 
 from sdp.planning.budget import resolve_steps
 from sdp.rank.distctx import DistContext
-from sdp.models.base import ResidualBlock, count_forward_flops
+from sdp.models.base import ResidualBlock
 from sdp.models.llama import LLaMA
 from sdp.models.mlp import MLP
 from sdp.models.resnet import ResNetCIFAR
 from sdp.models.swin import Swin
 from sdp.models.vit import ViT
-from sdp.parallel.sdp_plan import plan_for
 from sdp.registry import build
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, set_branch_scales
 from sdp.subnet.plan import build_plan
 from tests.helpers import batch, config_dict, make_strategy, spawn
+from tests.helpers.flops import direct_forward_fraction
 from tests.hydra_cfg import compose_config
 
 S = 0.5
@@ -189,17 +189,7 @@ def test_neuron_flop_fraction_is_the_narrowed_models_direct_count(name: str) -> 
     cfg = compose_config(*FLOPS[name], "parallelism=sdp_neuron_fwd", "parallelism.coverage=0.5", "cluster.world_size=4",
                          "train.steps=100", "train.budget=flops", "train.flops_ratio=measured")
     steps, info = resolve_steps(cfg)
-    with torch.device("meta"):
-        model = build(cfg.model)
-    plan = plan_for(model=model, cfg=cfg.parallelism, world_size=4)
-    x = model.example_input(1)
-    full = count_forward_flops(model, x)
-    per_rank = []
-    for r, mine, _, _ in M.rank_subnetworks(model, plan, mode="forward", all_pieces=M.pieces(model, plan)):
-        inactive = [i for i, blk in mine.sdp_units() if not blk.active]
-        assert not inactive, f"rank {r} holds no group of blocks {inactive}: the count would mix in block dropping"
-        per_rank.append(count_forward_flops(mine, x))
-    direct = sum(per_rank) / len(per_rank) / full
+    direct = direct_forward_fraction(cfg)
     assert direct < 1.0, f"{name}: the masked subnetworks should compute less than the full model: {direct}"
     assert info["fraction_computed"] == pytest.approx(direct, rel=1e-9), (info["fraction_computed"], direct)
     assert steps == round(100 / direct), (steps, direct)
@@ -217,12 +207,13 @@ WHOLE_BRANCH_SPLIT = {
 def test_models_whose_whole_branch_is_split_count_as_before(name: str) -> None:
     """Where neuron level splits everything a block computes (ResNet's convs, the MLP, ViT's and plain
     multi-head LLaMA's heads and MLP), the neuron-level masked share is the block-level one, as before."""
-    from sdp.metrics.flops import masked_fractions
+    from sdp.metrics.flops import masked_fraction
     from sdp.models.base import forward_flop_counts
 
     with torch.device("meta"):
         model = build(compose_config(*WHOLE_BRANCH_SPLIT[name]).model)
-    shares = masked_fractions(counts=forward_flop_counts(model), model=model)
+    counts = forward_flop_counts(model)
+    shares = {level: masked_fraction(counts=counts, model=model, level=level) for level in ("block", "neuron")}
     assert shares["neuron"] == pytest.approx(shares["block"], rel=1e-12) and 0.5 < shares["block"] < 1, shares
 
 

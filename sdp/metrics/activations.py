@@ -13,11 +13,15 @@ inputs with :func:`note_retained`, so the measurement stays complete.
 
 Copies of the weights are model state, not activations, under every strategy alike. In bf16 a
 linear or conv layer under autocast saves autocast's bf16 cast of its fp32 weight (DDP, SDP's whole
-units); FSDP2 computes with bf16 unsharded *parameters* instead, and SDP's re-joined split weights
-are rebuilt in backward rather than saved. So a tensor that is a cast of a parameter (or a view of
-one: its grad_fn is ``ToCopyBackward0`` straight from the parameter's ``AccumulateGrad``) is not
-counted, like a parameter; otherwise the same forward would report the bf16 weights as activations
-under DDP and SDP and not under FSDP. Those copies are live memory all the same: the per-phase
+units, and the frozen, non-held weights of SDP's backward masking, which a layer still saves for its
+input gradient); FSDP2 computes with bf16 unsharded *parameters* instead, and SDP's re-joined split
+weights are rebuilt in backward rather than saved. So a copy of a parameter (or of a view of one)
+made during the pass is not counted, like a parameter; otherwise the same forward would report the
+bf16 weights as activations under DDP and SDP and not under FSDP. Which tensors are such copies is
+recorded where they are made (:class:`_WeightCopies`, a dispatch mode that sees ``aten._to_copy`` of a
+parameter), not read off the saved tensor: a trainable weight's cast points back at its parameter
+through ``ToCopyBackward0``, but a frozen weight's cast has no ``grad_fn`` and looks like any other
+tensor. Those copies are live memory all the same: the per-phase
 peaks (:mod:`sdp.metrics.memory`; on the CPU tracker under ``activations``, the step's transients)
 include them for every strategy. What still differs in bf16 is real: FSDP2 runs the ops autocast
 leaves alone (embedding, norms) on bf16 parameters, so their outputs are bf16, where DDP's are fp32
@@ -30,11 +34,13 @@ for the duration of the pass so that its identity cannot be reused.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 _active: list["SavedTensorMeter"] = []
 
@@ -46,9 +52,10 @@ class SavedTensorMeter:
         self._keep: list[torch.Tensor] = []  # meta bases, so their ids stay unique
         self._exclude = {_key(t, self._keep) for t in exclude}
         self._seen: dict[int, int] = {}
+        self.copies = _WeightCopies()  # entered around the pass by measure_saved_tensors
 
     def add(self, t: torch.Tensor) -> None:
-        if t.layout != torch.strided or _is_param(t) or _is_param_cast(t):
+        if t.layout != torch.strided or _is_param(t) or self.copies.made(t):
             return
         key = _key(t, self._keep)
         if key and key not in self._exclude and key not in self._seen:
@@ -67,14 +74,31 @@ def _is_param(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
-def _is_param_cast(t: torch.Tensor) -> bool:
-    """A dtype cast of a trainable parameter (autocast's bf16 weight copy), or a view of one."""
-    base = t._base if t._base is not None else t
-    fn = base.grad_fn
-    if fn is None or fn.name() != "ToCopyBackward0":
-        return False
-    src = fn.next_functions[0][0] if fn.next_functions else None
-    return isinstance(getattr(src, "variable", None), nn.Parameter)
+class _WeightCopies(TorchDispatchMode):
+    """The storages of the copies of parameters made while it is entered (``aten._to_copy`` of a parameter
+    or of a view of one: autocast's casts of trainable and frozen weights alike), each forgotten when its
+    storage dies, so that a later tensor at the same address is not taken for one. Nothing is kept alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: dict[int, weakref.ref] = {}  # the C++ storage -> a weak reference to its Python object
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and args and _is_param(args[0])
+                and isinstance(out, torch.Tensor) and not is_traceable_wrapper_subclass(out)):
+            st = out.untyped_storage()
+            key = st._cdata
+            self._storages[key] = weakref.ref(st, lambda ref, key=key: self._forget(key, ref))
+        return out
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        if self._storages.get(key) is ref:
+            del self._storages[key]
+
+    def made(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (or the tensor it views) is one of the copies."""
+        return bool(self._storages) and not is_traceable_wrapper_subclass(t) and t.untyped_storage()._cdata in self._storages
 
 
 def _key(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
@@ -96,7 +120,7 @@ def measure_saved_tensors(*, exclude: Iterable[torch.Tensor] = ()) -> Iterator[S
         meter.add(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with meter.copies, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _active.append(meter)
         try:
             yield meter

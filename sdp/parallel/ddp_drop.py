@@ -27,13 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 from sdp.driver.fields import conform
 from sdp.driver.schema_parallel import Drop, LayerDrop
 from sdp.errors import require
+from sdp.metrics.flops import BlockShare, forward_fraction
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult
 from sdp.parallel.ddp import DDPSpec, DDPStrategy
 from sdp.parallel.job import Job
 from sdp.parallel.spec import Coverage, register
-from sdp.parallel.sdp_plan import compute_fraction
 
 
 def survival_probs(*, n: int, p: float, decay: str) -> list[float]:
@@ -137,11 +137,14 @@ class _DropSpec(DDPSpec):
         return Coverage(key="parallelism.survival_prob", symbol="p", value=p, fraction=fraction)
 
     @classmethod
-    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
-        """A dropped block skips its forward and backward, like SDP's forward masking at C = the mean
-        survival probability, so a drop baseline at ``p`` is FLOP-matched exactly like SDP at C = p."""
-        assert coverage.fraction is not None, f"{cls.name}: no block count for decay={cfg.decay!r}"
-        return compute_fraction(masked=masked["block"], coverage=coverage.fraction, masking="forward")
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, shares: dict[str, dict[int, BlockShare]],
+                       prepared: Any = None) -> float:
+        """A dropped block skips its forward and backward, like SDP's forward masking: each block's branch
+        weighed by its own survival probability (the linear decay's early blocks run more often), so a drop
+        baseline at a uniform ``p`` is FLOP-matched exactly like SDP at C = p with every block a unit."""
+        blocks = sorted(shares["block"])  # the model's sdp_units, in order, as setup draws them
+        probs = survival_probs(n=len(blocks), p=float(cfg.survival_prob), decay=str(cfg.decay))
+        return forward_fraction(shares=shares["block"], computed={b: (p, p) for b, p in zip(blocks, probs)})
 
 
 @register("ddp_stochastic_depth")

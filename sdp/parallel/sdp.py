@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdp.errors import require
+from sdp.metrics.flops import BlockShare
 from sdp.metrics.memory import measured_phase
 from sdp.metrics.timing import PhaseTimer
 from sdp.models import init
@@ -272,10 +273,9 @@ class SDPSpec(StrategySpec):
         return Coverage(key="parallelism.coverage", symbol="C", value=cfg.coverage, fraction=k / world_size)
 
     @classmethod
-    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
-        assert coverage.fraction is not None, f"SDP's coverage is realised as the plan's k / n, got {coverage}"
-        return sdp_plan.compute_fraction(masked=masked[str(cfg.level)], coverage=coverage.fraction,
-                                         masking=str(cfg.masking))
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, shares: dict[str, dict[int, BlockShare]],
+                       prepared: Any = None) -> float:
+        return sdp_plan.plan_fraction(plan=prepared, shares=shares[str(cfg.level)], masking=str(cfg.masking))
 
     @classmethod
     def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdp.metrics.comm import CommCounter
+from sdp.metrics.flops import BlockShare, forward_fraction
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
@@ -37,22 +38,29 @@ LABELS = {("block", "forward"): "B-SDP", ("block", "backward"): "B_β-SDP",  # t
           ("neuron", "forward"): "N-SDP", ("neuron", "backward"): "N_β-SDP"}
 
 
-def compute_fraction(*, masked: float, coverage: float, masking: str) -> float:
-    """Fraction of the full model's training FLOPs computed on average by one worker. Under forward
-    masking a worker runs the shared parts (stem, head, projection shortcuts) in full and a fraction C
-    of every masked unit (block level: C of the blocks; neuron level: C of each split hidden width,
-    which scales the sub-branch that runs it by C): ``r = (1 - masked) + C masked``, ``masked`` the
-    share of the forward FLOPs narrowed at the plan's level (:func:`sdp.metrics.flops.masked_fraction`:
-    block level the units' residual branches, neuron level the split sub-branches only). Under backward
-    masking the forward and the input-gradient half of backward are full and only the weight-gradient
-    third is masked:
-    ``r = (2 + r_forward) / 3``. Only what ``torch.utils.flop_counter`` counts enters."""
-    forward = (1.0 - masked) + coverage * masked
+def compute_fraction(*, forward: float, masking: str) -> float:
+    """Fraction of the full model's training FLOPs computed on average by one worker that computes a fraction
+    ``forward`` of the forward FLOPs (:func:`sdp.metrics.flops.forward_fraction`). Under forward masking the
+    backward follows the forward: ``r = forward``. Under backward masking the forward and the input-gradient
+    half of backward are full and only the weight-gradient third is masked: ``r = (2 + forward) / 3``. Only
+    what ``torch.utils.flop_counter`` counts enters."""
     if masking == "forward":
         return forward
     if masking == "backward":
         return (2.0 + forward) / 3.0
     raise ValueError(f"parallelism.masking={masking!r} not in {MASKINGS}")
+
+
+def plan_fraction(*, plan: Plan | None, shares: dict[int, BlockShare], masking: str) -> float:
+    """SDP's fraction of DDP's training FLOPs for ``plan`` (the driver's, draw 0): each block the plan
+    declares units in is weighed by its holders (:meth:`Plan.block_coverage`: a block's residual branch by
+    the workers that hold a unit of it, its split part at neuron level by each group's holders); a block that
+    is no unit (``drop_downsample=false``: a downsampling block shared whole) and the stem, head and
+    shortcuts run in full on every worker. A re-draw keeps it: every rule keeps each unit's k holders and,
+    per block, the number of workers running it (a permutation of workers, of same-cost units, or windows
+    that give every worker a group of every block)."""
+    assert plan is not None, "SDP's FLOP fraction is its plan's: the budget hands it the driver's plan"
+    return compute_fraction(forward=forward_fraction(shares=shares, computed=plan.block_coverage()), masking=masking)
 
 
 def plan_for(*, model: SDPModel, cfg: DictConfig, world_size: int, draw: int = 0,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from omegaconf import DictConfig
 
+from sdp.metrics.flops import BlockShare
 from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
 from sdp.planning.plan_entries import Entry
@@ -97,11 +98,14 @@ class StrategySpec:
         return None
 
     @classmethod
-    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, masked: dict[str, float]) -> float:
+    def flops_fraction(cls, *, cfg: DictConfig, coverage: Coverage, shares: dict[str, dict[int, BlockShare]],
+                       prepared: Any = None) -> float:
         """Fraction of the full model's training FLOPs one worker computes per step on average, for a
-        strategy with a :meth:`coverage`; ``masked`` maps each unit level (``"block"``, ``"neuron"``) to the
-        share of the forward FLOPs a worker computing part of each unit narrows at that level
-        (:func:`sdp.metrics.flops.masked_fractions`). Default 1: the whole model."""
+        strategy with a :meth:`coverage`; ``shares`` maps each unit level (``"block"``, ``"neuron"``) to each
+        block's shares of the forward FLOPs (:func:`sdp.metrics.flops.unit_shares`), which the strategy weighs
+        by what its workers run of each block (:func:`sdp.metrics.flops.forward_fraction`), from ``prepared``
+        (:meth:`prepare`'s result: SDP's plan says which blocks are units and who holds them). Default 1: the
+        whole model."""
         return 1.0
 
     @classmethod

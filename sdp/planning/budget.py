@@ -28,8 +28,10 @@ values asked for are in ``summary.json["budget"]["schedule"]``. Not scaled: ``tr
 What we count as training FLOPs: ``steps x global batch x flops_per_sample x r_measured``, where
 ``flops_per_sample`` is the full model's forward + backward FLOPs of one sample
 (:meth:`SDPModel.flops_per_sample`) and ``r_measured`` the strategy's fraction of it, given the share
-of the forward FLOPs a worker computing part of each unit narrows, per unit level (block: the unit
-branches; neuron: the split sub-branches, :func:`sdp.metrics.flops.masked_fraction`). Only
+of each block's forward FLOPs its workers run, per unit level (block: the unit branches; neuron: the split
+sub-branches, :func:`sdp.metrics.flops.block_shares`), weighed by what the strategy's plan runs of each block
+(:func:`sdp.metrics.flops.forward_fraction`: SDP's units and their holders, so a block the plan keeps whole,
+``drop_downsample=false``, counts in full). Only
 what ``torch.utils.flop_counter`` counts enters (matmuls, convolutions, attention; not norms or
 elementwise ops). This module names no strategy.
 """
@@ -43,9 +45,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sdp.errors import ConfigError, one_of, positive_int, require
-from sdp.metrics.flops import masked_fractions
+from sdp.metrics.flops import BlockShare, unit_shares
 from sdp.models.base import forward_flop_counts
 from sdp.parallel import STRATEGIES
+from sdp.parallel.job import Job
 from sdp.registry import build
 
 BUDGETS = ("iterations", "flops", "tokens")
@@ -64,36 +67,51 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return node
 
 
-def model_flops(cfg: DictConfig, *, model: Any = None) -> tuple[int | None, dict[str, float] | None, int | None, str | None]:
-    """(training FLOPs per sample of the full model, masked share per unit level, number of units, why
-    not) from ``model``, the driver's meta-device build (:class:`sdp.driver.preflight.Preflight`), or, asked
-    outside the driver (None), a meta build of ``cfg.model`` of its own."""
+def model_flops(cfg: DictConfig, *, model: Any = None) -> tuple[int | None, dict[str, dict[int, BlockShare]] | None, int | None, str | None]:
+    """(training FLOPs per sample of the full model, each block's shares of the forward FLOPs per unit level,
+    number of units, why not) from ``model``, the driver's meta-device build (:class:`sdp.driver.preflight.Preflight`),
+    or, asked outside the driver (None), a meta build of ``cfg.model`` of its own."""
     try:
         with torch.device("meta"):
             model = model if model is not None else build(cfg.model)
             per_sample = int(model.flops_per_sample())
-            masked = masked_fractions(counts=forward_flop_counts(model), model=model)
+            shares = unit_shares(counts=forward_flop_counts(model), model=model)
             n_units = len(model.sdp_units())
     except Exception as exc:  # noqa: BLE001 - FLOPs are a record, not a reason to fail a run
         return None, None, None, f"{type(exc).__name__}: {exc}"
-    return per_sample, masked, n_units, None
+    return per_sample, shares, n_units, None
+
+
+def _prepared(cfg: DictConfig, *, spec: Any, preflight: Any) -> tuple[Any, Any]:
+    """(model, what the strategy builds once for its ranks): the driver's (``preflight``), or asked outside the
+    driver, a meta build of ``cfg.model`` and the strategy's own :meth:`~sdp.parallel.spec.StrategySpec.prepare`
+    of it (SDP: the plan the driver would draw), so the FLOP fraction is the plan's there too; (None, None) when
+    the model cannot be built (the FLOPs then say why)."""
+    if preflight is not None:
+        return preflight.model, preflight.prepared
+    try:
+        with torch.device("meta"):
+            model = build(cfg.model)
+    except Exception:  # noqa: BLE001 - model_flops records why
+        return None, None
+    return model, spec.prepare(cfg=cfg.parallelism, job=Job.of(cfg), model=model)
 
 
 def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[str, Any]]:
     """The number of optimizer steps ``cfg`` asks for under its budget, and what was counted.
 
     Pure in the config and ``preflight`` (:class:`sdp.driver.preflight.Preflight`, what validation built: its
-    meta-device model counts FLOPs, the strategy's prepared plan gives SDP's k; None outside the driver: a
-    meta build of its own and the coverage from the config alone); raises :class:`ConfigError` naming the key
-    for an impossible budget.
+    meta-device model counts FLOPs, the strategy's prepared plan gives SDP's k and its FLOP fraction; None
+    outside the driver: a meta build and the strategy's prepare of its own, :func:`_prepared`); raises
+    :class:`ConfigError` naming the key for an impossible budget.
     """
     tc = cfg.train
     budget = str(tc.budget)
     one_of("train.budget", budget, BUDGETS)
     base = int(tc.steps)
-    per_sample, masked, n_units, flops_error = model_flops(cfg, model=preflight.model if preflight is not None else None)
     spec = STRATEGIES.get(str(cfg.parallelism.name))
-    ready = preflight.prepared if preflight is not None else None  # the plan validation drew (SDP's k), shared with the ranks
+    model, ready = _prepared(cfg, spec=spec, preflight=preflight)  # SDP: the plan (k, units, holders), shared with the ranks
+    per_sample, shares, n_units, flops_error = model_flops(cfg, model=model)
     cov = spec.coverage(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), n_units=n_units, prepared=ready)
     if cov is not None:
         require(cov.fraction is not None, cov.key, cov.value,
@@ -102,7 +120,8 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
     global_batch = int(tc.batch_size) * int(cfg.cluster.world_size)
     fraction: float | None = 1.0
     if cov is not None:
-        fraction = spec.flops_fraction(cfg=cfg.parallelism, coverage=cov, masked=masked) if masked is not None else None
+        fraction = (spec.flops_fraction(cfg=cfg.parallelism, coverage=cov, shares=shares, prepared=ready)
+                    if shares is not None else None)
     info: dict[str, Any] = {"budget": budget, "base_steps": base, "global_batch": global_batch,
                             "coverage": coverage, "coverage_key": cov.key if cov else None,
                             "coverage_nominal": cov.value if cov else None,

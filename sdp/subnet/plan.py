@@ -103,6 +103,15 @@ class Plan:
         rem = sum(n for b, n in self.remainder.items() if rank in self.block_holders(b))
         return self.shared_params + held + rem
 
+    def block_coverage(self) -> dict[int, tuple[float, float]]:
+        """Per block with units: (share of the workers that run any of it, mean share of its units' workers),
+        equal at block level; what :func:`sdp.metrics.flops.forward_fraction` weighs the block's FLOPs by."""
+        out = {}
+        for b in sorted({u.block for u in self.units}):
+            sizes = [len(h) for u, h in zip(self.units, self.holders) if u.block == b]
+            out[b] = (len(self.block_holders(b)) / self.world_size, sum(sizes) / (len(sizes) * self.world_size))
+        return out
+
     def worker_costs(self) -> list[dict[str, float]]:
         tot = [max(sum(getattr(u, a) for u in self.units), 1e-30) for a in ("params", "flops", "act_bytes")]
         out = []
