@@ -242,6 +242,18 @@ def masked_on_meta(*, skeleton: nn.Module, plan: Plan, rank: int, mode: str) -> 
     return model, pieces, M.apply(model, plan, rank=rank, masking=mode, all_pieces=pieces)
 
 
+def built_empty(*, skeleton: nn.Module, plan: Plan, rank: int, mode: str, device: torch.device | str,
+                replacing: nn.Module) -> tuple[nn.Module, list[Piece], dict[str, Local]]:
+    """:func:`masked_on_meta` with uninitialised storage on ``device``: a resume's subnetwork, whose values and
+    optimizer state the checkpoint holds, so no piece moves (the layout still points at the meta tensors:
+    :func:`sdp.subnet.masking.rebind` re-points it). The tensors of ``replacing`` (the set-up draw's module) are
+    freed first, wherever they are still referenced (the worker keeps the module it handed to set-up)."""
+    for t in [*replacing.parameters(), *replacing.buffers()]:
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    model, pieces, layout = masked_on_meta(skeleton=skeleton, plan=plan, rank=rank, mode=mode)
+    return model.to_empty(device=device), pieces, layout
+
+
 def redraw(*, module: nn.Module, optimizer: torch.optim.Optimizer, old: list[Piece], old_layout: dict[str, Local],
            new_model: nn.Module, new: list[Piece], new_layout: dict[str, Local], rank: int, world: int, mode: str,
            device: torch.device | str, full: dict[str, torch.Tensor], wire: Wire) -> list[dict[str, int]]:
