@@ -4,9 +4,10 @@ continue it, and the run directory made ready for it.
 Why a module of its own: all of it runs in the driver, once, before any rank starts
 (:func:`sdp.driver.train.run`; :func:`sdp.driver.config.validate_train` checks a path), and reads a checkpoint's
 ``meta.json`` and file list only, never its tensors; the ranks write and load checkpoints with
-:mod:`sdp.rank.checkpoint` and call none of it. A damaged checkpoint is found here by its checksums
+:mod:`sdp.rank.checkpoint` and call none of it (but :func:`release_verdicts`, once all have joined). A damaged checkpoint is found here by its checksums
 (:func:`sdp.rank.checkpoint_io.damage`): ``train.resume=auto`` skips it for the latest whole one, with a
-:class:`CheckpointWarning`, and nothing is ever deleted (a damaged later checkpoint is moved aside).
+:class:`CheckpointWarning`, and nothing is ever deleted (a damaged later checkpoint is moved aside). Under an
+external launcher every rank runs the driver, and rank 0 alone hashes: :func:`resolve_once` hands its verdict on.
 """
 
 from __future__ import annotations

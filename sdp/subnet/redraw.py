@@ -274,8 +274,8 @@ def redraw(*, module: nn.Module, optimizer: torch.optim.Optimizer, old: list[Pie
 
 
 def summary(*, count: int, log: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    """``strategy_info.redraw``: the plan's re-draw count (a resumed run's included), and per re-draw this
-    process ran the bytes every rank sent and received (point to point, values and optimizer state), with
-    their totals. Each rank's measured peak of each re-draw: ``memory.per_rank[r].redraw_peaks_bytes``."""
+    """``strategy_info.redraw``: the plan's re-draw count, and per re-draw of the run (a resumed run's from its
+    checkpoint, then its own) the bytes every rank sent and received (point to point, values and optimizer
+    state), with their totals. Each rank's measured peak of each re-draw: ``memory.per_rank[r].redraw_peaks_bytes``."""
     return {"count": count, "draws": [{k: d[k] for k in ("draw", "sent_bytes", "received_bytes")} for d in log],
             "bytes_moved": {k: [sum(d[f"{k}_bytes"][r] for d in log) for r in range(world)] for k in ("sent", "received")}}
