@@ -39,7 +39,8 @@ def counts(summary: dict[str, Any]) -> dict[str, Any]:
 def differences(a: Any, b: Any, path: str = "") -> list[str]:
     """Every leaf where ``a`` and ``b`` differ, as ``path: a != b``."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in [*a, *(k for k in b if k not in a)] for d in differences(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{path}.{k}")]
+        keys = [*a, *(k for k in b if k not in a)]
+        return [d for k in keys for d in differences(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{path}.{k}")]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]

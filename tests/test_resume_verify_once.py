@@ -9,7 +9,6 @@ runs two torchrun ranks with a plugin that logs every hash (``tests/count_hashes
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from sdp.rank.checkpoint_resume import CheckpointWarning
 from sdp.results.rundir import RunDir
 from tests.helpers import CORE, REPO, run_train, sdp_env
 from tests.test_checkpoint_integrity import flip_a_byte, truncate, two_checkpoints
+from tests.test_resume_finished import files as digest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,11 +89,6 @@ def test_a_verdict_that_never_comes_names_the_limit(tmp_path: Path, monkeypatch:
     out, hashed = job(tmp_path, 2, monkeypatch=monkeypatch, timeout_s=1, ranks=range(1, 2))
     assert isinstance(out[1], RuntimeError) and "train.checkpoint_timeout_s=1 s for rank 0's verdict" in str(out[1]), out
     assert hashed == []
-
-
-def digest(run_dir: Path) -> dict[str, str]:
-    return {p.relative_to(run_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.relative_to(run_dir).parts[0] not in (".hydra", "train.log")}
 
 
 @pytest.mark.dist

@@ -38,7 +38,8 @@ REBUILT = ("rebuilt by the driver from the final checkpoint ({ckpt}) and config.
 
 
 def is_finished(*, ckpt: Path, cfg: DictConfig) -> bool:
-    """Whether ``ckpt`` is at the resolved ``train.steps`` (the last step always writes one: :class:`sdp.rank.schedule.Cadence`)."""
+    """Whether ``ckpt`` is at the resolved ``train.steps`` (the last step always writes one:
+    :class:`sdp.rank.schedule.Cadence`)."""
     return int(read_meta(ckpt)["step"]) >= int(cfg.train.steps)
 
 

@@ -85,10 +85,11 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
     if ckpt is not None:
         checkpoint_resume.check_resume(ckpt=ckpt, cfg=cfg)  # a changed schedule, optimizer or model is refused, naming the key
         if finished.is_finished(ckpt=ckpt, cfg=cfg):  # nothing to train: no rank starts, nothing is overwritten
-            done = finished.finish(cfg=cfg, run_dir=run_dir, ckpt=ckpt, budget=budget, prepared=built.prepared, driver=driver)
-            if rank == 0:  # no worker starts to remove the verdict: once the others have read it
+            if rank == 0:  # no worker starts to remove the verdict: once the others have read it (before a rebuilt
+                # summary.json exists, which a slower rank under train.skip_done would take for a job to skip)
                 checkpoint_resume.release_verdicts(run_dir=run_dir, attempt=attempt_id(), world_size=int(os.environ["WORLD_SIZE"]),
                                                    timeout_s=wait_s)
+            done = finished.finish(cfg=cfg, run_dir=run_dir, ckpt=ckpt, budget=budget, prepared=built.prepared, driver=driver)
             if done is not None:
                 print(format_summary(done), flush=True)
             return done

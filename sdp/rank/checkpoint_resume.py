@@ -4,10 +4,11 @@ continue it, and the run directory made ready for it.
 Why a module of its own: all of it runs in the driver, once, before any rank starts
 (:func:`sdp.driver.train.run`; :func:`sdp.driver.config.validate_train` checks a path), and reads a checkpoint's
 ``meta.json`` and file list only, never its tensors; the ranks write and load checkpoints with
-:mod:`sdp.rank.checkpoint` and call none of it (but :func:`release_verdicts`, once all have joined). A damaged checkpoint is found here by its checksums
-(:func:`sdp.rank.checkpoint_io.damage`): ``train.resume=auto`` skips it for the latest whole one, with a
-:class:`CheckpointWarning`, and nothing is ever deleted (a damaged later checkpoint is moved aside). Under an
-external launcher every rank runs the driver, and rank 0 alone hashes: :func:`resolve_once` hands its verdict on.
+:mod:`sdp.rank.checkpoint` and call none of it (but :func:`release_verdicts`, once all have joined). A damaged
+checkpoint is found here by its checksums (:func:`sdp.rank.checkpoint_io.damage`): ``train.resume=auto`` skips it
+for the latest whole one, with a :class:`CheckpointWarning`, and nothing is ever deleted (a damaged later checkpoint
+is moved aside). Under an external launcher every rank runs the driver, and rank 0 alone hashes: :func:`resolve_once`
+hands its verdict on.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def resolve_once(*, resume: Any, run_dir: Path, rank: int | None, attempt: str, 
 def release_verdicts(*, run_dir: Path, attempt: str, world_size: int, timeout_s: float) -> None:
     """Rank 0: remove the resume verdicts once the job's other ``world_size - 1`` processes have read this attempt's
     (up to ``timeout_s``; the worker calls it with 0 once every rank has joined the process group), so a finished
-    or resumed run directory keeps nothing of them and a later attempt never reads an old one."""
+    or resumed run directory keeps none of them (a job that fails before leaves them; another attempt of the job
+    reads its own, :func:`sdp.driver.rankenv.attempt_id`)."""
     path = RunDir(run_dir).resume_verdict(attempt)
     if not path.parent.exists():
         return
