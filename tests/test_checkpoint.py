@@ -88,8 +88,8 @@ def test_save_load_continues_exactly(cls: type[Strategy], tmp_path: Path) -> Non
     checkpoint.save(run_dir=tmp_path, step=3, strategy=a, scheduler=sa, train_state={"step": 3}, data_key=KEY, keep=2)
     expected = steps(a, sa, 3)  # the uninterrupted continuation (RNG stream included)
     b, sb = make(cls, seed=123)  # a different init: everything must come from the checkpoint
-    train = checkpoint.load(path=checkpoint.step_dir(tmp_path, 3), strategy=b, scheduler=sb, data_key=KEY)
-    assert train == {"step": 3}
+    train, record = checkpoint.load(path=checkpoint.step_dir(tmp_path, 3), strategy=b, scheduler=sb, data_key=KEY)
+    assert train == {"step": 3} and record is None, (train, record)  # no record given to save: none handed back
     assert steps(b, sb, 3) == expected
 
 

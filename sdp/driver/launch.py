@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.driver.rankenv import external_launcher
+from sdp.driver.rankenv import attempt_id, external_launcher
 from sdp.results.rundir import RunDir
 from sdp.results.summary import Summary
 
@@ -40,8 +40,6 @@ class RankFailure(RuntimeError):
 
 
 FAILURE_GRACE_S = 3.0  # how long a rank whose report is alone waits for an earlier one (shared-FS lag)
-# What tells one attempt of a job from another in the same run directory (requeue, elastic restart).
-ATTEMPT_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
 
 
 def run_external(*, config: dict[str, Any], run_dir: Path, budget: dict[str, Any] | None = None,
@@ -61,7 +59,7 @@ def run_external(*, config: dict[str, Any], run_dir: Path, budget: dict[str, Any
         return run_rank(config, str(run_dir), budget, prepared)
     except Exception:
         rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
-        folder = RunDir(run_dir).failures("-".join(os.environ.get(k, "") for k in ATTEMPT_ENV))
+        folder = RunDir(run_dir).failures(attempt_id())
         folder.mkdir(parents=True, exist_ok=True)
         mine = {"rank": int(rank), "time": time.time(), "traceback": traceback.format_exc()}
         write_json(folder / f"rank{rank}.json", mine)

@@ -29,6 +29,16 @@ WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK
              "MASTER_PORT", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_PROCID")
 
 
+# What tells one attempt of a job from another in the same run directory (requeue, elastic restart, another srun step).
+ATTEMPT_ENV = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+               "MASTER_PORT")
+
+
+def attempt_id() -> str:
+    """This attempt of the job, the same in each of its processes (the failure records' and the resume verdict's name)."""
+    return "-".join(os.environ.get(k, "") for k in ATTEMPT_ENV)
+
+
 def seen_env() -> str:
     """``RANK=0 WORLD_SIZE=2 ...``: the world variables of this process that are set."""
     return " ".join(f"{k}={os.environ[k]}" for k in WORLD_ENV if k in os.environ) or "none of " + ", ".join(WORLD_ENV)

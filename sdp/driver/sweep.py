@@ -6,7 +6,8 @@ before any rank starts (:func:`job_plan`), from what its run directory holds:
 
 - a complete ``summary.json`` under the same resolved config: *done*, the job is skipped (one line)
   and returns that summary, so the multirun-end report covers it like any other job;
-- a checkpoint: *resume* (``train.skip_done`` implies ``train.resume=auto``);
+- a checkpoint: *resume* (``train.skip_done`` implies ``train.resume=auto``; one at ``train.steps`` is a finished
+  run whose summary is missing: :mod:`sdp.driver.finished` rebuilds it, no rank starts);
 - nothing yet, or only the rows of a run killed before its first checkpoint: *start* (leftover
   ``metrics.jsonl`` (or its compressed form) and failure files are cleared, so no step appears twice);
 - a ``config.yaml`` that differs: refused, naming the first key that differs.

@@ -27,14 +27,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.driver import messages, sweep
-from sdp.rank import checkpoint_resume
+from sdp.driver import finished, messages, sweep
+from sdp.rank import checkpoint, checkpoint_resume
 from sdp.results import contract as results
 from sdp.planning import budget as budgets
 from sdp.driver.config import check_resolved, renamed_overrides, validate
 from sdp.driver.typed import register
 from sdp.driver.launch import RankFailure, launch
-from sdp.driver.rankenv import external_launcher
+from sdp.driver.rankenv import attempt_id, external_launcher
 from sdp.results.loggers import wandb_run_id
 from sdp.results.rundir import RunDir
 from sdp.driver.slurm import slurm_environment
@@ -60,7 +60,9 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
     The budget (``train.budget``) is resolved here, once, so ``config.yaml`` and every rank see the
     final ``train.steps`` and the schedule keys scaled with it; what was counted is added to ``summary.json`` as ``budget``. ``run_dir`` is
     where the job writes (the Hydra entry point passes its job's output directory): nothing here reads
-    Hydra's global state, so a caller can run a composed config into any directory.
+    Hydra's global state, so a caller can run a composed config into any directory. A resume whose checkpoint
+    is at ``train.steps`` starts no rank: the finished run is left as it is, or its missing summary rebuilt
+    (:mod:`sdp.driver.finished`).
     """
     run_dir = Path(run_dir)
     slurm_environment(cluster=cfg.cluster)  # a Slurm task becomes a rank (RANK, WORLD_SIZE, ...) before validation
@@ -78,9 +80,21 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
             cfg.train.resume = "auto"  # a job with a checkpoint continues from it
         if plan == "start" and driver and (removed := sweep.clear_leftovers(run_dir)):
             print(f"skip_done: {run_dir} has no checkpoint: starting afresh (cleared {', '.join(removed)})", flush=True)
-    ckpt = checkpoint_resume.resolve(resume=cfg.train.resume, run_dir=run_dir)
+    # verified once per job: under an external launcher rank 0 hashes the checkpoint, the other ranks take its verdict
+    rank, wait_s = int(os.environ["RANK"]) if external_launcher() else None, float(checkpoint.io_timeout_s(cfg))
+    ckpt = checkpoint_resume.resolve_once(resume=cfg.train.resume, run_dir=run_dir, rank=rank, attempt=attempt_id(),
+                                          timeout_s=wait_s)
     if ckpt is not None:
         checkpoint_resume.check_resume(ckpt=ckpt, cfg=cfg)  # a changed schedule, optimizer or model is refused, naming the key
+        if finished.is_finished(ckpt=ckpt, cfg=cfg):  # nothing to train: no rank starts, nothing is overwritten
+            if rank == 0:  # no worker starts to remove the verdict: once the others have read it (before a rebuilt
+                # summary.json exists, which a slower rank under train.skip_done would take for a job to skip)
+                checkpoint_resume.release_verdicts(run_dir=run_dir, attempt=attempt_id(), world_size=int(os.environ["WORLD_SIZE"]),
+                                                   timeout_s=wait_s)
+            done = finished.finish(cfg=cfg, run_dir=run_dir, ckpt=ckpt, budget=budget, prepared=built.prepared, driver=driver)
+            if done is not None:
+                print(format_summary(done), flush=True)
+            return done
     cfg.train.resume = str(ckpt) if ckpt is not None else None  # ranks load exactly this directory
     if ckpt is not None and driver:
         step = checkpoint_resume.prepare_run_dir(ckpt=ckpt, run_dir=run_dir)

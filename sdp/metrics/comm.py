@@ -70,6 +70,17 @@ class CommCounter:
             self._steps.append(self._step)
         self._step = []
 
+    def state_dict(self) -> dict:
+        """The run's records so far (a checkpoint keeps them, so a resumed run counts the whole run)."""
+        return {"steps": [[list(r) for r in step] for step in self._steps],
+                "other": {phase: [list(r) for r in recs] for phase, recs in self._other.items()}}
+
+    def adopt(self, state: dict) -> None:
+        """Continue the run a checkpoint's :meth:`state_dict` counted: its records come before this process's."""
+        self._steps = [[tuple(r) for r in step] for step in state["steps"]] + self._steps  # type: ignore[misc]
+        for phase, recs in state["other"].items():
+            self._other[phase] = [tuple(r) for r in recs] + self._other[phase]  # type: ignore[misc]
+
     def summary(self) -> dict:
         """Mean bytes and collectives per measured step, by kind and by group size."""
         n = max(len(self._steps), 1)

@@ -82,7 +82,7 @@ def _mode_stack() -> list[Any]:
     return _get_current_dispatch_mode_stack()
 
 
-PHASES = ("setup", "warmup", "train", "eval", "redraw")
+PHASES = ("setup", "resume", "warmup", "train", "eval", "redraw")  # resume: loading a checkpoint, not reported
 REPORTED = ("setup", "train", "eval")  # summary.json: <phase>_peak_bytes
 MEASURED = ("redraw",)  # phases a strategy opens itself (measured_phase): reported only where they ran
 _ACTIVE: list["PeakTracker"] = []  # the tracker this rank started (worker), for phases a strategy opens
@@ -201,6 +201,25 @@ class PeakTracker:
             free, total = torch.cuda.mem_get_info(self.device)
             self.device_used = max(self.device_used, int(total - free))
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ---- across a resume ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The run's peaks so far (a checkpoint keeps them, so a resumed run reports the peaks of the whole run)."""
+        self._close()
+        return {"peaks": dict(self.peaks), "peak_categories": dict(self.peak_categories), "blocks": dict(self.blocks),
+                "device_used": self.device_used, "reserved": self.reserved}
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """Continue the run a checkpoint's :meth:`state_dict` measured: each phase's peak is the larger of the two
+        (with its categories), each measured block list the checkpoint's followed by this process's."""
+        self._close()
+        for name, peak in state["peaks"].items():
+            if peak >= self.peaks.get(name, -1):
+                self.peaks[name] = peak
+                if name in state["peak_categories"]:
+                    self.peak_categories[name] = state["peak_categories"][name]
+        self.blocks = {k: [*state["blocks"].get(k, []), *self.blocks.get(k, [])] for k in {*state["blocks"], *self.blocks}}
+        self.device_used, self.reserved = max(self.device_used, state["device_used"]), max(self.reserved, state["reserved"])
 
     # ---- report -------------------------------------------------------------------------------------
     def summary(self) -> dict:

@@ -59,7 +59,7 @@ class SDPStrategy(Strategy):
         self.skeleton = copy.deepcopy(model).to("meta")
         self.groups: GroupSet | None = None
         self.redraws, self.eval_copy_bytes, self.block_costs = 0, 0, None  # block costs: at the first re-draw, then reused
-        self.redraw_log: list[dict[str, Any]] = []  # the re-draws this process ran (a resumed run: since it resumed)
+        self.redraw_log: list[dict[str, Any]] = []  # the run's re-draws (a resumed run: the checkpoint's, then its own)
         self.rescale = sdp_config.resolve_rescale(cfg=cfg, eval_bn=self.job.eval_bn, model=model)
         if self.prepared is None:  # built outside the driver (tests, benchmarks): the same plan, drawn here
             self.prepared = plan_for(model=model, cfg=cfg, world_size=ctx.world_size)
@@ -123,21 +123,25 @@ class SDPStrategy(Strategy):
             with timer.phase("comm"):
                 self.sync.refresh()
 
-    def _redraw(self, *, draw: int) -> None:
-        """Re-draw the plan (ResIST style), moving only the pieces that change hands, one tensor at a time
-        (:mod:`sdp.subnet.redraw`): each value from its lowest old holder, each piece's optimizer state
-        from its lowest old trainer (:mod:`sdp.subnet.carry`), so all holders of a unit keep bit-identical
-        parameters and state, and no rank holds more than its old and new pieces of one tensor beyond its
-        state: the re-draw's peak stays within a training step's. Traffic: comm phase "resample"; peak:
-        memory phase "redraw" (``redraw_peak_bytes``); bytes per rank: ``strategy_info.redraw``."""
+    def _redraw(self, *, draw: int, resumed: bool = False) -> None:
+        """Re-draw the plan (ResIST style), moving only the pieces that change hands (:mod:`sdp.subnet.redraw`). Traffic:
+        comm phase "resample"; peak: memory phase "redraw"; bytes per rank: ``strategy_info.redraw``. ``resumed``: the
+        checkpoint's draw built empty for its values (:func:`~sdp.subnet.redraw.built_empty`): not a re-draw of the run,
+        so nothing moves and nothing is logged (a resumed run's summary counts what the uninterrupted run's counts)."""
         assert self.optimizer is not None and self.module is not None and self.groups is not None
         ctx = self.ctx
         plan, self.block_costs = sdp_plan.next_plan(model=self.skeleton, cfg=self.cfg, world_size=ctx.world_size, draw=draw,
                                                     first=self.prepared, costs=self.block_costs)
         check_same_plan(identity=plan_lists(plan), draw=draw, ctx=ctx)  # derived on each rank: a divergence fails here, named
+        self.sync.close()  # the old subnetwork's gradient hooks go
+        self.sync = None
+        if resumed:
+            model, pieces, layout = R.built_empty(skeleton=self.skeleton, plan=plan, rank=ctx.rank, mode=self.mode,
+                                                  device=ctx.device, replacing=self.module)
+            self._wire(model, plan=plan, pieces=pieces, layout=layout)
+            self.optimizer.param_groups[0]["params"] = self._trainable()
+            return
         with ctx.comm.phase_as("resample"), measured_phase("redraw") as measured:
-            self.sync.close()  # the old subnetwork's gradient hooks go
-            self.sync = None
             model, pieces, layout = R.masked_on_meta(skeleton=self.skeleton, plan=plan, rank=ctx.rank, mode=self.mode)
             table = R.redraw(module=self.module, optimizer=self.optimizer, old=self.pieces, old_layout=self.layout,
                              new_model=model, new=pieces, new_layout=layout, rank=ctx.rank, world=ctx.world_size,
@@ -148,8 +152,7 @@ class SDPStrategy(Strategy):
             self._wire(model, plan=plan, pieces=pieces, layout=layout)
             self.optimizer.param_groups[0]["params"] = self._trainable()
         self.redraws += 1
-        self.redraw_log.append({"draw": draw, "peak_bytes": measured["peak_bytes"],
-                                "sent_bytes": [t["sent_bytes"] for t in table],
+        self.redraw_log.append({"draw": draw, "peak_bytes": measured["peak_bytes"], "sent_bytes": [t["sent_bytes"] for t in table],
                                 "received_bytes": [t["received_bytes"] for t in table]})
 
     # ---- evaluation ---------------------------------------------------------------------------------
@@ -203,13 +206,11 @@ class SDPStrategy(Strategy):
 
     # ---- reporting ----------------------------------------------------------------------------------
     def summary_extra(self) -> dict[str, Any]:
-        return {
-            "plan": self.plan.summary(),
-            "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh), "rescale": self.rescale,
-            "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
-            "eval_assembled_bytes": self.eval_copy_bytes, "redraws": self.redraws, "overlap": self.sync.overlap,
-            "redraw": R.summary(count=self.redraws, log=self.redraw_log, world=self.ctx.world_size),
-        }
+        return {"plan": self.plan.summary(), "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh),
+                "rescale": self.rescale,
+                "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
+                "eval_assembled_bytes": self.eval_copy_bytes, "redraws": self.redraws, "overlap": self.sync.overlap,
+                "redraw": R.summary(count=self.redraws, log=self.redraw_log, world=self.ctx.world_size)}
 
     def save_artifacts(self, *, run_dir: Path) -> None:
         self.plan.save(RunDir(run_dir).plan)
@@ -219,28 +220,27 @@ class SDPStrategy(Strategy):
         """Everything under ``"local"``: ranks hold different subnetworks. The module's own state dict
         is exactly what this rank stores: narrowed tensors (forward masking, deleted ones are absent),
         held/frozen parts of split tensors and frozen non-held tensors (backward masking, part of the
-        model's state since this rank runs them), buffers. The plan goes along as plain lists."""
+        model's state since this rank runs them), buffers. The plan and the re-draw log go along as plain lists."""
         assert self.module is not None and self.optimizer is not None
-        return {"local": {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                          "extra": {"plan": plan_lists(self.plan), "redraws": self.redraws}}}
+        return {"local": {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": {
+            "plan": plan_lists(self.plan), "redraws": self.redraws, "redraw_log": self.redraw_log}}}
 
     def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Rebuild the saved plan's subnetwork, then load values into it. A fixed plan must be the one
         this config builds (a changed coverage, level, assignment or model is refused); with
-        ``resample_every`` the saved draw is adopted (a collective re-draw, as the run did)."""
+        ``resample_every`` the saved draw is built (:meth:`_redraw`, ``resumed``) and the run's re-draw log adopted."""
         assert self.optimizer is not None
-        local = state["local"]
-        saved = local["extra"]["plan"]
+        local, saved = state["local"], state["local"]["extra"]["plan"]
         if saved != plan_lists(self.plan):
             require(bool(self.cfg.resample_every) and saved["draw"] > 0, "parallelism", sdp_config.plan_keys(self.cfg),
                     f"must build the checkpoint's plan to resume (saved {saved}, now {plan_lists(self.plan)})")
-            self._redraw(draw=int(saved["draw"]))  # its traffic: comm phase "resample"; the state is loaded below
+            self._redraw(draw=int(saved["draw"]), resumed=True)  # empty: the state is loaded below
             require(saved == plan_lists(self.plan), "parallelism", sdp_config.plan_keys(self.cfg),
                     f"re-draw {saved['draw']} gives {plan_lists(self.plan)}, the checkpoint holds {saved}")
         assert self.module is not None
         self.module.load_state_dict(local["model"])
         self.optimizer.load_state_dict(local["optimizer"])
-        self.redraws = int(local["extra"]["redraws"])
+        self.redraws, self.redraw_log = int(local["extra"]["redraws"]), list(local["extra"].get("redraw_log", []))
 
 
 @register("sdp")

@@ -6,11 +6,14 @@ Layout of ``<run_dir>/checkpoints/step_00000012/``:
   whose replicas are identical, ``Strategy.replicas_identical``), the LR scheduler, the trainer's counters
   and the data-order key;
 - ``rank00003.pt`` (every rank): the strategy's ``"local"`` state (rank-local buffers; a replica that may
-  differ from the others; SDP's held subnetwork; a pipeline stage) and the rank's RNG streams (torch
-  CPU/CUDA, python, numpy);
+  differ from the others; SDP's held subnetwork; a pipeline stage), the rank's RNG streams (torch CPU/CUDA,
+  python, numpy) and its ``record``: what the rank has measured so far (comm records, memory peaks,
+  activation bytes), which a resumed run continues, so its summary counts the whole run as the
+  uninterrupted run's does;
 - ``sharded/`` (strategies with DTensor state, FSDP2): ``torch.distributed.checkpoint`` files;
 - ``meta.json``: step, world size, strategy, the data-order key, the values of :data:`RESUME_KEYS`
-  (LR schedule, optimizer and model hyper-parameters) and every file's size and SHA-256
+  (LR schedule, optimizer and model hyper-parameters), the trainer's counters (``train``: step, last loss,
+  last evaluation, samples seen, skipped steps) and every file's size and SHA-256
   (:mod:`sdp.rank.checkpoint_io`), so a resume can be checked, and the checkpoint found whole, before anything
   is loaded.
 
@@ -54,6 +57,7 @@ RESUME_KEYS: dict[str, str] = {
     "model": "the checkpoint's weights and optimizer state are those of that model",
 }
 RESUME_KEY = "resume_key"  # meta.json: {key: value} of RESUME_KEYS, nodes flattened (a leaf per key)
+TRAIN = "train"  # meta.json (and shared.pt): the trainer's counters, readable without loading a tensor (sdp.driver.finished)
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -108,8 +112,10 @@ def restore_lr(scheduler: Any) -> None:
 def save(
     *, run_dir: Path, step: int, strategy: Strategy, scheduler: Any, train_state: dict[str, Any],
     data_key: dict[str, Any], keep: int, resume_key: dict[str, Any] | None = None, timeout_s: float | None = None,
+    record: dict[str, Any] | None = None,
 ) -> Path:
-    """Write this rank's part of the checkpoint of ``step``; collective (every rank calls it).
+    """Write this rank's part of the checkpoint of ``step``; collective (every rank calls it). ``record``: this
+    rank's measurements so far (the trainer's :meth:`~sdp.rank.trainer.Trainer.record`), handed back by :func:`load`.
 
     Every rank hashes what it writes; rank 0 gathers the hashes into meta.json. ``timeout_s``
     (``train.checkpoint_timeout_s``): every wait of the save is on :func:`sdp.rank.checkpoint_io.io_group`;
@@ -135,13 +141,13 @@ def save(
                  "data_key": data_key}, path=tmp / "shared.pt")
     mine = f"rank{ctx.rank:05d}.pt"
     written[mine] = checkpoint_io.save_hashed(
-        obj={"local": state.get("local", {}), "rng": rng.capture(device=ctx.device)}, path=tmp / mine)
+        obj={"local": state.get("local", {}), "rng": rng.capture(device=ctx.device), "record": record}, path=tmp / mine)
     written = waits.gather(mine=written)  # rank 0 gets every rank's hashes; the others wait here for rank 0's write
     if ctx.rank == 0:
         from sdp.results.loggers import stored_run_id
 
         meta = {"step": step, "world_size": ctx.world_size, "strategy": strategy.name, "data_key": data_key,
-                RESUME_KEY: resume_key, "wandb_run_id": stored_run_id(run_dir),
+                RESUME_KEY: resume_key, "wandb_run_id": stored_run_id(run_dir), TRAIN: train_state,
                 checkpoint_io.FILES: checkpoint_io.record(root=tmp, known=written)}
         checkpoint_meta(tmp).write_text(json.dumps(meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
@@ -152,8 +158,10 @@ def save(
     return final
 
 
-def load(*, path: Path, strategy: Strategy, scheduler: Any, data_key: dict[str, Any]) -> dict[str, Any]:
-    """Restore strategy, scheduler and RNG streams from ``path``; returns the trainer's counters."""
+def load(*, path: Path, strategy: Strategy, scheduler: Any,
+         data_key: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Restore strategy, scheduler and RNG streams from ``path``; returns the trainer's counters and this rank's
+    ``record`` (None from a checkpoint written before records were kept)."""
     ctx = strategy.ctx
     meta = read_meta(path)
     for key, now, then in (("cluster.world_size", ctx.world_size, meta["world_size"]),
@@ -177,7 +185,7 @@ def load(*, path: Path, strategy: Strategy, scheduler: Any, data_key: dict[str, 
     scheduler.load_state_dict(shared["scheduler"])
     restore_lr(scheduler)
     rng.restore(mine["rng"], device=ctx.device)
-    return shared["train"]
+    return shared["train"], mine.get("record")
 
 
 def io_timeout_s(cfg: DictConfig) -> Any:

@@ -4,9 +4,11 @@ continue it, and the run directory made ready for it.
 Why a module of its own: all of it runs in the driver, once, before any rank starts
 (:func:`sdp.driver.train.run`; :func:`sdp.driver.config.validate_train` checks a path), and reads a checkpoint's
 ``meta.json`` and file list only, never its tensors; the ranks write and load checkpoints with
-:mod:`sdp.rank.checkpoint` and call none of it. A damaged checkpoint is found here by its checksums
-(:func:`sdp.rank.checkpoint_io.damage`): ``train.resume=auto`` skips it for the latest whole one, with a
-:class:`CheckpointWarning`, and nothing is ever deleted (a damaged later checkpoint is moved aside).
+:mod:`sdp.rank.checkpoint` and call none of it (but :func:`release_verdicts`, once all have joined). A damaged
+checkpoint is found here by its checksums (:func:`sdp.rank.checkpoint_io.damage`): ``train.resume=auto`` skips it
+for the latest whole one, with a :class:`CheckpointWarning`, and nothing is ever deleted (a damaged later checkpoint
+is moved aside). Under an external launcher every rank runs the driver, and rank 0 alone hashes: :func:`resolve_once`
+hands its verdict on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,9 @@ from omegaconf import DictConfig
 from sdp.rank import checkpoint_io
 from sdp.rank.checkpoint import RESUME_KEY, RESUME_KEYS, checkpoints, read_meta, resume_key
 from sdp.errors import ConfigError
+from sdp.results.contract import write_json
 from sdp.results.rundir import CHECKPOINTS, RunDir, checkpoint_meta, run_of_checkpoint
+from sdp.results.summary import read_json
 
 
 class CheckpointWarning(UserWarning):
@@ -61,6 +66,69 @@ def resolve(*, resume: Any, run_dir: Path | None, verify: bool = True) -> Path |
     if verify:
         _note_unverified(chosen)
     return chosen
+
+
+VERDICT_POLL_S = 0.5  # how often a process waiting for the verdict looks for it
+
+
+def resolve_once(*, resume: Any, run_dir: Path, rank: int | None, attempt: str, timeout_s: float) -> Path | None:
+    """:func:`resolve` with the checkpoint's files hashed once per job, not in every process.
+
+    Why: under Slurm tasks or torchrun every rank is a driver process of its own (``rank``: its RANK; None when
+    this process is the job's only driver and starts the ranks itself, then this is :func:`resolve`). Hashing
+    in each of them reads a checkpoint once per rank (8 ranks x 13 GB for LLaMA-1B with AdamW, per node) while
+    their peers wait. So rank 0 resolves and verifies, and writes its verdict (the checkpoint, or the error
+    that refused it) to :meth:`~sdp.results.rundir.RunDir.resume_verdict` of this ``attempt``; every other rank
+    checks existence only and, where that finds a checkpoint, takes rank 0's verdict, waiting for it up to
+    ``timeout_s`` (``train.checkpoint_timeout_s``: the time a checkpoint may take to be read). The worker removes
+    the verdict once every rank has joined the process group and checks that every rank resumes rank 0's choice."""
+    if rank is None:
+        return resolve(resume=resume, run_dir=run_dir)
+    if resolve(resume=resume, run_dir=run_dir, verify=False) is None:
+        return None  # nothing to verify: no verdict is needed (the worker checks that every rank agrees)
+    path = RunDir(run_dir).resume_verdict(attempt)
+    if rank == 0:
+        try:
+            ckpt = resolve(resume=resume, run_dir=run_dir)
+        except ConfigError as exc:
+            _write_verdict(path, {"checkpoint": None, "error": str(exc)})
+            raise
+        _write_verdict(path, {"checkpoint": None if ckpt is None else str(ckpt), "error": None})
+        return ckpt
+    deadline = time.monotonic() + timeout_s
+    while (verdict := read_json(path)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank} waited train.checkpoint_timeout_s={timeout_s:g} s for rank 0's verdict on "
+                               f"train.resume={str(resume)!r} ({path}) and none came: rank 0 failed before writing it, "
+                               "or hashes the checkpoint more slowly than that (then raise train.checkpoint_timeout_s)")
+        time.sleep(VERDICT_POLL_S)
+    _write_verdict(_ack(path, rank), {"rank": rank})  # read: rank 0 may remove the verdict once every rank has
+    if verdict["error"] is not None:
+        raise ConfigError(verdict["error"])
+    return None if verdict["checkpoint"] is None else Path(verdict["checkpoint"])
+
+
+def release_verdicts(*, run_dir: Path, attempt: str, world_size: int, timeout_s: float) -> None:
+    """Rank 0: remove the resume verdicts once the job's other ``world_size - 1`` processes have read this attempt's
+    (up to ``timeout_s``; the worker calls it with 0 once every rank has joined the process group), so a finished
+    or resumed run directory keeps none of them (a job that fails before leaves them; another attempt of the job
+    reads its own, :func:`sdp.driver.rankenv.attempt_id`)."""
+    path = RunDir(run_dir).resume_verdict(attempt)
+    if not path.parent.exists():
+        return
+    deadline = time.monotonic() + timeout_s
+    while path.exists() and not all(_ack(path, r).exists() for r in range(1, world_size)) and time.monotonic() < deadline:
+        time.sleep(VERDICT_POLL_S)
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _ack(path: Path, rank: int) -> Path:
+    return path.with_name(f"{path.stem}.read{rank}")
+
+
+def _write_verdict(path: Path, verdict: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, verdict)
 
 
 def _latest_whole(found: list[Path], *, verify: bool) -> Path:

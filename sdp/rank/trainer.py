@@ -103,10 +103,27 @@ class Trainer:
         if peak is not None:
             peak.watch(lambda: (strategy.module, strategy.optimizer))  # labels CPU peaks by category
         if tc.get("resume"):
-            saved = checkpoint.load(path=Path(str(tc.resume)), strategy=strategy, scheduler=self.scheduler,
-                                    data_key=self.data_key())
+            if peak is not None:
+                peak.set_phase("resume")  # loading is not the run's set-up (that was measured before the checkpoint)
+            saved, record = checkpoint.load(path=Path(str(tc.resume)), strategy=strategy, scheduler=self.scheduler,
+                                            data_key=self.data_key())
             self.state = TrainState(**saved)
             self.guard.skipped_steps = self.state.skipped_steps
+            if record is not None:  # None: a checkpoint from before records were kept (counts since resuming)
+                self._adopt(record)
+
+    def record(self) -> dict[str, Any]:
+        """What this rank has measured so far, kept in each checkpoint (:func:`sdp.rank.checkpoint.save`) so that
+        a resumed run's summary counts the whole run, as the uninterrupted run's does: comm records (train and
+        outside), memory peaks (re-draw peaks included), the bytes saved for backward."""
+        return {"comm": self.ctx.comm.state_dict(), "memory": self.peak.state_dict() if self.peak is not None else None,
+                "activation_bytes": self.activation_bytes}
+
+    def _adopt(self, record: dict[str, Any]) -> None:
+        self.ctx.comm.adopt(record["comm"])
+        if self.peak is not None and record["memory"] is not None:
+            self.peak.adopt(record["memory"])
+        self.activation_bytes = record["activation_bytes"]  # None: the checkpoint came before the first measured step
 
     def data_key(self) -> dict[str, Any]:
         """What the data order depends on besides the step (see :mod:`sdp.rank.checkpoint`)."""
@@ -189,7 +206,8 @@ class Trainer:
         tc = self.cfg.train
         checkpoint.save(run_dir=run_dir, step=self.state.step, strategy=self.strategy, scheduler=self.scheduler,
                         train_state=asdict(self.state), data_key=self.data_key(), keep=int(tc.checkpoint_keep),
-                        resume_key=checkpoint.resume_key(self.cfg), timeout_s=float(checkpoint.io_timeout_s(self.cfg)))
+                        resume_key=checkpoint.resume_key(self.cfg), timeout_s=float(checkpoint.io_timeout_s(self.cfg)),
+                        record=self.record())
 
     def _step(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss: Any, step: int, measured: bool) -> Any:
         """One strategy step; the first measured step also counts the bytes saved for backward (one
@@ -204,7 +222,8 @@ class Trainer:
             self.tokens_per_sample = int(targets[0].numel())
         with measure_saved_tensors(exclude=list(self.strategy.module.parameters())) as meter:  # type: ignore[union-attr]
             result = self.strategy.train_step(inputs=inputs, targets=targets, loss_fn=loss, timer=self.timer, step=step)
-        self.activation_bytes = meter.bytes
+        if self.activation_bytes is None:  # a resumed run keeps the one its first measured step counted
+            self.activation_bytes = meter.bytes
         return result
 
     # ---- evaluation -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import hashlib
 import os
 import socket
 import statistics
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from sdp.rank import evaluation, rng
 from sdp.results import contract as results
 from sdp.data.base import DataBundle
-from sdp.driver.rankenv import format_layout, launcher_identity, nodes_of, set_backends, world_layout
+from sdp.driver.rankenv import attempt_id, format_layout, launcher_identity, nodes_of, set_backends, world_layout
+from sdp.rank.checkpoint_resume import release_verdicts
 from sdp.rank.distctx import WHERE, init_world
 from sdp.results.rundir import RunDir
 from sdp.results.summary import Final, Summary
@@ -36,7 +38,7 @@ from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.registry import build, import_plugins
 from sdp.parallel import STRATEGIES, DistContext, Job, Strategy
-from sdp.rank.trainer import Trainer
+from sdp.rank.trainer import Trainer, global_batch_size
 
 def resolve_device(cluster: DictConfig, local_rank: int) -> tuple[torch.device, str]:
     """Device and backend: NCCL on CUDA, gloo on CPU (``cluster.backend=auto``).
@@ -119,10 +121,16 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
     logger: Logger = NullLogger()
     out = Path(run_dir)
     try:
-        # Under an external launcher every process composed its own config; rank 0's dir wins.
-        shared = [run_dir]
+        # Under an external launcher every process composed its own config; rank 0's dir wins, and every rank must
+        # resume what rank 0 resumes (rank 0 verified it: sdp.rank.checkpoint_resume.resolve_once).
+        shared, resume = [run_dir, cfg.train.get("resume")], cfg.train.get("resume")
         dist.broadcast_object_list(shared, src=0)
         out = Path(shared[0])
+        if resume != shared[1]:
+            raise RuntimeError(f"rank {rank} resumes from train.resume={resume!r}, rank 0 from {shared[1]!r}: every rank "
+                               "must resume the same checkpoint (a run directory every rank sees, hydra.run.dir=<dir>)")
+        if rank == 0:  # every rank has joined: none reads the resume verdict any more
+            release_verdicts(run_dir=out, attempt=attempt_id(), world_size=world, timeout_s=0)
         WHERE.keep_at(str(RunDir(out).failure_rank(rank)), rank=rank, world=world)  # survives an abort (sdp.rank.distctx)
         ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
         layout = world_layout(rank=rank, local_rank=local_rank, device=device, world_size=world, nodes=cfg.cluster.get("nodes"))
@@ -205,6 +213,23 @@ def memory_record(*, rank: int, strategy: Strategy, activation_bytes: int | None
             "param_digest": param_digest(strategy.unwrapped())}
 
 
+def run_facts(*, cfg: DictConfig, world_size: int, prepared: Any, precision: str, state: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`Summary` fields that follow from the config, the strategy's plan (``prepared``) and the trainer's
+    counters (``state``: a :class:`~sdp.rank.trainer.TrainState` as a dict, as a checkpoint keeps it): what rank 0's
+    summary and one the driver rebuilds from a finished run's checkpoint (:mod:`sdp.driver.finished`) share."""
+    name, last = str(cfg.parallelism.name), state.get("last_eval") or {}
+    return dict(
+        strategy=name,
+        # label, coverage: the report's method and C columns (SDP's k / n: the plan the ranks ran)
+        **STRATEGIES.get(name).report_facts(cfg=cfg.parallelism, world_size=world_size, prepared=prepared),
+        model=str(cfg.model.get("name", "")), dataset=str(cfg.dataset.get("name", "")), world_size=world_size,
+        steps=state["step"], skipped_steps=state["skipped_steps"], global_batch=global_batch_size(cfg), seed=int(cfg.seed),
+        precision=precision, eval_protocol=evaluation.protocol(cfg),
+        final=Final(train_loss=state["last_loss"], **{k: last.get(k) for k in (
+            "eval_loss", "eval_accuracy", "eval_loss_workers", "eval_accuracy_workers", "assembly_gap",
+            "eval_loss_ensemble", "eval_accuracy_ensemble")}))
+
+
 def collect_summary(
     *, cfg: DictConfig, ctx: DistContext, strategy: Strategy, trainer: Trainer, peak: PeakTracker, timer: PhaseTimer, state: Any,
     versions: dict[str, Any]
@@ -228,28 +253,10 @@ def collect_summary(
     medians = [t["step_s_median"] for t in per_rank_time if t["step_s_median"]]
     step_s = max(medians) if medians else None
     return Summary(
-        strategy=str(cfg.parallelism.name),
-        # label, coverage: the report's method and C columns (SDP's k / n: the plan the ranks ran)
-        **STRATEGIES.get(str(cfg.parallelism.name)).report_facts(cfg=cfg.parallelism, world_size=ctx.world_size,
-                                                                 prepared=strategy.prepared),
-        model=str(cfg.model.get("name", "")),
-        dataset=str(cfg.dataset.get("name", "")),
-        world_size=ctx.world_size,
-        steps=state.step,
-        skipped_steps=state.skipped_steps,
-        global_batch=trainer.global_batch,
-        seed=int(cfg.seed),
-        precision=strategy.precision,
+        **run_facts(cfg=cfg, world_size=ctx.world_size, prepared=strategy.prepared, precision=strategy.precision,
+                    state=asdict(state)),
         dataset_notes=list(trainer.data.notes),
         data=data_used(trainer),
-        final=Final(train_loss=state.last_loss, eval_loss=state.last_eval.get("eval_loss"),
-                    eval_accuracy=state.last_eval.get("eval_accuracy"),
-                    eval_loss_workers=state.last_eval.get("eval_loss_workers"),
-                    eval_accuracy_workers=state.last_eval.get("eval_accuracy_workers"),
-                    assembly_gap=state.last_eval.get("assembly_gap"),
-                    eval_loss_ensemble=state.last_eval.get("eval_loss_ensemble"),
-                    eval_accuracy_ensemble=state.last_eval.get("eval_accuracy_ensemble")),
-        eval_protocol=evaluation.protocol(cfg),
         memory_per_rank=[g["memory"] for g in gathered],
         comm_per_rank=[g["comm"] for g in gathered],
         process_groups_per_rank=[g["process_groups"] for g in gathered],

@@ -14,7 +14,8 @@ Layout of ``<root>/`` (Hydra's job output directory):
 - ``plan.json``: SDP's coverage plan (which worker holds which unit);
 - ``checkpoints/step_00000012/`` with ``meta.json`` (:mod:`sdp.rank.checkpoint`);
 - ``failure.json`` (the job's first failure), ``failure_rank<r>.json`` (each failing rank's own),
-  ``failures/<attempt>/rank<r>.json`` (ranks of an external launcher);
+  ``failures/<attempt>/rank<r>.json`` (ranks of an external launcher); ``resume_verdicts/<attempt>.json`` (the
+  checkpoint rank 0 verified for the job's other processes, while they start);
 - ``rank_logs/`` (torch elastic's per-rank output), ``wandb_run_id`` (one W&B run across resumes),
   ``.hydra/overrides.yaml`` (Hydra's record of the command line).
 """
@@ -84,6 +85,11 @@ class RunDir:
     def failures(self, attempt: str) -> Path:
         """Where the ranks of one attempt under an external launcher leave their tracebacks."""
         return self.root / "failures" / attempt
+
+    def resume_verdict(self, attempt: str) -> Path:
+        """The checkpoint one attempt's verifying process chose for ``train.resume`` (read by the job's other
+        processes, removed once every rank has joined: :mod:`sdp.rank.checkpoint_resume`)."""
+        return self.root / "resume_verdicts" / f"{attempt}.json"
 
     @property
     def rank_logs(self) -> Path:

@@ -134,6 +134,10 @@ class Summary:
     """The numerics switches rank 0 set (:func:`sdp.driver.rankenv.set_backends`): ``device_type``, ``deterministic``,
     and on CUDA ``tf32_matmul``, ``tf32_cudnn``, ``cudnn_benchmark``, ``cudnn_deterministic`` (None on CPU);
     None in older runs."""
+    rebuilt: str | None = None
+    """None for a summary rank 0 wrote at the end of its run. Set (saying what is absent) where the driver rebuilt it
+    from what a finished run recorded, its final checkpoint and config, because the run ended without writing one
+    (:mod:`sdp.driver.finished`): what only the live ranks measured (per-rank memory, communication, time) is absent."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Top-level keys not listed above (a newer writer's, or a strategy's own): written after them."""
 
@@ -197,20 +201,23 @@ def read_summary(run_dir: Path | RunDir) -> Summary | None:
 
 
 def format_summary(summary: Summary) -> str:
-    """A short human-readable digest of a summary, printed at the end of a run."""
+    """A short human-readable digest of a summary, printed at the end of a run; a figure the summary lacks
+    (a rebuilt summary's measurements, an older run's fields) reads ``n/a``."""
     f, t = summary.final, summary.time
+
+    def num(x: float | None, spec: str) -> str:
+        return "n/a" if x is None else format(x, spec)
 
     def mib(b: float | None) -> str:
         return "n/a" if b is None else f"{b / 2**20:.2f} MiB"
 
-    acc = f.eval_accuracy
     lines = [
         f"strategy={summary.strategy} model={summary.model} dataset={summary.dataset} "
         f"world_size={summary.world_size} steps={summary.steps} global_batch={summary.global_batch}",
-        f"final train_loss={f.train_loss:.4f} eval_loss={f.eval_loss:.4f} "
-        f"eval_accuracy={'n/a' if acc is None else f'{acc:.4f}'}",
-        f"time step_s_median={t['step_s_median']:.4f} samples_per_s={t['samples_per_s']:.1f} "
-        f"straggler_spread={t['straggler_spread']:.3f}"
+        f"final train_loss={num(f.train_loss, '.4f')} eval_loss={num(f.eval_loss, '.4f')} "
+        f"eval_accuracy={num(f.eval_accuracy, '.4f')}",
+        f"time step_s_median={num(t.get('step_s_median'), '.4f')} samples_per_s={num(t.get('samples_per_s'), '.1f')} "
+        f"straggler_spread={num(t.get('straggler_spread'), '.3f')}"
         + (f" tokens_per_s={t['tokens_per_s']:.0f}" if t.get("tokens_per_s") else "")
         + (f" mfu={t['mfu']:.3f}" if t.get("mfu") is not None else ""),
     ]
@@ -224,9 +231,10 @@ def format_summary(summary: Summary) -> str:
         )
     b = summary.budget or {}
     if b:
-        flops = b.get("total_flops")
         lines.append(f"budget={b['budget']} steps={b['steps']} (base {b['base_steps']}, ratio {b['step_ratio']:.3g}) "
-                     f"total_flops={'n/a' if flops is None else f'{flops:.3e}'}")
+                     f"total_flops={num(b.get('total_flops'), '.3e')}")
     lines.extend(f"note: {n}" for n in summary.dataset_notes)
+    if summary.rebuilt:
+        lines.append(f"note: {summary.rebuilt}")
     lines.append(f"results: {summary.run_dir}")
     return "\n".join(lines)

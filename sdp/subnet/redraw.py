@@ -253,6 +253,18 @@ def masked_on_meta(*, skeleton: nn.Module, plan: Plan, rank: int, mode: str) -> 
     return model, pieces, M.apply(model, plan, rank=rank, masking=mode, all_pieces=pieces)
 
 
+def built_empty(*, skeleton: nn.Module, plan: Plan, rank: int, mode: str, device: torch.device | str,
+                replacing: nn.Module) -> tuple[nn.Module, list[Piece], dict[str, Local]]:
+    """:func:`masked_on_meta` with uninitialised storage on ``device``: a resume's subnetwork, whose values and
+    optimizer state the checkpoint holds, so no piece moves (the layout still points at the meta tensors:
+    :func:`sdp.subnet.masking.rebind` re-points it). The tensors of ``replacing`` (the set-up draw's module) are
+    freed first, wherever they are still referenced (the worker keeps the module it handed to set-up)."""
+    for t in [*replacing.parameters(), *replacing.buffers()]:
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    model, pieces, layout = masked_on_meta(skeleton=skeleton, plan=plan, rank=rank, mode=mode)
+    return model.to_empty(device=device), pieces, layout
+
+
 def redraw(*, module: nn.Module, optimizer: torch.optim.Optimizer, old: list[Piece], old_layout: dict[str, Local],
            new_model: nn.Module, new: list[Piece], new_layout: dict[str, Local], rank: int, world: int, mode: str,
            device: torch.device | str, full: dict[str, torch.Tensor], wire: Wire) -> list[dict[str, int]]:
@@ -273,8 +285,8 @@ def redraw(*, module: nn.Module, optimizer: torch.optim.Optimizer, old: list[Pie
 
 
 def summary(*, count: int, log: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    """``strategy_info.redraw``: the plan's re-draw count (a resumed run's included), and per re-draw this
-    process ran the bytes every rank sent and received (point to point, values and optimizer state), with
-    their totals. Each rank's measured peak of each re-draw: ``memory.per_rank[r].redraw_peaks_bytes``."""
+    """``strategy_info.redraw``: the plan's re-draw count, and per re-draw of the run (a resumed run's from its
+    checkpoint, then its own) the bytes every rank sent and received (point to point, values and optimizer
+    state), with their totals. Each rank's measured peak of each re-draw: ``memory.per_rank[r].redraw_peaks_bytes``."""
     return {"count": count, "draws": [{k: d[k] for k in ("draw", "sent_bytes", "received_bytes")} for d in log],
             "bytes_moved": {k: [sum(d[f"{k}_bytes"][r] for d in log) for r in range(world)] for k in ("sent", "received")}}
