@@ -2,7 +2,8 @@
 message naming the key, the value and what is allowed. Rows run through Hydra's compose API and
 ``sdp.driver.config.validate`` (no processes), so the whole table takes about a second. A value of the wrong
 type is refused by Hydra itself while composing (the typed schema, sdp/driver/schema.py); a wrong
-choice or range by the driver's parse of that schema (sdp/driver/typed.py).
+choice or range by the driver's parse of that schema (sdp/driver/typed.py); an argument of a model, dataset or
+optimizer by its target's schema (sdp/driver/schema_models.py, schema_data.py).
 
 Strategy rows use the keys of ``conf/parallelism/*.yaml``: one key's rule is its schema's, a rule of several keys
 (or of the world) its strategy's ``validate`` classmethod's.

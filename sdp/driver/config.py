@@ -127,6 +127,7 @@ def validate(cfg: DictConfig) -> Preflight:
     from sdp.models.base import SDPModel
     from sdp.parallel import STRATEGIES
     from sdp.registry import import_plugins
+    from sdp.results.loggers import wandb_mode
 
     import_plugins(cfg)  # strategies defined outside sdp/ register themselves on import
     one_of("parallelism.name", cfg.parallelism.name, STRATEGIES.names())
@@ -160,6 +161,7 @@ def validate(cfg: DictConfig) -> Preflight:
     if cl.device == "cpu":
         require(cl.backend != "nccl", "cluster.backend", cl.backend, "NCCL needs cluster.device=cuda; use gloo or auto on CPU")
     validate_train(cfg)
+    wandb_mode(cfg.logger.wandb.get("mode"))  # null reads WANDB_MODE: a value W&B would refuse is named here, not in rank 0
     if cfg.memory.budget_mb is not None:
         require(bool(cfg.memory.tracker) or cl.device == "cuda", "memory.budget_mb", cfg.memory.budget_mb,
                 "on CPU the budget is enforced by the live-tensor tracker: set memory.tracker=true")

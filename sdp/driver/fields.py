@@ -5,8 +5,9 @@ would change how a value prints (``config.yaml`` and ``--cfg job`` must not chan
 ``str(cfg.train.precision) == "bf16"``). So a choice is a ``str`` field whose allowed values, like a
 numeric field's range, sit in the field's metadata; :func:`check` walks every field of a typed node
 once and refuses a value outside them with the message every check in ``sdp`` uses (key, value, what
-is allowed). Types (int, float, bool, ``Optional``) are OmegaConf's own: ``train.steps=abc`` never
-gets here, it is refused while Hydra composes the config. :func:`conform` is the same check for a node
+is allowed). Types (int, float, ``Optional``) are OmegaConf's own: ``train.steps=abc`` never
+gets here, it is refused while Hydra composes the config; a ``bool`` field (:func:`flag`) has a node of its own,
+:class:`StrictBool`, since OmegaConf's takes ``2`` or ``off`` as a bool. :func:`conform` is the same check for a node
 whether or not a schema typed it: what a strategy's ``validate`` runs on its ``parallelism`` node, so a
 plugin's own untyped YAML under a package strategy is held to the very same fields.
 """

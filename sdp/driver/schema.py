@@ -123,8 +123,8 @@ class Plan:
 class Wandb:
     """``logger.wandb``: the Weights & Biases run of a job."""
 
-    mode: str = key(choices=("online", "offline", "disabled"))
-    """online | offline (writes to <run_dir>/wandb) | disabled."""
+    mode: Optional[str] = key(choices=("online", "offline", "disabled"))
+    """null (WANDB_MODE from the environment, else offline) | online | offline (writes to <run_dir>/wandb) | disabled."""
     project: str = key()
     """W&B project."""
     entity: Optional[str] = key()
