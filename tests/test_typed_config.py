@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from sdp.driver import schema, schema_parallel
+from sdp.driver import schema, schema_data, schema_models, schema_parallel
 from sdp.driver.schema import CLUSTERS, Eval, Job, Optim, Train
 from sdp.driver.schema_parallel import PRESETS
 from sdp.driver.typed import parse
@@ -21,6 +22,7 @@ from sdp.errors import ConfigError
 from tests.hydra_cfg import compose_config
 
 REPO = Path(__file__).resolve().parent.parent
+SCHEMA_MODULES = (schema, schema_parallel, schema_models, schema_data)
 PRESET_FILES = sorted(p.stem for p in (REPO / "conf" / "parallelism").glob("*.yaml"))
 
 
@@ -85,7 +87,7 @@ def test_a_wrong_choice_or_range_is_refused_by_the_parse(override: str, expect: 
     ("ddp_layerdrop", {"decay": "linear"}, "parallelism.decay='linear' is invalid: allowed: uniform"),
     ("ddp_stochastic_depth", {"survival_prob": 0}, "parallelism.survival_prob=0 is invalid: must be a number in (0, 1]"),
     ("fsdp", {"reshard_after_forward": "maybe"},
-     "parallelism.reshard_after_forward is invalid: Value 'maybe' is not a valid bool (type str)"),
+     "parallelism.reshard_after_forward is invalid: Value 'maybe' is not a valid bool (type str): allowed: true, false"),
     ("pipeline", {"schedule": "zb"}, "parallelism.schedule='zb' is invalid: allowed: gpipe, 1f1b, interleaved_1f1b"),
 ], ids=["sdp-range", "sdp-type", "sdp-optional", "sdp-nested", "ddp_ac", "layerdrop", "stochastic_depth", "fsdp", "pipeline"])
 def test_an_untyped_preset_under_a_package_strategy_is_held_to_its_schema(
@@ -155,6 +157,7 @@ def test_schema_choices_are_the_codes_own() -> None:
     from sdp.rank import evaluation, faults, guards, precision
     from sdp.parallel import pipeline_plan, sdp_config, sdp_plan
     from sdp.subnet import assign, rolling, units
+    from sdp.models import resnet, vit
 
     def choices(cls: type, name: str) -> tuple:
         return next(f.metadata["choices"] for f in dataclasses.fields(cls) if f.name == name)
@@ -164,13 +167,15 @@ def test_schema_choices_are_the_codes_own() -> None:
              ((schema.Debug, "fault"), faults.FAULTS), ((Eval, "bn"), evaluation.BN_PROTOCOLS),
              ((PRESETS["sdp"], "level"), units.LEVELS), ((PRESETS["sdp"], "masking"), sdp_plan.MASKINGS),
              ((PRESETS["sdp"], "assignment"), assign.ASSIGNMENTS), ((PRESETS["sdp"], "redraw"), rolling.REDRAWS),
-             ((PRESETS["sdp"], "rescale"), sdp_config.RESCALES), ((PRESETS["pipeline"], "schedule"), pipeline_plan.SCHEDULES)]
+             ((PRESETS["sdp"], "rescale"), sdp_config.RESCALES), ((PRESETS["pipeline"], "schedule"), pipeline_plan.SCHEDULES),
+             ((schema_models.ResNetArgs, "block"), resnet.BLOCKS), ((schema_models.ResNetArgs, "stem"), resnet.STEMS),
+             ((schema_models.ViTArgs, "pool"), vit.POOLS)]
     for (cls, name), code in pairs:
         assert set(choices(cls, name)) == set(code), (cls.__name__, name, choices(cls, name), code)
 
 
 def test_every_field_has_a_type_and_a_docstring() -> None:
-    for module in (schema, schema_parallel):
+    for module in SCHEMA_MODULES:
         tree = ast.parse(Path(module.__file__).read_text())
         for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
             body = cls.body
@@ -180,3 +185,89 @@ def test_every_field_has_a_type_and_a_docstring() -> None:
                     documented = isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
                     assert documented, f"{module.__name__}.{cls.name}.{ast.unparse(stmt.target)} has no docstring"
     assert [f.name for f in dataclasses.fields(Job)][:3] == ["seed", "plugins", "train"], "the root's key order"
+
+
+def schema_fields() -> list[tuple[type, dataclasses.Field, object]]:
+    """(dataclass, field, type hint) of every field of every schema module."""
+    out = []
+    for module in SCHEMA_MODULES:
+        for cls in vars(module).values():
+            if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == module.__name__:
+                hints = typing.get_type_hints(cls)
+                out += [(cls, f, hints[f.name]) for f in dataclasses.fields(cls)]
+    return out
+
+
+@pytest.mark.parametrize("given, expect", [("true", True), ("false", False), ("True", True), ("FALSE", False),
+                                           ("'false'", False), ("'True'", True)])
+def test_a_boolean_key_takes_the_words_true_and_false(given: str, expect: bool) -> None:
+    """Unquoted (Hydra's grammar reads a boolean, any case) or quoted (a string: what an ``${oc.env:..}`` gives),
+    the same two words mean the same thing."""
+    cfg = compose_config("parallelism=sdp", f"train.deterministic={given}", f"parallelism.overlap={given}")
+    assert cfg.train.deterministic is expect and cfg.parallelism.overlap is expect, (given, cfg.train.deterministic)
+
+
+@pytest.mark.parametrize("key", ["train.deterministic", "eval.ensemble", "parallelism.overlap", "memory.tracker",
+                                 "logger.progress"])
+@pytest.mark.parametrize("given", ["2", "0", "1", "yes", "no", "off", "on", "y", "'1'"])
+def test_a_boolean_key_refuses_anything_else(key: str, given: str) -> None:
+    """OmegaConf's own bool node takes 2, yes, off, 0 ... as a bool without a word (``train.deterministic=2`` ran
+    deterministic); a ``bool`` field of the schema (sdp.driver.fields.StrictBool) refuses them, naming the key."""
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config("parallelism=sdp", f"{key}={given}")
+    message = f"{info.value} {info.value.__cause__}"
+    for part in (f"full_key: {key}", "is not a valid bool", "allowed: true, false"):
+        assert part in message, f"{key}={given}: expected {part!r} in: {message}"
+
+
+def test_every_boolean_field_is_strict() -> None:
+    """Every ``bool`` field of every schema is declared with :func:`sdp.driver.fields.flag` (a plain ``key()``
+    would give OmegaConf's coercing node again), never null."""
+    from sdp.driver.fields import StrictBool
+
+    bools = [(cls, f) for cls, f, hint in schema_fields() if hint is bool]
+    assert len(bools) >= 25, f"only {len(bools)} bool fields found: the walk misses schemas"
+    for cls, f in bools:
+        node = OmegaConf.structured(cls)._get_node(f.name)
+        assert type(node) is StrictBool and not node._is_optional(), (cls.__name__, f.name, type(node).__name__)
+
+
+def test_every_numeric_field_has_a_range() -> None:
+    from sdp.driver.schema import Number
+
+    numeric = {int, float, Number, typing.Optional[int], typing.Optional[Number], typing.List[int], typing.List[Number]}
+    fields = [(cls, f) for cls, f, hint in schema_fields() if hint in numeric]
+    assert len(fields) >= 80, f"only {len(fields)} numeric fields found: the walk misses schemas"
+    for cls, f in fields:
+        assert any(f.metadata.get(k) is not None for k in ("at_least", "above", "at_most", "below")), (cls.__name__, f.name)
+
+
+BUILT = {"model": schema_models.MODELS, "dataset": schema_data.DATASETS, "optim": schema_models.OPTIMIZERS}
+
+
+@pytest.mark.parametrize("group", sorted(BUILT))
+def test_every_number_and_boolean_of_a_built_node_has_its_schema(group: str) -> None:
+    """Each ``conf/<group>/*.yaml`` whose target has a schema: every key holding a number, a list of numbers or a
+    boolean is a field of it (so it has a type and a range), and every field is an argument of the target."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    checked = 0
+    for path in sorted((REPO / "conf" / group).glob("*.yaml")):
+        text = "llama" in path.stem or (group == "dataset" and path.stem in ("synthetic_text", "fineweb"))
+        pair = ("model=llama_tiny", "dataset=synthetic_text") if text else ("model=mlp", "dataset=synthetic_image")
+        node = compose_config(*pair, f"{group}={path.stem}")[group]
+        node = node.optimizer if group == "optim" else node
+        given = OmegaConf.to_container(node, resolve=True)
+        schema_cls = BUILT[group].get(given["_target_"])
+        assert schema_cls is not None, f"conf/{group}/{path.name}: {given['_target_']} has no schema in {BUILT[group]}"
+        declared = {f.name for f in dataclasses.fields(schema_cls)}
+        params = inspect.signature(get_object(given["_target_"])).parameters
+        assert declared <= set(params), (path.name, sorted(declared - set(params)))
+        for k, v in ((k, v) for k, v in given.items() if not k.startswith("_")):  # _target_, _partial_: Hydra's
+            values = v if isinstance(v, list) else [v]
+            if values and all(isinstance(x, (int, float, bool)) for x in values):
+                assert k in declared, f"conf/{group}/{path.name}: {k}={v!r} has no field in {schema_cls.__name__}"
+                checked += 1
+    assert checked >= 5, f"only {checked} keys checked: the walk misses keys"

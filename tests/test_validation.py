@@ -2,7 +2,8 @@
 message naming the key, the value and what is allowed. Rows run through Hydra's compose API and
 ``sdp.driver.config.validate`` (no processes), so the whole table takes about a second. A value of the wrong
 type is refused by Hydra itself while composing (the typed schema, sdp/driver/schema.py); a wrong
-choice or range by the driver's parse of that schema (sdp/driver/typed.py).
+choice or range by the driver's parse of that schema (sdp/driver/typed.py); an argument of a model, dataset or
+optimizer by its target's schema (sdp/driver/schema_models.py, schema_data.py).
 
 Strategy rows use the keys of ``conf/parallelism/*.yaml``: one key's rule is its schema's, a rule of several keys
 (or of the world) its strategy's ``validate`` classmethod's.
@@ -75,7 +76,7 @@ CATALOGUE = [
     Bad("wandb-mode-unknown", ["logger.wandb.mode=sometimes"], ["logger.wandb.mode='sometimes'", "online, offline, disabled"]),
     Bad("wandb-timeout-zero", ["logger.wandb.init_timeout_s=0"], ["logger.wandb.init_timeout_s=0", "number > 0"]),
     # Built once in the driver (sdp.driver.preflight): values of the right type that cannot work, refused naming the node.
-    Bad("model-negative-width", ["model.dim=-1"], ["model (sdp.models.mlp.MLP) cannot be built", "negative dimension -1"]),
+    Bad("model-negative-width", ["model.dim=-1"], ["model.dim=-1", "integer >= 1"]),
     Bad("model-unknown-argument", ["+model.width=3"], ["model (sdp.models.mlp.MLP)", "unexpected keyword argument 'width'"]),
     Bad("model-fewer-classes-than-data", ["model.num_classes=5"], ["model (sdp.models.mlp.MLP)", "5 logits", "10 values"]),
     Bad("model-input-shape-vs-data", ["model.input_shape=[1,2]"], ["model (sdp.models.mlp.MLP)", "RuntimeError"]),
@@ -83,9 +84,9 @@ CATALOGUE = [
         ["model (sdp.models.llama.LLaMA)", "divisible by n_heads=3"]),
     Bad("model-vocab-below-data", ["model=llama_tiny", "dataset=synthetic_text", "model.vocab_size=10"],
         ["model (sdp.models.llama.LLaMA)", "10 logits", "256 values"]),
-    Bad("optimizer-momentum-negative", ["optim.optimizer.momentum=-1"], ["optim.optimizer (torch.optim.SGD)", "Invalid momentum value: -1"]),
+    Bad("optimizer-momentum-negative", ["optim.optimizer.momentum=-1"], ["optim.optimizer.momentum=-1", "number in [0, 1)"]),
     Bad("optimizer-betas-out-of-range", ["optim=adamw", "optim.optimizer.betas=[1.5,0.9]"],
-        ["optim.optimizer (torch.optim.AdamW)", "Invalid beta parameter at index 0: 1.5"]),
+        ["optim.optimizer.betas=[1.5, 0.9]", "each element must be a number in [0, 1)"]),
     Bad("optimizer-unknown-argument", ["+optim.optimizer.foo=1"], ["optim.optimizer (torch.optim.SGD)", "unexpected keyword argument 'foo'"]),
     Bad("global-batch-above-dataset", ["train.batch_size=2000"], ["train (the global-batch sampler over the data index) cannot be built", "global batch 4000", "1438 training samples"]),
     # Strategy-specific (each strategy's validate classmethod).
@@ -155,6 +156,37 @@ CATALOGUE = [
     Bad("pipeline-stages-per-rank-zero", ["parallelism=pipeline", "parallelism.stages_per_rank=0"],
         ["parallelism.stages_per_rank=0", "integer >= 1"]),
     Bad("pipeline-microbatches-zero", ["parallelism=pipeline", "parallelism.microbatches=0"], ["parallelism.microbatches=0", "integer >= 1"]),
+    # A bool key takes true or false, nothing else (OmegaConf's own node took 2, yes, off silently; sdp.driver.fields.StrictBool).
+    Bad("deterministic-int", ["train.deterministic=2"], ["full_key: train.deterministic", "'2'", "allowed: true, false"]),
+    Bad("eval-ensemble-yes", ["eval.ensemble=yes"], ["full_key: eval.ensemble", "'yes'", "allowed: true, false"]),
+    Bad("sdp-overlap-off", ["parallelism=sdp", "parallelism.overlap=off"], ["full_key: parallelism.overlap", "'off'", "allowed: true, false"]),
+    Bad("tracker-zero", ["memory.tracker=0"], ["full_key: memory.tracker", "'0'", "allowed: true, false"]),
+    Bad("ddp-broadcast-buffers-one", ["parallelism=ddp", "parallelism.broadcast_buffers=1"],
+        ["full_key: parallelism.broadcast_buffers", "'1'", "allowed: true, false"]),
+    Bad("optimizer-nesterov-yes", ["optim.optimizer.nesterov=yes"], ["optim.optimizer.nesterov is invalid", "'yes'", "allowed: true, false"]),
+    Bad("model-tie-embeddings-one", ["model=llama_tiny", "dataset=synthetic_text", "model.tie_embeddings=1"],
+        ["model.tie_embeddings is invalid", "'1'", "allowed: true, false"]),
+    # Each argument of a model, dataset and optimizer of conf/ has its range (sdp/driver/schema_models.py, schema_data.py),
+    # refused naming the key typed, not the symptom it caused downstream ("declares no SDP units", a reshape error).
+    Bad("model-width-zero", ["model=resnet18_cifar", "model.width=0"], ["model.width=0", "integer >= 1"]),
+    Bad("model-blocks-per-stage-zero", ["model=resnet18_cifar", "model.blocks_per_stage=[2,0,2,2]"],
+        ["model.blocks_per_stage=[2, 0, 2, 2]", "each element must be an integer >= 1"]),
+    Bad("model-n-layers-zero", ["model=llama_tiny", "dataset=synthetic_text", "model.n_layers=0"], ["model.n_layers=0", "integer >= 1"]),
+    Bad("model-depth-zero", ["model.depth=0"], ["model.depth=0", "integer >= 1"]),
+    Bad("model-hidden-zero", ["model.hidden=0"], ["model.hidden=0", "integer >= 1"]),
+    Bad("model-norm-eps-zero", ["model=llama_tiny", "dataset=synthetic_text", "model.norm_eps=0"], ["model.norm_eps=0", "number > 0"]),
+    Bad("model-mlp-ratio-zero", ["model=vit_tiny", "dataset=synthetic_image", "model.mlp_ratio=0"], ["model.mlp_ratio=0", "number > 0"]),
+    Bad("model-pool-unknown", ["model=vit_tiny", "dataset=synthetic_image", "model.pool=max"], ["model.pool='max'", "allowed: cls, mean"]),
+    Bad("model-dim-not-int", ["model.dim=abc"], ["model.dim is invalid", "'abc'", "Integer"]),
+    Bad("dataset-seq-len-zero", ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=0"], ["dataset.seq_len=0", "integer >= 1"]),
+    Bad("dataset-num-val-zero", ["dataset=synthetic_image", "dataset.num_val=0"], ["dataset.num_val=0", "integer >= 1"]),
+    Bad("dataset-val-fraction-one", ["dataset.val_fraction=1"], ["dataset.val_fraction=1", "number in (0, 1)"]),
+    Bad("optimizer-momentum-one", ["optim.optimizer.momentum=1"], ["optim.optimizer.momentum=1", "number in [0, 1)"]),
+    Bad("optimizer-weight-decay-negative", ["optim.optimizer.weight_decay=-0.1"], ["optim.optimizer.weight_decay=-0.1", "number >= 0"]),
+    Bad("optimizer-beta-one", ["optim=adamw", "optim.optimizer.betas=[0.9,1.0]"],
+        ["optim.optimizer.betas=[0.9, 1.0]", "each element must be a number in [0, 1)"]),
+    Bad("optimizer-eps-zero", ["optim=adamw", "optim.optimizer.eps=0"], ["optim.optimizer.eps=0", "number > 0"]),
+    Bad("min-lr-ratio-above-one", ["optim.min_lr_ratio=2"], ["optim.min_lr_ratio=2", "number in [0, 1]"]),
     # On a machine with a GPU this is a valid config: the row runs where it can fail.
     Bad("cuda-without-gpu", ["cluster.device=cuda"], ["cluster.device='cuda'", "no CUDA device"], marks=(run_if(no_cuda=True),)),
 ]

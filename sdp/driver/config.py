@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.errors import ConfigError, fail, one_of, positive_float, require
+from sdp.errors import ConfigError, fail, one_of, require
 
 if TYPE_CHECKING:
     from sdp.driver.preflight import Preflight
@@ -125,15 +125,17 @@ def validate(cfg: DictConfig) -> Preflight:
     """Check everything that can be checked without starting a rank; returns what was built for it once
     (the meta model, the job's facts, the strategy's plan), for the budget and the launch."""
     from sdp.driver.rankenv import external_launcher
-    from sdp.driver.typed import parse
+    from sdp.driver.typed import check_built, parse
     from sdp.models.base import SDPModel
     from sdp.parallel import STRATEGIES
     from sdp.registry import import_plugins
+    from sdp.results.loggers import wandb_mode
 
     import_plugins(cfg)  # strategies defined outside sdp/ register themselves on import
     one_of("parallelism.name", cfg.parallelism.name, STRATEGIES.names())
     check_renamed(cfg)  # before parse: a moved key is named with its new place, not as unknown to the schema
     parse(cfg)  # types (a recorded config.yaml; a composed one was typed by Hydra), choices and ranges of every key
+    check_built(cfg)  # the same for the arguments of the dataset, the model and the optimizer
     importable("model._target_", cfg.model.get("_target_"), base=SDPModel)
     importable("dataset._target_", cfg.dataset.get("_target_"))
     from sdp.data.common import preflight
@@ -167,10 +169,10 @@ def validate(cfg: DictConfig) -> Preflight:
     if cl.device == "cpu":
         require(cl.backend != "nccl", "cluster.backend", cl.backend, "NCCL needs cluster.device=cuda; use gloo or auto on CPU")
     validate_train(cfg)
+    wandb_mode(cfg.logger.wandb.get("mode"))  # null reads WANDB_MODE: a value W&B would refuse is named here, not in rank 0
     if cfg.memory.budget_mb is not None:
         require(bool(cfg.memory.tracker) or cl.device == "cuda", "memory.budget_mb", cfg.memory.budget_mb,
                 "on CPU the budget is enforced by the live-tensor tracker: set memory.tracker=true")
-    positive_float("optim.optimizer.lr", cfg.optim.optimizer.lr)  # the optimizer's own arguments have no schema
     from sdp.driver.preflight import build_once
 
     model, val_samples = build_once(cfg)  # data index, meta-device model, optimizer, sampler: what a rank would fail on

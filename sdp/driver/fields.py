@@ -5,8 +5,9 @@ would change how a value prints (``config.yaml`` and ``--cfg job`` must not chan
 ``str(cfg.train.precision) == "bf16"``). So a choice is a ``str`` field whose allowed values, like a
 numeric field's range, sit in the field's metadata; :func:`check` walks every field of a typed node
 once and refuses a value outside them with the message every check in ``sdp`` uses (key, value, what
-is allowed). Types (int, float, bool, ``Optional``) are OmegaConf's own: ``train.steps=abc`` never
-gets here, it is refused while Hydra composes the config. :func:`conform` is the same check for a node
+is allowed). Types (int, float, ``Optional``) are OmegaConf's own: ``train.steps=abc`` never
+gets here, it is refused while Hydra composes the config; a ``bool`` field (:func:`flag`) has a node of its own,
+:class:`StrictBool`, since OmegaConf's takes ``2`` or ``off`` as a bool. :func:`conform` is the same check for a node
 whether or not a schema typed it: what a strategy's ``validate`` runs on its ``parallelism`` node, so a
 plugin's own untyped YAML under a package strategy is held to the very same fields.
 """
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+from omegaconf.nodes import BooleanNode
 
 from sdp.errors import ConfigError, fail
 
@@ -26,37 +28,62 @@ MISSING = "???"  # omegaconf.MISSING: the value comes from the YAML preset (conf
 
 
 def key(*, choices: Iterable[str] | None = None, at_least: float | None = None, above: float | None = None,
-        at_most: float | None = None) -> Any:
-    """A schema field: ``choices`` for a ``str`` key, a range for a number (``at_least`` inclusive,
-    ``above`` exclusive, ``at_most`` inclusive). The default is MISSING: values live in ``conf/*.yaml``
-    (with their comments); a YAML that forgets a key composes to ``???`` and fails where it is read."""
+        at_most: float | None = None, below: float | None = None) -> Any:
+    """A schema field: ``choices`` for a ``str`` key, a range for a number (``at_least`` / ``at_most`` inclusive,
+    ``above`` / ``below`` exclusive; for a list of numbers, every element's). The default is MISSING: values live
+    in ``conf/*.yaml`` (with their comments); a YAML that forgets a key composes to ``???`` and fails where it is read."""
     meta = {"choices": tuple(choices) if choices is not None else None, "at_least": at_least, "above": above,
-            "at_most": at_most}
+            "at_most": at_most, "below": below}
     return dataclasses.field(default=MISSING, metadata=meta)
+
+
+class StrictBool(BooleanNode):
+    """The node of a ``bool`` field (:func:`flag`): true or false, nothing else. OmegaConf's own ``BooleanNode``
+    turns ``2``, ``yes``, ``off`` or ``0`` into a bool without a word, so ``train.deterministic=2`` or
+    ``parallelism.overlap=off`` ran as something the user may not have meant. Taken: a boolean (what YAML and
+    Hydra's command line read ``true`` / ``false`` as, in any case) and the strings ``true`` / ``false`` in any
+    case (what a quoted value or an ``${oc.env:...}`` interpolation gives), the same two words either way."""
+
+    def _validate_and_convert_impl(self, value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValidationError("Value '$VALUE' is not a valid bool (type $VALUE_TYPE): allowed: true, false")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "StrictBool":
+        res = StrictBool()  # BooleanNode's own copy would come back as a plain (coercing) BooleanNode
+        self._deepcopy_impl(res, memo)
+        return res
+
+
+def flag() -> Any:
+    """A ``bool`` schema field: its node is a :class:`StrictBool` (MISSING until the YAML sets it, never null)."""
+    return dataclasses.field(default_factory=lambda: StrictBool(value=MISSING, is_optional=False),
+                             metadata={"choices": None, "at_least": None, "above": None, "at_most": None, "below": None})
 
 
 def allowed(*, meta: dict[str, Any], integer: bool, optional: bool = False) -> str:
     """What a field's metadata allows, in the words of :mod:`sdp.errors`' helpers (``optional``: null as well)."""
     if meta.get("choices") is not None:
         return f"allowed: {', '.join(['null'] * optional + [str(c) for c in meta['choices']])}"
-    lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("at_most")
-    if integer and lo is not None:
-        what = f"an integer >= {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
-    elif above is not None and hi is not None:
-        what = f"a number in ({above:g}, {hi:g}]"
-    elif above is not None:
-        what = f"a number > {above:g}"
+    lo, above, hi, below = (meta.get(k) for k in ("at_least", "above", "at_most", "below"))
+    low, high = (lo, "[") if lo is not None else (above, "("), (hi, "]") if hi is not None else (below, ")")
+    kind = "an integer" if integer else "a number"
+    if low[0] is not None and high[0] is not None:
+        what = f"{kind} in {low[1]}{low[0]:g}, {high[0]:g}{high[1]}"
     else:
-        what = f"a number >= {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+        bounds = [f"{op} {v:g}" for op, v in ((">=", lo), (">", above), ("<=", hi), ("<", below)) if v is not None]
+        what = f"{kind} {' and '.join(bounds)}"
     return f"must be {'null or ' if optional else ''}{what}"
 
 
 def ok(value: Any, meta: dict[str, Any]) -> bool:
     if meta.get("choices") is not None:
         return value in meta["choices"]
-    lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("at_most")
+    lo, above, hi, below = (meta.get(k) for k in ("at_least", "above", "at_most", "below"))
     return ((lo is None or value >= lo) and (above is None or value > above)
-            and (hi is None or value <= hi))
+            and (hi is None or value <= hi) and (below is None or value < below))
 
 
 def check(node: DictConfig, *, schema: type, prefix: str) -> None:
@@ -74,9 +101,14 @@ def check(node: DictConfig, *, schema: type, prefix: str) -> None:
         meta = dict(f.metadata)
         if value is None or not any(v is not None for v in meta.values()):
             continue
-        if not ok(value, meta):
-            fail(name, value, allowed(meta=meta, integer=hints[f.name] in (int, Optional[int]),
-                                      optional=type(None) in typing.get_args(hints[f.name])))
+        hint = hints[f.name]
+        integer = hint in (int, Optional[int], List[int])
+        if isinstance(value, ListConfig):  # a list of numbers (model.blocks_per_stage, optim.optimizer.betas): each
+            items = OmegaConf.to_container(value, resolve=True)
+            if not all(v is not None and ok(v, meta) for v in items):
+                fail(name, items, f"each element {allowed(meta=meta, integer=integer)}")
+        elif not ok(value, meta):
+            fail(name, value, allowed(meta=meta, integer=integer, optional=type(None) in typing.get_args(hint)))
 
 
 def readable(exc: OmegaConfBaseException, *, prefix: str = "") -> ConfigError:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from sdp.driver.fields import key
+from sdp.driver.fields import flag, key
 
 Number = Union[int, float]  # OmegaConf 2.3 keeps 25 as 25 and 0.5 as 0.5 (a float field would print 25.0)
 
@@ -69,15 +69,15 @@ class Train:
     """Seconds a rank waits for the others while a checkpoint is written."""
     resume: Optional[str] = key()
     """null: fresh | auto: this run dir's latest checkpoint | a checkpoint or run directory."""
-    extend_steps: bool = key()
+    extend_steps: bool = flag()
     """A resume may raise train.steps above the checkpoint's."""
-    skip_done: bool = key()
+    skip_done: bool = flag()
     """Re-running a sweep skips complete jobs of the same config and resumes the others."""
     nan_policy: str = key(choices=("stop", "skip"))
     """Non-finite loss or gradient norm: stop the run | skip that step's update."""
-    deterministic: bool = key()
+    deterministic: bool = flag()
     """torch.use_deterministic_algorithms(True)."""
-    tf32: bool = key()
+    tf32: bool = flag()
     """CUDA only: fp32 matmuls and convolutions on TF32 tensor cores."""
     debug: Debug = field(default_factory=Debug)
     """Fault injection (leave fault null)."""
@@ -91,9 +91,9 @@ class Eval:
     """BatchNorm statistics of the evaluated model: re-estimated on it | the ranks' momentum statistics averaged."""
     bn_batches: int = key(at_least=1)
     """Training batches (steps) in the calibration set of bn=reestimate."""
-    subnetworks: bool = key()
+    subnetworks: bool = flag()
     """Forward-masked SDP: also evaluate each worker's own subnetwork (and the assembly gap)."""
-    ensemble: bool = key()
+    ensemble: bool = flag()
     """Forward-masked SDP: also evaluate the ensemble of the workers' subnetworks."""
     part_batches: int = key(at_least=1)
     """Batches a part-by-part evaluation runs per fetched part (memory vs traffic)."""
@@ -103,7 +103,7 @@ class Eval:
 class Memory:
     """``memory``: per-rank memory measurement."""
 
-    tracker: bool = key()
+    tracker: bool = flag()
     """CPU: count live tensor bytes (false: RSS only); CUDA always uses the allocator."""
     budget_mb: Optional[Number] = key(above=0)
     """null, or a per-rank limit in MiB (on CPU enforced by the tracker)."""
@@ -115,7 +115,7 @@ class Plan:
 
     output: Optional[str] = key()
     """null (print only) or a JSON file to write the prediction to."""
-    frontier: bool = key()
+    frontier: bool = flag()
     """parallelism=sdp, block level: also print the floor and Pareto frontier of assignments."""
 
 
@@ -123,8 +123,8 @@ class Plan:
 class Wandb:
     """``logger.wandb``: the Weights & Biases run of a job."""
 
-    mode: str = key(choices=("online", "offline", "disabled"))
-    """online | offline (writes to <run_dir>/wandb) | disabled."""
+    mode: Optional[str] = key(choices=("online", "offline", "disabled"))
+    """null (WANDB_MODE from the environment, else offline) | online | offline (writes to <run_dir>/wandb) | disabled."""
     project: str = key()
     """W&B project."""
     entity: Optional[str] = key()
@@ -143,7 +143,7 @@ class Logger:
 
     wandb: Wandb = field(default_factory=Wandb)
     """Weights & Biases."""
-    progress: bool = key()
+    progress: bool = flag()
     """Progress bar on rank 0."""
 
 
@@ -207,7 +207,7 @@ class Optim:
     """constant | cosine | linear decay after warm-up."""
     warmup_steps: int = key(at_least=0)
     """Linear LR warm-up steps."""
-    min_lr_ratio: Number = key(at_least=0)
+    min_lr_ratio: Number = key(at_least=0, at_most=1)
     """Final LR as a fraction of the peak."""
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from sdp.driver.fields import key
+from sdp.driver.fields import flag, key
 from sdp.driver.schema import Number
 
 
@@ -24,9 +24,9 @@ class DDP:
     """The strategy, looked up in sdp.parallel.STRATEGIES."""
     bucket_cap_mb: Number = key(above=0)
     """Gradient bucket size in MiB."""
-    broadcast_buffers: bool = key()
+    broadcast_buffers: bool = flag()
     """Broadcast BatchNorm buffers from rank 0 every forward (false: ranks keep their own)."""
-    find_unused_parameters: bool = key()
+    find_unused_parameters: bool = flag()
     """Only for models with parameters unused in some steps."""
 
 
@@ -40,9 +40,9 @@ class DDPAC:
     """Checkpoint blocks 0, k, 2k, ... (1: every block)."""
     bucket_cap_mb: Number = key(above=0)
     """Gradient bucket size in MiB."""
-    broadcast_buffers: bool = key()
+    broadcast_buffers: bool = flag()
     """As in parallelism=ddp."""
-    find_unused_parameters: bool = key()
+    find_unused_parameters: bool = flag()
     """As in parallelism=ddp."""
 
 
@@ -56,11 +56,11 @@ class Drop:
     """p in (0, 1]: a block's survival probability (the last block's under linear decay)."""
     decay: str = key(choices=("uniform", "linear"))
     """uniform: p for every block | linear: block l of n survives with 1 - (l+1)/n (1 - p) (stochastic depth only)."""
-    rescale: bool = key()
+    rescale: bool = flag()
     """Scale a kept branch by 1 / its survival probability."""
     bucket_cap_mb: Number = key(above=0)
     """Gradient bucket size in MiB."""
-    broadcast_buffers: bool = key()
+    broadcast_buffers: bool = flag()
     """As in parallelism=ddp."""
 
 
@@ -78,7 +78,7 @@ class FSDP:
 
     name: str = key()
     """The strategy, looked up in sdp.parallel.STRATEGIES."""
-    reshard_after_forward: bool = key()
+    reshard_after_forward: bool = flag()
     """Free each block's gathered parameters after its forward (ZeRO-3) | keep them until backward."""
     replicate: int = key(at_least=1)
     """> 1: HSDP, shard within groups of world_size / replicate ranks (must divide cluster.world_size)."""
@@ -141,11 +141,11 @@ class SDP:
     """Backward masking: broadcast from a holder | all-reduce over the world."""
     rescale: str = key(choices=("auto", "none", "eval", "train"))
     """How the branch magnitude of partly trained units is corrected (auto: resolved per model and protocol)."""
-    drop_downsample: bool = key()
+    drop_downsample: bool = flag()
     """A downsampling block is a unit (false: stays whole and shared)."""
     bucket_cap_mb: Number = key(above=0)
     """Gradient bucket size in MiB."""
-    overlap: bool = key()
+    overlap: bool = flag()
     """All-reduce each holder-set bucket during backward (false: after backward)."""
     max_holder_sets: Optional[int] = key(at_least=1)
     """null: no cap | M: at most M process groups for holder sets (balanced assignment only)."""

@@ -35,7 +35,7 @@ from sdp.driver.config import check_resolved, renamed_overrides, validate
 from sdp.driver.typed import register
 from sdp.driver.launch import RankFailure, launch
 from sdp.driver.rankenv import attempt_id, external_launcher
-from sdp.results.loggers import wandb_run_id
+from sdp.results.loggers import wandb_mode, wandb_run_id
 from sdp.results.rundir import RunDir
 from sdp.driver.slurm import slurm_environment
 from sdp.results.summary import Summary, format_summary
@@ -101,7 +101,7 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
         print(f"resuming from {ckpt} (step {step}); metrics.jsonl holds steps <= {step}", flush=True)
     if driver:
         results.write_config(cfg=cfg, run_dir=run_dir)
-        if str(cfg.logger.wandb.mode) != "disabled":
+        if wandb_mode(cfg.logger.wandb.get("mode")) != "disabled":
             wandb_run_id(run_dir=run_dir, ckpt=ckpt)  # one W&B run per job, across resumes and requeues
     started = time.time()
     try:

@@ -23,6 +23,8 @@ from omegaconf.errors import OmegaConfBaseException
 from sdp.driver import fields
 from sdp.driver.fields import readable
 from sdp.driver.schema import CLUSTERS, Job, Optim, Train
+from sdp.driver.schema_data import DATASETS
+from sdp.driver.schema_models import MODELS, OPTIMIZERS, OptimizerArgs
 from sdp.driver.schema_parallel import FAMILIES, PRESETS
 
 # ConfigStore names (group schema/...) that conf/*.yaml extend, e.g. `- /schema/parallelism/sdp@_here_`.
@@ -95,3 +97,16 @@ def parse(cfg: DictConfig) -> Typed:
         if k in typed:
             fields.check(typed[k], schema=schema, prefix=k)
     return Typed(root=root, cluster=typed.get("cluster"), optim=typed["optim"], parallelism=typed.get("parallelism"))
+
+
+def check_built(cfg: DictConfig) -> None:
+    """The nodes a ``_target_`` builds (``dataset``, ``model``, ``optim.optimizer``) held to their target's schema
+    (:mod:`sdp.driver.schema_data`, :mod:`sdp.driver.schema_models`), naming the key: the dataset first, so a value
+    the model interpolates from it is named where the user set it. A target without a schema is left to its build
+    (an optimizer's ``lr`` is checked whatever the optimizer)."""
+    for name, table, fallback in (("dataset", DATASETS, None), ("model", MODELS, None),
+                                  ("optim.optimizer", OPTIMIZERS, OptimizerArgs)):
+        node = OmegaConf.select(cfg, name)
+        schema = table.get(str(node.get("_target_"))) or fallback if isinstance(node, DictConfig) else None
+        if schema is not None:
+            fields.conform(node, schema=schema, prefix=name)

@@ -5,21 +5,22 @@ the multirun hooks are implemented). With ``compare: true`` (``experiment=compar
 command) it prints one table of ratios to DDP instead (:mod:`sdp.report.compare`), writes it
 and the plots next to the full report, and prints where each file is. When a job fails, Hydra's sweeper raises before
 ``on_multirun_end``; the tables are then built at interpreter exit instead, so the failed run is
-reported in them rather than the whole table being lost. With W&B on (``logger.wandb.mode`` online or
-offline) each table is also logged as a ``wandb.Table`` in the sweep's W&B group: best effort, a W&B
+reported in them rather than the whole table being lost. With W&B on (online or offline: ``logger.wandb.mode``,
+else ``WANDB_MODE``, :func:`sdp.results.loggers.wandb_mode`) each table is also logged as a ``wandb.Table`` in the sweep's W&B group: best effort, a W&B
 problem never fails the sweep (the files under ``<sweep>/report`` are the record).
 """
 
 from __future__ import annotations
 
 import atexit
-import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from sdp.results.loggers import wandb_mode
 
 
 class ReportCallback(Callback):
@@ -71,8 +72,8 @@ def log_to_wandb(*, report: Any, wandb_cfg: Any, sweep_dir: Path) -> bool:
     """Log every table as a ``wandb.Table`` to a ``report`` run in the sweep's group; True if logged."""
     if wandb_cfg is None:
         return False
-    mode = str(wandb_cfg.get("mode", "disabled"))
-    if mode == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
+    mode = wandb_mode(wandb_cfg.get("mode"))  # the key, else WANDB_MODE, else offline: as the sweep's runs did
+    if mode == "disabled":
         return False
     try:
         import wandb

@@ -31,10 +31,11 @@ from sdp.results.rundir import RunDir
 
 SECRET_KEYS = ("api_key", "apikey", "password", "token", "secret")
 # Config keys that say how a run was run, not what it computes (a resumed job records train.resume as
-# its checkpoint path, a killed-and-restarted one drops train.debug, a rerun sweep adds skip_done):
+# its checkpoint path, a killed-and-restarted one drops train.debug, a rerun sweep adds skip_done; W&B is a
+# mirror of the files, and a sweep recorded under logger.wandb.mode=offline, before null meant WANDB_MODE, is the same job):
 # sdp.driver.sweep ignores them when it compares configs, and the report does not split tables by them.
 RUN_CONTROL_KEYS = ("train.resume", "train.skip_done", "train.extend_steps", "train.debug", "logger.progress",
-                    "train.checkpoint_timeout_s")
+                    "train.checkpoint_timeout_s", "logger.wandb")
 
 
 def is_secret(key: str) -> bool:

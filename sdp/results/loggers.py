@@ -19,11 +19,37 @@ from typing import Any, Protocol
 
 from hydra.experimental.callback import Callback
 
+from sdp.errors import ConfigError
 from sdp.results.rundir import RunDir, checkpoint_meta
 
 # Set by SweepProgress in the driver for each job of a multirun, read by rank 0's ProgressBar (the
 # ranks are spawned below the driver and inherit its environment): "1/3 runs done · parallelism=sdp".
 SWEEP_PROGRESS_ENV = "SDP_SWEEP_PROGRESS"
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_ALIASES = {"dryrun": "offline", "run": "online"}  # W&B's older names, which WANDB_MODE may still hold
+WANDB_FALLBACK = "offline"  # neither the key nor WANDB_MODE says: write <run_dir>/wandb, no network (sync later)
+
+
+def wandb_mode(mode: str | None) -> str:
+    """The W&B mode of a job: ``logger.wandb.mode`` where the config sets it (it wins, as an argument to
+    ``wandb.init`` does); null: ``WANDB_MODE`` from the environment when set (W&B's own variable, which passing
+    ``mode=`` to ``wandb.init`` would silently override), else :data:`WANDB_FALLBACK`. Raises ConfigError naming the
+    key or the variable for a value outside :data:`WANDB_MODES`; the driver asks it before any rank starts."""
+    if mode is not None:
+        if str(mode) not in WANDB_MODES:
+            raise ConfigError(f"logger.wandb.mode={mode!r} is invalid: allowed: null, {', '.join(WANDB_MODES)}")
+        return str(mode)
+    env = os.environ.get("WANDB_MODE", "").strip()
+    if not env:
+        return WANDB_FALLBACK
+    value = WANDB_ALIASES.get(env.lower(), env.lower())
+    if value not in WANDB_MODES:
+        raise ConfigError(f"WANDB_MODE={env!r} (the environment, read because logger.wandb.mode is null) is invalid: "
+                          f"allowed: {', '.join(WANDB_MODES)} (or W&B's older {', '.join(WANDB_ALIASES)}); "
+                          "or set logger.wandb.mode, which wins over it")
+    return value
 
 
 def wandb_run_id(*, run_dir: Path, ckpt: Path | None) -> str:
@@ -90,7 +116,8 @@ class JsonlLogger:
 class WandbLogger:
     """Mirrors rows to W&B. If W&B cannot start (no network, bad key, online mode on an offline node)
     the run goes on: online falls back to offline (sync later with ``wandb sync``), offline to
-    disabled, each said on stderr; ``mode_used`` records what it ended up as. ``init_timeout_s``
+    disabled, each said on stderr; ``mode_used`` records what it ended up as. The mode tried first is
+    :func:`wandb_mode`'s (``logger.wandb.mode``, else ``WANDB_MODE``, else offline). ``init_timeout_s``
     bounds how long a start may take, so an unreachable server costs seconds, not the run.
 
     One W&B run per job: the id comes from ``run_dir/wandb_run_id`` (:func:`wandb_run_id`, set by the
@@ -104,9 +131,7 @@ class WandbLogger:
 
     def __init__(self, *, cfg: Any, run_dir: Path, config: dict[str, Any], group: str, job_type: str, name: str) -> None:
         self.run = None
-        mode = str(cfg.mode)
-        if mode not in ("online", "offline", "disabled"):
-            raise ValueError(f"logger.wandb.mode={mode!r} not in ('online', 'offline', 'disabled')")
+        mode = wandb_mode(cfg.get("mode"))  # the key, else WANDB_MODE, else offline
         self.mode_used = "disabled"
         self.run_id = stored_run_id(run_dir)
         self._sigterm = False  # whether this logger installed the SIGTERM handler (removed at finish)
