@@ -242,6 +242,7 @@ class PipelineSpec(StrategySpec):
 
     label = "Pipeline"
     runtime = PipelineStrategy
+    overlap = None  # its step is a schedule of microbatches (bubble, stage cut): no step-time prediction
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: Job) -> None:
