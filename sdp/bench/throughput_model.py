@@ -66,7 +66,7 @@ def row_cells(ddp: dict[str, Any], sdp: dict[str, Any]) -> list[str]:
     step_ratio = sdp["step_s"] / ddp["step_s"]
     flop_ratio = step_ratio / sdp["fraction_computed"]  # a FLOP-matched run (train.budget=flops) takes 1/r the steps
     split = lambda t: f"{t['step_s']:.3f} ({t['compute_s']:.3f} + {t['exposed_comm_s']:.3f})"  # noqa: E731
-    verdict = lambda r: "SDP" if r < 1 else "DDP"  # noqa: E731
+    verdict = lambda r: "tie" if abs(r - 1) < 0.005 else "SDP" if r < 1 else "DDP"  # noqa: E731  (equal to 2 digits)
     return [split(ddp), split(sdp), f"{step_ratio:.2f}x", verdict(step_ratio), f"{flop_ratio:.2f}x", verdict(flop_ratio)]
 
 
