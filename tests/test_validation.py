@@ -61,6 +61,10 @@ CATALOGUE = [
     Bad("device-unknown", ["cluster.device=tpu"], ["cluster.device='tpu'", "cpu, cuda"]),
     Bad("nccl-on-cpu", ["cluster.backend=nccl"], ["cluster.backend='nccl'", "NCCL needs cluster.device=cuda"]),
     Bad("timeout-zero", ["cluster.timeout_s=0"], ["cluster.timeout_s=0", "number > 0"]),
+    Bad("gpu-unknown", ["cluster.gpu=x"], ["cluster.gpu='x'", "allowed: null, ", "h100_80gb"]),  # conf/hardware.yaml
+    Bad("link-unknown", ["cluster.link=x"], ["cluster.link='x'", "allowed: null, ", "ib_ndr"]),
+    Bad("mfu-zero", ["plan.mfu=0"], ["plan.mfu=0", "number in (0, 1]"]),
+    Bad("mfu-above-one", ["plan.mfu=1.5"], ["plan.mfu=1.5", "number in (0, 1]"]),
     # Reliability keys.
     Bad("resume-missing", ["train.resume=/nonexistent/run"], ["train.resume='/nonexistent/run'", "does not exist", "auto"]),
     Bad("resume-no-checkpoint", ["train.resume={tmp}"], ["train.resume=", "holds no complete checkpoint"]),

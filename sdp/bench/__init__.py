@@ -19,6 +19,7 @@ SUITES: dict[str, str] = {
     "precision": "bf16 against fp32 for every strategy: loss gaps and step time",
     "harness-overhead": "the suite's DDP step against a minimal hand-written DDP loop",
     "capacity": "the largest LLaMA each strategy trains within a per-rank memory budget",
+    "throughput-model": "no run: sdp-plan's predicted step time, DDP vs SDP C=0.5 on LLaMA-1B at 8 and 64 GPUs per link",
     "eval-protocols": "the same trained weights under every eval.bn protocol and evaluation-time rescale",
     "cpu-study": "the CPU-scale study (--study lm|image): every run, then its report (--render-only: the report)",
     "slim-runs": "no measurement: committed run directories keep what reports, sdp-rerun and skip_done read (PATH...)",

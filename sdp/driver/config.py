@@ -121,9 +121,10 @@ def validate_strategy(cfg: DictConfig, *, model: Any, val_samples: int | None = 
                      val_samples=val_samples)
 
 
-def validate(cfg: DictConfig) -> Preflight:
+def validate(cfg: DictConfig, *, launching: bool = True) -> Preflight:
     """Check everything that can be checked without starting a rank; returns what was built for it once
-    (the meta model, the job's facts, the strategy's plan), for the budget and the launch."""
+    (the meta model, the job's facts, the strategy's plan), for the budget and the launch. ``launching=False``
+    (``sdp-plan``: nothing runs here) skips what only a launch on this machine needs: visible CUDA devices."""
     from sdp.driver.rankenv import external_launcher
     from sdp.driver.typed import check_built, parse
     from sdp.models.base import SDPModel
@@ -152,7 +153,7 @@ def validate(cfg: DictConfig) -> Preflight:
         require(env_world == cl.world_size, "cluster.world_size", cl.world_size,
                 f"the external launcher started a world of WORLD_SIZE={env_world} ranks (variables seen: {seen_env()}); "
                 f"set cluster.world_size={env_world}, or fix the launch (every node must join one rendezvous)")
-    if cl.device == "cuda":
+    if cl.device == "cuda" and launching:
         import torch
 
         n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from sdp.driver.fields import flag, key
+from sdp.metrics.hardware import gpus, links
 
 Number = Union[int, float]  # OmegaConf 2.3 keeps 25 as 25 and 0.5 as 0.5 (a float field would print 25.0)
 
@@ -117,6 +118,8 @@ class Plan:
     """null (print only) or a JSON file to write the prediction to."""
     frontier: bool = flag()
     """parallelism=sdp, block level: also print the floor and Pareto frontier of assignments."""
+    mfu: Number = key(above=0, at_most=1)
+    """The model FLOPs utilisation assumed for the predicted step time (measured: docs/gpu.md)."""
 
 
 @dataclass
@@ -165,6 +168,10 @@ class LocalCluster:
     """Process-group timeout in seconds."""
     comm_bytes_per_group: int = key(at_least=0)
     """sdp-plan only: device memory assumed per process group (bytes)."""
+    gpu: Optional[str] = key(choices=tuple(gpus()))
+    """sdp-plan only: the device planned for (conf/hardware.yaml; null: no step time)."""
+    link: Optional[str] = key(choices=tuple(links()))
+    """sdp-plan only: the link the collectives cross (conf/hardware.yaml; null: no comm time)."""
     threads_per_rank: Optional[int] = key(at_least=1)
     """Torch intra-op threads per rank (null: CPU cores / ranks on the node)."""
 
@@ -191,6 +198,10 @@ class SlurmCluster:
     """Process-group timeout in seconds."""
     comm_bytes_per_group: int = key(at_least=0)
     """sdp-plan only: device memory assumed per process group (bytes)."""
+    gpu: Optional[str] = key(choices=tuple(gpus()))
+    """sdp-plan only: the device planned for (conf/hardware.yaml; null: no step time)."""
+    link: Optional[str] = key(choices=tuple(links()))
+    """sdp-plan only: the link the collectives cross (conf/hardware.yaml; null: no comm time)."""
     threads_per_rank: Optional[int] = key(at_least=1)
     """Torch intra-op threads per rank."""
 

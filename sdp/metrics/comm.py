@@ -82,25 +82,27 @@ class CommCounter:
             self._other[phase] = [tuple(r) for r in recs] + self._other[phase]  # type: ignore[misc]
 
     def summary(self) -> dict:
-        """Mean bytes and collectives per measured step, by kind and by group size."""
+        """Mean bytes and collectives per measured step, by kind (with their ring wire bytes) and by group size."""
         n = max(len(self._steps), 1)
         total_bytes = 0
         total_wire = 0.0
         count = 0
-        by_kind: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0.0, "count": 0.0})
+        by_kind: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0.0, "count": 0.0, "wire_bytes": 0.0})
         by_group: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0.0, "count": 0.0})
         for step in self._steps:
             for kind, payload, k in step:
                 total_bytes += payload
-                total_wire += wire_bytes(kind=kind, payload=payload, group_size=k)
+                wire = wire_bytes(kind=kind, payload=payload, group_size=k)
+                total_wire += wire
+                by_kind[kind]["wire_bytes"] += wire
                 count += 1
                 for table, key in ((by_kind, kind), (by_group, str(k))):
                     table[key]["bytes"] += payload
                     table[key]["count"] += 1
         for table in (by_kind, by_group):
             for entry in table.values():
-                entry["bytes"] /= n
-                entry["count"] /= n
+                for field_name in entry:
+                    entry[field_name] /= n
         other = {
             phase: {"bytes": sum(p for _, p, _ in recs), "collectives": len(recs)}
             for phase, recs in self._other.items()

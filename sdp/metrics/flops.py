@@ -11,8 +11,8 @@ level: at neuron level only the declared split sub-branches), and :func:`forward
 computes of them, per block, as the strategy's plan says (SDP: its units and their holders).
 
 MFU = useful FLOPs per second / (dense peak of one device x distinct devices). Several gloo ranks
-sharing one GPU count that GPU once. Peaks are the vendors' dense (no sparsity) figures; on CPU
-(no reliable peak) MFU is null.
+sharing one GPU count that GPU once. Peaks are the vendors' dense (no sparsity) figures of the device
+table ``conf/hardware.yaml`` (the one ``sdp-plan``'s step time divides by); on CPU (no reliable peak) MFU is null.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sdp.metrics.hardware import gpu_of_device
 from sdp.subnet.units import LEVELS
 
 
@@ -96,30 +97,26 @@ def forward_fraction(*, shares: dict[int, BlockShare], computed: dict[int, tuple
     return 1.0 - skipped
 
 
-# dense peak FLOP/s per device: bf16 / tf32 / fp32 tensor-core or CUDA-core figures from the data sheets
-PEAKS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
-    "H100 PCIe": {"bf16": 756.0e12, "tf32": 378.0e12, "fp32": 51.2e12},
-    "H100": {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},  # SXM
-    "A100": {"bf16": 312.0e12, "tf32": 156.0e12, "fp32": 19.5e12},
-}
-
-
 def peak_flops(*, device_name: str, dtype: str) -> float | None:
-    """Dense peak of ``device_name`` (as ``torch.cuda.get_device_name`` spells it) for ``dtype``; None if unknown."""
-    name = device_name.upper()
-    for key, table in PEAKS.items():  # most specific first (H100 PCIe before H100)
-        if all(part.upper() in name for part in key.split()):
-            return table.get(dtype)
-    return None
+    """Dense peak of ``device_name`` (as ``torch.cuda.get_device_name`` spells it) for ``dtype``, from the one
+    device table (``conf/hardware.yaml``, :func:`sdp.metrics.hardware.gpu_of_device`); None if unknown."""
+    gpu = gpu_of_device(device_name)
+    return gpu.peak_flops.get(dtype) if gpu is not None else None
+
+
+def matmul_dtype(*, precision: str, tf32: bool) -> str:
+    """What a run's matmuls run in, the key of a device's peak: bf16 under ``train.precision=bf16``, else tf32
+    where TF32 matmuls are on (``train.tf32``, :func:`sdp.driver.rankenv.set_backends`), else fp32."""
+    if precision == "bf16":
+        return "bf16"
+    return "tf32" if tf32 else "fp32"
 
 
 def compute_dtype(summary: dict[str, Any]) -> str:
-    """What the run's matmuls ran in: summary.json's ``precision`` (``train.precision``; fp32 when absent),
-    tf32 for fp32 on CUDA with TF32 matmuls on (``backends.tf32_matmul``, :func:`sdp.driver.rankenv.set_backends`)."""
-    if summary.get("precision") == "bf16":
-        return "bf16"
-    return "tf32" if (summary.get("backends") or {}).get("tf32_matmul") else "fp32"
+    """What the run's matmuls ran in (:func:`matmul_dtype`), from summary.json's ``precision`` (``train.precision``;
+    fp32 when absent) and ``backends.tf32_matmul`` (what CUDA had on; false or absent on CPU)."""
+    return matmul_dtype(precision=str(summary.get("precision") or "fp32"),
+                        tf32=bool((summary.get("backends") or {}).get("tf32_matmul")))
 
 
 def throughput(*, summary: dict[str, Any], flops_per_step: float | None) -> dict[str, Any]:

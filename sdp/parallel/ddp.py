@@ -18,7 +18,7 @@ from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import Job
-from sdp.parallel.spec import StrategySpec, register
+from sdp.parallel.spec import Overlap, StrategySpec, register
 from sdp.planning.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.planning.plan_peaks import rehearse
 from sdp.subnet.holder_groups import predicted_process_groups
@@ -128,6 +128,9 @@ class DDPSpec(StrategySpec):
 
     label = "DDP"
     runtime = DDPStrategy
+    # its reducer all-reduces each bucket as backward fills it; the last bucket (the first layers) is ready
+    # only when backward ends
+    overlap = Overlap(kinds=("all_reduce",), window="backward", tail=1)
 
     @classmethod
     def prepare_for_plan(cls, *, model: SDPModel, cfg: DictConfig) -> None:

@@ -45,7 +45,7 @@ from sdp.models.base import SDPModel
 from sdp.rank.precision import fsdp_policies
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import Job
-from sdp.parallel.spec import StrategySpec, register
+from sdp.parallel.spec import Overlap, StrategySpec, register
 from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.planning.plan_peaks import rehearse
 
@@ -205,6 +205,9 @@ class FSDPSpec(StrategySpec):
 
     label = "FSDP"
     runtime = FSDPStrategy
+    # FSDP2 prefetches the next unit's all-gather during forward and backward and reduce-scatters (HSDP:
+    # all-reduces) behind backward; the root's all-gather (before any compute) and last reduce-scatter are not
+    overlap = Overlap(kinds=("all_gather", "reduce_scatter", "all_reduce"), window="step", tail=2)
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: Job) -> None:

@@ -244,6 +244,7 @@ class PipelineSpec(StrategySpec):
     runtime = PipelineStrategy
     gloo_cuda_refusal = ("its stages send activations and gradients point to point (torch.distributed.pipelining), "
                          "which gloo does not do for CUDA tensors")
+    overlap = None  # its step is a schedule of microbatches (bubble, stage cut): no step-time prediction
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: Job) -> None:

@@ -34,7 +34,7 @@ from sdp.models.base import SDPModel
 from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import Job
-from sdp.parallel.spec import Coverage, StrategySpec, register
+from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
 from sdp.parallel import sdp_config, sdp_plan
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
@@ -249,6 +249,7 @@ class SDPSpec(StrategySpec):
     ``sdp-plan`` prediction (bodies: :mod:`~sdp.parallel.sdp_config`, ``sdp_plan``, ``sdp_peaks``)."""
 
     runtime, label_keys = SDPStrategy, ("level", "masking")  # labels: B-SDP, B_β-SDP, N-SDP, N_β-SDP
+    overlap = Overlap(kinds=("all_reduce",), window="backward", tail=1, switch="overlap")  # as DDP's buckets; refresh exposed
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: Job) -> None:

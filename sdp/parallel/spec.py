@@ -52,6 +52,30 @@ class Coverage:
         return {"key": self.key, "symbol": self.symbol, "value": self.value, "fraction": self.fraction}
 
 
+WINDOWS = ("none", "backward", "step")  # the compute a strategy's collectives can hide behind (:class:`Overlap`)
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Which of a step's collectives run behind its compute, for ``sdp-plan``'s step time
+    (:mod:`sdp.planning.throughput`): the strategy states it (:attr:`StrategySpec.overlap`), the planner
+    applies one rule to every strategy. Collectives of ``kinds`` overlap ``window`` (``backward``: the backward
+    pass, two thirds of the step's FLOPs; ``step``: forward and backward; ``none``: nothing), except ``tail``
+    of them that cannot (DDP's last bucket, launched when backward ends); every other kind is exposed. ``switch``:
+    a boolean key of the strategy's node that turns the overlap off when false (SDP's ``parallelism.overlap``)."""
+
+    kinds: tuple[str, ...] = ()
+    window: str = "none"
+    tail: int = 0
+    switch: str | None = None
+
+    def __post_init__(self) -> None:
+        assert self.window in WINDOWS and self.tail >= 0, f"Overlap window={self.window!r} not in {WINDOWS} or tail={self.tail} < 0"
+
+    def summary(self) -> dict[str, Any]:
+        return {"kinds": list(self.kinds), "window": self.window, "tail": self.tail}
+
+
 class StrategySpec:
     """The classmethods a strategy answers in the driver (defaults: a strategy that runs the whole model on
     every worker, needs nothing built for its ranks and makes no ``sdp-plan`` prediction)."""
@@ -65,6 +89,9 @@ class StrategySpec:
     # ranks sharing a GPU), "" (default) where they can: the driver refuses that combination naming this reason,
     # and does not recommend gloo to share a GPU (:func:`sdp.driver.config.validate`).
     gloo_cuda_refusal: str = ""
+    overlap: Overlap | None = Overlap()  # what its collectives overlap (:class:`Overlap`; default: none, every one
+    #                                       exposed); None: its step is not a forward + backward + collectives
+    #                                       (a pipeline schedule), so ``sdp-plan`` predicts no step time for it
 
     # ---- validation and what the driver builds once -----------------------------------------------
     @classmethod
@@ -133,6 +160,14 @@ class StrategySpec:
         re-draws, predicts the largest over it; ``state``: the memory entries of :meth:`predict`. None
         (default): no peak rehearsal."""
         return None
+
+    @classmethod
+    def comm_overlap(cls, *, cfg: DictConfig) -> Overlap | None:
+        """:attr:`overlap` as the ``parallelism`` node ``cfg`` configures it: no overlap where its ``switch`` key
+        is false."""
+        if cls.overlap is not None and cls.overlap.switch is not None and not bool(cfg.get(cls.overlap.switch, True)):
+            return Overlap()
+        return cls.overlap
 
 
 STRATEGIES: Registry[type[StrategySpec]] = Registry(kind="strategy", key="parallelism.name")

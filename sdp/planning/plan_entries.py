@@ -46,7 +46,8 @@ def activations(module: torch.nn.Module, inputs: torch.Tensor, *, loss: bool = T
 
 
 def comm_entry(records: list[Record]) -> dict[str, Any]:
-    """The ``comm.per_rank`` fields of summary.json, from one step's records."""
+    """The ``comm.per_rank`` fields of summary.json, from one step's records (``by_kind`` also with each kind's
+    ring wire bytes, what :mod:`sdp.planning.throughput` times)."""
     by_kind: dict[str, dict[str, float]] = {}
     by_group: dict[str, dict[str, float]] = {}
     for kind, payload, k in records:
@@ -54,6 +55,8 @@ def comm_entry(records: list[Record]) -> dict[str, Any]:
             e = table.setdefault(key, {"bytes": 0.0, "count": 0.0})
             e["bytes"] += payload
             e["count"] += 1
+        kind_entry = by_kind[kind]
+        kind_entry["wire_bytes"] = kind_entry.get("wire_bytes", 0.0) + wire_bytes(kind=kind, payload=payload, group_size=k)
     return {"bytes_per_step": float(sum(p for _, p, _ in records)),
             "wire_bytes_per_step": sum(wire_bytes(kind=kd, payload=p, group_size=k) for kd, p, k in records),
             "collectives_per_step": float(len(records)), "by_kind": by_kind, "by_group_size": by_group}

@@ -36,6 +36,7 @@ from sdp.parallel import STRATEGIES, Job, StrategySpec
 from sdp.planning.budget import apply as apply_budget
 from sdp.planning.plan_entries import Entry, communicators
 from sdp.planning.plan_peaks import predict_peaks
+from sdp.planning.throughput import format_throughput, predict as predict_throughput
 from sdp.rank.schedule import Cadence
 from sdp.driver.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
 from sdp.registry import build
@@ -55,7 +56,7 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
     """Per-rank predicted memory and comm of ``cfg`` (validated first, as sdp-train does, unless ``built``
     is that validation's result), made by the strategy (:meth:`~sdp.parallel.spec.StrategySpec.predict`) from
     what the driver prepared for the ranks."""
-    built = built if built is not None else validate(cfg)
+    built = built if built is not None else validate(cfg, launching=False)
     name, world, job = str(cfg.parallelism.name), int(cfg.cluster.world_size), built.job
     spec, ready = STRATEGIES.get(name), built.prepared  # SDP's plan: the one validation drew
     with torch.device("meta"):
@@ -72,7 +73,8 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
     return {**facts, "strategy": name, "model": str(cfg.model.get("name", "")), "world_size": world,
             "batch_size": int(cfg.train.batch_size), "optimizer": str(cfg.optim.optimizer._target_),
             "memory": {"per_rank": [m for m, _ in entries]}, "comm": {"per_rank": [c for _, c in entries]},
-            "notes": ["; ".join([BASE_NOTE, *([spec.plan_note] if spec.plan_note else [])])]}  # this strategy's caveat
+            "notes": ["; ".join([BASE_NOTE, *([spec.plan_note] if spec.plan_note else [])])],  # this strategy's caveat
+            "throughput": predict_throughput(cfg=cfg, built=built, spec=spec, comm=[c for _, c in entries])}
 
 
 def run_cadence(cfg: DictConfig, *, built: Preflight) -> Cadence:
@@ -138,9 +140,10 @@ def plan_options(cfg: DictConfig) -> tuple[str | None, bool]:
 def _hydra_main(cfg: DictConfig) -> None:
     with config_errors(prog="sdp-plan", sweep=HydraConfig.get().mode == RunMode.MULTIRUN):  # a bad value: one line, exit 2
         output, with_frontier = plan_options(cfg)
-        built = validate(cfg)
+        built = validate(cfg, launching=False)  # planning for a device needs none here
         plan = predict(cfg, built=built)
     print(format_plan(plan), flush=True)
+    print(format_throughput(plan["throughput"]), flush=True)
     for line in getattr(STRATEGIES.get(plan["strategy"]), "format_facts", lambda _facts: [])(plan):
         print(line, flush=True)  # the strategy's own facts (SDP: its plan), where it has any
     if with_frontier:
