@@ -67,7 +67,8 @@ def test_peaks_under_redraws_are_the_largest_over_the_run_s_draws() -> None:
 
     from sdp.driver.config import validate
     from sdp.parallel.sdp_peaks import sdp_peaks
-    from sdp.parallel.sdp_plan import redraw_peaks, run_plans
+    from sdp.parallel.sdp_plan import run_plans
+    from sdp.parallel.sdp_redraw_plan import redraw_peaks
 
     steps = 6
     cfg = compose_cfg([*REDRAW, f"train.steps={steps}"])

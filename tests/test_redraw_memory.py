@@ -171,7 +171,8 @@ def test_summary_records_redraws_as_sdp_plan_predicts(tmp_path: Path) -> None:
 def test_rehearsal_moves_the_bytes_the_plans_give() -> None:
     """sdp-plan: the meta-device rehearsal of the first re-draw moves, on every rank, exactly the bytes
     :func:`sdp.subnet.redraw.traffic` derives from the two plans (values, AdamW's two moments)."""
-    from sdp.parallel.sdp_plan import plan_for, predict_redraw, rehearse_redraw, state_template
+    from sdp.parallel.sdp_plan import plan_for, predict_redraw
+    from sdp.parallel.sdp_redraw_plan import rehearse_redraw, state_template
     from sdp.registry import build
 
     for sel in (CASES[0][1], CASES[1][1]):

@@ -35,7 +35,7 @@ from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import Job
 from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
-from sdp.parallel import sdp_config, sdp_plan
+from sdp.parallel import sdp_config, sdp_plan, sdp_redraw_plan
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
 from sdp.planning.plan_entries import Entry
@@ -297,4 +297,4 @@ class SDPSpec(StrategySpec):
     @classmethod
     def format_facts(cls, facts: dict[str, Any]) -> list[str]:
         """Lines ``sdp-plan`` prints after its table: the plan and the re-draw rule."""
-        return [sdp_plan.format_plan_summary(facts["plan"]), *sdp_plan.format_redraw(facts)]
+        return [sdp_plan.format_plan_summary(facts["plan"]), *sdp_redraw_plan.format_redraw(facts)]

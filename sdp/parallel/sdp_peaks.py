@@ -7,7 +7,7 @@ Each rank's subnetwork is the strategy's own masking of the driver's plan on the
 finishes); evaluation builds the model part by part next to the rank's own state
 (:func:`sdp.planning.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
 time); with ``resample_every`` every peak is the largest over the draws the run makes, and the re-draws between
-them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_plan.rehearse_redraw`).
+them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_redraw_plan.rehearse_redraw`).
 ``tests/test_plan_peaks.py`` compares with the CPU tracker.
 """
 
@@ -24,7 +24,8 @@ from sdp.rank.evaluation import batch_norms
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
-from sdp.parallel.sdp_plan import draw_at, redraw_peaks, run_plans
+from sdp.parallel.sdp_plan import draw_at, run_plans
+from sdp.parallel.sdp_redraw_plan import redraw_peaks
 from sdp.planning.plan_entries import nbytes
 from sdp.planning.plan_peaks import rehearse, rehearse_partwise
 from sdp.subnet import masking as M

@@ -20,7 +20,7 @@ every value, so only state moves); (4) the old tensor and its state are freed be
 peak is the rank's parameters and optimizer state, less its gradients, plus what it has received
 before it has sent what it gives up: within a training step's, which holds gradients and activations.
 
-The same code runs on the meta device for ``sdp-plan`` (:func:`sdp.parallel.sdp_plan.rehearse_redraw`: nothing
+The same code runs on the meta device for ``sdp-plan`` (:func:`sdp.parallel.sdp_redraw_plan.rehearse_redraw`: nothing
 is sent, every buffer is allocated), and :func:`sdp.subnet.moves.traffic` gives every rank's bytes.
 """
 
