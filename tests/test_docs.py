@@ -115,4 +115,4 @@ def test_readme_is_short_and_its_quick_start_is_two_commands() -> None:
     end = next(i for i in range(fence + 1, len(lines)) if lines[i].startswith("```"))
     block = lines[fence + 1:end]
     assert len(block) == 2 and all(cmd.strip() for cmd in block), f"the Quick start block must be two commands, got {block}"
-    assert block[0].endswith("sdp-train") and block[1].endswith("pytest -q"), block
+    assert block[0].endswith("sdp-train experiment=compare") and block[1].endswith("pytest -q"), block  # the comparison, by name

@@ -234,10 +234,12 @@ def _n_sdp(name: str) -> dict[str, Any]:
 
 @torch.no_grad()
 @pytest.mark.parametrize("name", list(TRAINED))
-def test_training_scales_only_the_split_sub_branch(name: str) -> None:
-    """``rescale=train``, N-SDP at C = 0.5 on 2 ranks (each rank's strategy built here: at 2 ranks its set-up
-    runs no collective): every held block scales what its held MLP units produce by groups / held groups
-    and computes attention (and the whole branch) unscaled, on the narrowed module it trains."""
+def test_training_scales_only_the_split_sub_branch(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rescale=train``, N-SDP at C = 0.5 on 2 ranks (each rank's strategy built here, without a process group:
+    the set-up's one collective, the ranks' agreement on the plan, is tests/test_plan_agreement.py's): every held
+    block scales what its held MLP units produce by groups / held groups and computes attention (and the whole
+    branch) unscaled, on the narrowed module it trains."""
+    monkeypatch.setattr("sdp.parallel.sdp.check_same_plan", lambda **_: None)
     config = _n_sdp(name)
     for rank in range(2):
         strategy, _, _ = make_strategy(config, rank, 2)

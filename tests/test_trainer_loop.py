@@ -49,6 +49,10 @@ class Recorder:
     def start_measuring(self) -> None:
         self.current = "train"
 
+    def state_dict(self) -> dict[str, Any]:
+        """The peak tracker's record a checkpoint keeps (``Trainer.record``): nothing to keep in this stand-in."""
+        return {}
+
 
 def fit(overrides: list[str], *, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[list[tuple[Any, ...]], Any]:
     """Runs ``fit`` on digits with a linear model; the events in order, and the final state (or the error)."""
