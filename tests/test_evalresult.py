@@ -12,9 +12,6 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from sdp.report.runs import run_figures
-from sdp.results import evalresult
-from sdp.results.summary import Summary
 from tests.helpers.jobs import QUIET, REPO, sdp_env
 
 # The two edits, made from outside: a sitecustomize runs them first in every interpreter of the job (the driver,
@@ -70,6 +67,10 @@ def test_a_field_added_to_the_eval_result_reaches_the_summary_and_the_report(tmp
 def test_a_summary_recorded_before_a_field_reads_it_as_none_and_the_report_takes_every_field() -> None:
     """The fields' defaults are the one table an older record is read with: a ``final`` holding only the figures
     of the first runs gives None for every later one, and the report's per-run figures name every field."""
+    from sdp.report.runs import run_figures
+    from sdp.results import evalresult
+    from sdp.results.summary import Summary
+
     old = Summary.from_json({"strategy": "ddp", "final": {"train_loss": 2.0, "eval_loss": 1.5, "eval_accuracy": 0.25}})
     later = {f.name: getattr(old.final, f.name) for f in fields(evalresult.EvalResult)
              if f.name not in ("eval_loss", "eval_accuracy")}
