@@ -73,8 +73,8 @@ def _rank(rank: int, world: int, jobs: list[tuple[str, int, dict[str, Any]]]) ->
                 cfg.eval.bn = bn
                 ev = trainer.evaluate()
                 rows.append({"method": label, "seed": seed, "bn": bn, "rescale": rescale, "steps": state.step,
-                             "train_loss": state.last_loss, "eval_loss": ev["eval_loss"],
-                             "eval_accuracy": ev["eval_accuracy"], "seconds": time.time() - started})
+                             "train_loss": state.last_loss, "eval_loss": ev.eval_loss,
+                             "eval_accuracy": ev.eval_accuracy, "seconds": time.time() - started})
         if rank == 0:
             print(f"{label} seed {seed}: {time.time() - started:.0f} s", flush=True)
     return rows

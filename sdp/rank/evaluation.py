@@ -62,6 +62,7 @@ from sdp.data.base import DataBundle
 from sdp.rank.distctx import DistContext, flatten, unflatten
 from sdp.rank.eval_ops import batch_norms, bn_pass, gathered, ordered_mean, ordered_sum, statistics, val_totals
 from sdp.rank.eval_parts import Partwise, partwise_totals
+from sdp.results.evalresult import EvalResult
 
 BN_PROTOCOLS = ("reestimate", "average")  # eval.bn (its choices in sdp/driver/schema.py)
 
@@ -80,6 +81,25 @@ def protocol(cfg: DictConfig) -> dict[str, Any]:
     """What summary.json records of the protocol (the report splits tables on it)."""
     return {"bn": str(cfg.eval.bn), "bn_batches": int(cfg.eval.bn_batches), "subnetworks": bool(cfg.eval.subnetworks),
             "ensemble": bool(ensemble(cfg))}
+
+
+def result(*, values: dict[str, list[float]], classify: bool) -> EvalResult:
+    """The evaluation's figures from its world-summed values, read once (:meth:`sdp.rank.trainer.Trainer.evaluate`):
+    ``full`` (loss sum, correct, count), and where evaluated ``workers`` / ``ensemble`` (mean loss, accuracy).
+    The one place a figure is computed: a new metric is this and its :class:`EvalResult` field."""
+    loss, correct, count = values["full"]
+    workers, ensemble = values.get("workers"), values.get("ensemble")
+
+    def acc(x: float | None) -> float | None:
+        return x if classify else None
+
+    return EvalResult(
+        eval_loss=loss / count, eval_accuracy=acc(correct / count),
+        eval_loss_workers=None if workers is None else workers[0],
+        eval_accuracy_workers=None if workers is None else acc(workers[1]),
+        assembly_gap=None if workers is None else loss / count - workers[0],
+        eval_loss_ensemble=None if ensemble is None else ensemble[0],
+        eval_accuracy_ensemble=None if ensemble is None else acc(ensemble[1]))
 
 
 def calibration_steps(*, fraction: Fraction, reference_steps: int, count: int) -> range:

@@ -21,6 +21,7 @@ from sdp.rank import checkpoint, evaluation, guards, hostmem
 from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches
 from sdp.rank.faults import Faults
 from sdp.rank.schedule import Cadence, lr_lambda
+from sdp.results.evalresult import EvalResult
 from sdp.results.loggers import Logger, ProgressBar
 from sdp.rank.eval_ops import world_sum
 from sdp.rank.loss import loss_fn
@@ -54,6 +55,7 @@ class TrainState:
     step: int = 0
     last_loss: float | None = None
     last_eval: dict[str, Any] = field(default_factory=dict)
+    """The last evaluation's metrics row (its step and :meth:`EvalResult.row`): plain, as a checkpoint keeps it."""
     samples_seen: int = 0
     skipped_steps: int = 0
 
@@ -245,12 +247,13 @@ class Trainer:
             yield x.to(self.ctx.device)
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self) -> EvalResult:
         """Full model on the whole validation set, sharded over ranks, summed over the world, under the
         one evaluation protocol of every strategy (:mod:`sdp.rank.evaluation`); where the strategy has
         workers' own subnetworks, with ``eval.subnetworks`` each of them on the whole set, calibrated and
         batched as the full model is, and with ``eval.ensemble`` their ensemble, in the same pass
-        (:func:`sdp.rank.evaluation.own_totals`). Sums stay on the device until one read at the end."""
+        (:func:`sdp.rank.evaluation.own_totals`). Sums stay on the device until one read at the end, which
+        :func:`sdp.rank.evaluation.result` turns into the figures; ``state.last_eval`` keeps them as the metrics row."""
         ec, ctx, tc = self.cfg.eval, self.ctx, self.cfg.train
         bn = str(ec.bn)
         common = dict(bn=bn, ctx=ctx, data=self.data, batch_size=int(tc.eval_batch_size), num_workers=int(tc.num_workers))
@@ -276,17 +279,8 @@ class Trainer:
                         figures["ensemble"] = torch.stack([ens[0] / ens[2], ens[1] / ens[2]])
         flat = iter(torch.cat(list(figures.values())).tolist())  # the one read of the evaluation
         values = {name: [next(flat) for _ in range(len(t))] for name, t in figures.items()}
-        classify = self.data.task == "classification"
-        loss, correct, count = values["full"]
-        row: dict[str, Any] = {"step": self.state.step, "eval_loss": loss / count,
-                               "eval_accuracy": correct / count if classify else None}
-        if "workers" in values:
-            row["eval_loss_workers"], acc = values["workers"]
-            row["eval_accuracy_workers"] = acc if classify else None
-            row["assembly_gap"] = row["eval_loss"] - row["eval_loss_workers"]
-        if "ensemble" in values:
-            row["eval_loss_ensemble"], acc = values["ensemble"]
-            row["eval_accuracy_ensemble"] = acc if classify else None
+        result = evaluation.result(values=values, classify=self.data.task == "classification")
+        row = {"step": self.state.step, **result.row()}
         self.state.last_eval = row
         self.logger.log(row)
-        return row
+        return result

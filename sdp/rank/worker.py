@@ -225,9 +225,7 @@ def run_facts(*, cfg: DictConfig, world_size: int, prepared: Any, precision: str
         model=str(cfg.model.get("name", "")), dataset=str(cfg.dataset.get("name", "")), world_size=world_size,
         steps=state["step"], skipped_steps=state["skipped_steps"], global_batch=global_batch_size(cfg), seed=int(cfg.seed),
         precision=precision, eval_protocol=evaluation.protocol(cfg),
-        final=Final(train_loss=state["last_loss"], **{k: last.get(k) for k in (
-            "eval_loss", "eval_accuracy", "eval_loss_workers", "eval_accuracy_workers", "assembly_gap",
-            "eval_loss_ensemble", "eval_accuracy_ensemble")}))
+        final=Final.of({**last, "train_loss": state["last_loss"]}))
 
 
 def collect_summary(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR
+from sdp.results import evalresult
 from sdp.report.tables import AGGREGATED, RATIOS, Row, Table
 
 
@@ -41,11 +42,7 @@ def delta_note(header: list[str]) -> str:
 
 COLUMNS = (
     Column("steps", "steps", "stat", 0),
-    Column("eval_accuracy", "eval acc (%)", "stat", 2),
-    Column("eval_loss", "eval loss", "stat", 4),
-    Column("eval_loss_workers", "workers' own eval loss", "stat", 4),
-    Column("assembly_gap", "assembly gap", "stat", 4),
-    Column("eval_loss_ensemble", "workers' ensemble eval loss", "stat", 4),
+    *(Column(name, header, "stat", digits) for name, header, digits in evalresult.columns()),  # by EvalResult field
     Column("state_mem_x_ddp", "model-state mem ×DDP", "ratio", 3),
     Column("train_peak_mem_x_ddp", "train peak mem ×DDP", "ratio", 3),
     Column("peak_mem_x_ddp", "peak mem ×DDP", "ratio", 3),

@@ -126,16 +126,10 @@ def run_figures(summary: Summary) -> dict[str, float | None]:
     grad_optim = [sum(r.get(k) or 0 for k in ("grad_bytes", "optim_bytes")) for r in mem]
     cuda_peak = _max_over_ranks(mem, "cuda_max_allocated_bytes")
     train_peak = _max_over_ranks(mem, "train_peak_bytes")
-    acc = final.eval_accuracy
     return {
-        "eval_loss": final.eval_loss,
-        "eval_accuracy": None if acc is None else 100.0 * acc,
+        # every evaluation figure by field (accuracies in percent); None where a run did not measure it (absent, not 0)
+        **final.figures(),
         "train_loss": final.train_loss,
-        "eval_loss_workers": final.eval_loss_workers,  # eval.subnetworks: each worker's own subnetwork
-        "assembly_gap": final.assembly_gap,
-        # eval.ensemble: the workers' subnetworks' mean probability; None in runs that predate it (absent, not 0)
-        "eval_loss_ensemble": final.eval_loss_ensemble,
-        "eval_accuracy_ensemble": None if final.eval_accuracy_ensemble is None else 100.0 * final.eval_accuracy_ensemble,
         "model_state_bytes": float(max(state)) if state else None,
         "param_bytes": _max_over_ranks(mem, "param_bytes"),
         "grad_optim_bytes": float(max(grad_optim)) if grad_optim else None,  # what SDP's masking shrinks

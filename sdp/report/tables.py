@@ -26,6 +26,7 @@ from sdp.planning.budget import SCALED_KEYS
 from sdp.parallel import STRATEGIES
 from sdp.report.runs import Run, run_figures
 from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR, Paired, paired_difference, ratio, run_time_to_target
+from sdp.results import evalresult
 from sdp.results.contract import RUN_CONTROL_KEYS
 
 DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir",
@@ -38,8 +39,8 @@ TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_s
 # says nothing of a run's size (a digits run is no paper-scale run); a scale that changed the run (cpu) is shown.
 TITLE_DEFAULTS = {"scale.name": "paper"}
 METHOD_ORDER = ("DDP", "B-SDP", "B_β-SDP", "N-SDP", "N_β-SDP")
-AGGREGATED = ("eval_accuracy", "eval_loss", "eval_loss_workers", "assembly_gap", "eval_loss_ensemble", "train_loss",
-              "model_state_bytes",
+# the evaluation's figures the table shows (sdp.results.evalresult: read from its fields), then the run's own
+AGGREGATED = (*(name for name, _, _ in evalresult.columns()), "train_loss", "model_state_bytes",
               "train_peak_bytes", "peak_bytes",
               "comm_bytes_per_step", "step_s", "samples_per_s", "straggler_spread", "steps", "total_flops")
 RATIOS = {"model_state_bytes": "state_mem_x_ddp", "train_peak_bytes": "train_peak_mem_x_ddp", "peak_bytes": "peak_mem_x_ddp",

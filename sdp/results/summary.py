@@ -21,33 +21,20 @@ from pathlib import Path
 from typing import Any
 
 from sdp.results.contract import write_json
+from sdp.results.evalresult import EvalResult
 from sdp.results.rundir import RunDir
 
 PER_RANK = "per_rank"
 
 
 @dataclass
-class Final:
-    """The run's final losses (``final`` in the JSON); None where not measured (no accuracy for an LM)."""
+class Final(EvalResult):
+    """The run's final figures (``final`` in the JSON): its last evaluation (every :class:`EvalResult` field, under
+    the run's protocol, ``Summary.eval_protocol``) and the last step's training loss; None where not measured (no
+    accuracy for an LM, a figure an older run did not record)."""
 
     train_loss: float | None = None
     """Training loss of the last step (rank 0's, before the step's update)."""
-    eval_loss: float | None = None
-    """Eval loss of the last evaluation, under the run's protocol (``Summary.eval_protocol``)."""
-    eval_accuracy: float | None = None
-    """Top-1 accuracy as a fraction (classification only)."""
-    eval_loss_workers: float | None = None
-    """``eval.subnetworks`` (forward-masked SDP): mean over workers of each one's own subnetwork's eval loss."""
-    eval_accuracy_workers: float | None = None
-    """Same, accuracy."""
-    assembly_gap: float | None = None
-    """``eval_loss`` of the assembled model minus ``eval_loss_workers``."""
-    eval_loss_ensemble: float | None = None
-    """``eval.ensemble`` (forward-masked SDP): eval loss of the workers' subnetworks' ensemble, the cross-entropy
-    of the mean of their predicted probabilities (:mod:`sdp.rank.eval_ensemble`); None where not evaluated (older runs,
-    strategies whose workers train one model)."""
-    eval_accuracy_ensemble: float | None = None
-    """Same, accuracy (arg-max of the mean probability)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys of ``final`` not listed above (written back after them)."""
 
@@ -56,7 +43,8 @@ class Final:
         return cls(**_split(cls, obj or {}))
 
     def to_json(self) -> dict[str, Any]:
-        return _join(self)
+        out = _join(self)
+        return {"train_loss": out.pop("train_loss"), **out}  # first, as the file always had it
 
 
 def _per_rank(name: str) -> Any:
