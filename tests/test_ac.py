@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from sdp.errors import ConfigError
 from sdp.parallel import STRATEGIES, Job
-from tests.helpers import CORE, compose, run_job, train_losses
+from tests.helpers import CORE, REPO, compose, run_job, train_losses
 
 SMALL = ["model=resnet18_cifar", "model.width=4", "dataset=synthetic", "dataset.image_size=8", "train.batch_size=8",
          "train.steps=4", "train.warmup_steps=1", "train.eval_every=0", "cluster.world_size=2"]
@@ -61,9 +62,13 @@ def test_job_reads_train_ac_and_the_ddp_ac_preset_alike() -> None:
     assert Job.of(compose(SMALL)).ac_every == 0
     assert Job.of(compose([*SMALL, "train.ac=full", "train.ac_every=3"])).ac_every == 3
     assert Job.of(compose([*SMALL, "parallelism=ddp_ac", "parallelism.ac_every=2"])).ac_every == 2
-    recorded = compose([*SMALL, "parallelism=ddp_ac"])  # a run recorded before train.ac existed
-    del recorded.train["ac"], recorded.train["ac_every"]
+    recorded = OmegaConf.to_container(compose([*SMALL, "parallelism=ddp_ac"]))  # a run recorded before train.ac existed
+    del recorded["train"]["ac"], recorded["train"]["ac_every"]
+    recorded = OmegaConf.create(recorded)
     assert Job.of(recorded).ac_every == 1
+    run = OmegaConf.load(REPO / "benchmarks/results/cpu-4ranks/resnet18/runs/ddp_ac/config.yaml")  # a recorded DDP+AC run
+    assert "ac" not in run.train and Job.of(run).ac_every == int(run.parallelism.ac_every) == 1, run.parallelism
+    assert STRATEGIES.get(str(run.parallelism.name)).method_label(cfg=run.parallelism) == "DDP+AC"
 
 
 @pytest.mark.slow  # three strategies planned twice on the meta device
