@@ -90,6 +90,7 @@ def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: t
         with tracker if tracker is not None else nullcontext():
             strategy = REGISTRY.get(str(cfg.parallelism.name)).runtime(cfg=cfg.parallelism, job=Job.of(cfg), ctx=ctx)
             model = build_model(cfg, data, meta=strategy.materialises_held)
+            strategy.checkpoint_blocks(model=model)
             strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
             for step in range(STEPS):
                 idx = sampler.shard(step, replica=rank, replicas=world)

@@ -62,6 +62,7 @@ def _rank(rank: int, world: int, jobs: list[tuple[str, int, dict[str, Any]]]) ->
         data = build(cfg.dataset)
         model = build_model(cfg, data)
         strategy = STRATEGIES.get(str(cfg.parallelism.name)).runtime(cfg=cfg.parallelism, job=Job.of(cfg), ctx=ctx)
+        strategy.checkpoint_blocks(model=model)
         strategy.setup(model=model, optimizer_factory=lambda p, cfg=cfg: build(cfg.optim.optimizer)(p))
         trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=NullLogger(), timer=PhaseTimer(device=ctx.device))
         state = trainer.fit()  # ends with one evaluation under the configured protocol

@@ -54,6 +54,10 @@ class Train:
     """First steps excluded from the time and comm medians."""
     precision: str = key(choices=("fp32", "bf16"))
     """fp32 | bf16 (forward and loss under torch.autocast(bf16); fp32 master weights)."""
+    ac: str = key(choices=("none", "full"))
+    """Activation checkpointing, every strategy: none | full (blocks 0, ac_every, 2 ac_every, ... keep only their input)."""
+    ac_every: int = key(at_least=1)
+    """train.ac=full: checkpoint every k-th block (1: every block)."""
     num_workers: int = key(at_least=0)
     """DataLoader worker processes."""
     budget: str = key(choices=("iterations", "flops", "tokens"))

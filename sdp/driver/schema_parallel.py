@@ -32,12 +32,12 @@ class DDP:
 
 @dataclass
 class DDPAC:
-    """``parallelism=ddp_ac``: DDP with activation checkpointing of blocks."""
+    """``parallelism=ddp_ac``: a preset, DDP with ``train.ac=full`` at its own ``ac_every`` (sdp.parallel.job.ac_every)."""
 
     name: str = key()
     """The strategy, looked up in sdp.parallel.STRATEGIES."""
     ac_every: int = key(at_least=1)
-    """Checkpoint blocks 0, k, 2k, ... (1: every block)."""
+    """Checkpoint blocks 0, k, 2k, ... (1: every block); read as train.ac_every."""
     bucket_cap_mb: Number = key(above=0)
     """Gradient bucket size in MiB."""
     broadcast_buffers: bool = flag()

@@ -31,6 +31,7 @@ from sdp.metrics import memory
 from sdp.rank.distctx import DistContext, average_buffers
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
+from sdp.parallel.ac import apply_checkpointing
 from sdp.rank.precision import autocast
 
 if TYPE_CHECKING:
@@ -80,8 +81,17 @@ class Strategy(ABC):
         self.optimizer: torch.optim.Optimizer | None = None
         self._grad_bytes_peak = 0
         self.precision = job.precision
+        self.checkpointed: list[int] = []  # activation-checkpointed blocks (checkpoint_blocks)
 
     # ---- set-up and one step --------------------------------------------------------------------
+    def checkpoint_blocks(self, *, model: SDPModel) -> list[int]:
+        """Apply the job's activation checkpointing (``train.ac``, :mod:`sdp.parallel.ac`) to ``model``; called by
+        whoever builds the rank's model, before :meth:`setup` wraps, masks or shards it, so every strategy gets the
+        same blocks checkpointed (FSDP2: before ``fully_shard``, as torchtitan). Returns (and keeps, for the
+        summary's ``strategy_info.checkpointed_blocks``) the checkpointed blocks' indices."""
+        self.checkpointed = apply_checkpointing(model, every=self.job.ac_every)
+        return self.checkpointed
+
     @abstractmethod
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         """Wrap/cut ``model`` (built identically on every rank) and build ``self.optimizer``."""

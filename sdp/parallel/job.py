@@ -11,6 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from sdp.errors import ConfigError, one_of, positive_int
+
 
 @dataclass(frozen=True)
 class Job:
@@ -29,6 +31,7 @@ class Job:
     eval_bn: str = "reestimate"  # eval.bn: how evaluation treats BatchNorm statistics
     model_name: str = ""  # model.name, for messages and plan titles
     optimizer: Any = None  # the optim.optimizer node (sdp-plan: optimizer state bytes and rehearsal)
+    ac_every: int = 0  # activation checkpointing: blocks 0, k, 2k, ... (0: none), from train.ac / train.ac_every
 
     @classmethod
     def of(cls, cfg: DictConfig) -> Job:
@@ -38,4 +41,22 @@ class Job:
         return cls(world_size=int(cfg.cluster.world_size), batch_size=int(cfg.train.batch_size),
                    seed=int(sel("seed", cls.seed)), precision=str(sel("train.precision", cls.precision)),
                    eval_bn=str(sel("eval.bn", cls.eval_bn)), model_name=str(sel("model.name", "") or ""),
-                   optimizer=sel("optim.optimizer", None))
+                   optimizer=sel("optim.optimizer", None), ac_every=ac_every(cfg))
+
+
+def ac_every(cfg: DictConfig) -> int:
+    """The job's activation checkpointing as a block stride (0: none): ``train.ac=full`` checkpoints blocks 0,
+    ``train.ac_every``, 2 x ``train.ac_every``, ...; a preset whose ``parallelism`` node declares ``ac_every``
+    (``parallelism=ddp_ac``, and the runs recorded with it) turns it on with its own stride. A recorded config
+    from before ``train.ac`` existed reads as none. Refused, naming the key: an unknown mode, a stride < 1, and
+    ``train.ac=full`` with a stride other than the preset's."""
+    sel = lambda key, default: OmegaConf.select(cfg, key, default=default)  # noqa: E731
+    mode, every, preset = sel("train.ac", "none"), sel("train.ac_every", 1), sel("parallelism.ac_every", None)
+    one_of("train.ac", mode, ("none", "full"))
+    for name, value in (("train.ac_every", every), ("parallelism.ac_every", preset)):
+        if value is not None:
+            positive_int(name, value)
+    if preset is not None and mode == "full" and every != preset:
+        raise ConfigError(f"train.ac_every={every} disagrees with parallelism.ac_every={preset} of "
+                          f"parallelism.name={sel('parallelism.name', None)!r}: set one of them")
+    return int(preset) if preset is not None else (int(every) if mode == "full" else 0)

@@ -33,6 +33,7 @@ from sdp.driver.preflight import Preflight, meta_model
 from sdp.errors import positive_int, require
 from sdp.models.base import SDPModel
 from sdp.parallel import STRATEGIES, Job, StrategySpec
+from sdp.parallel.ac import apply_checkpointing
 from sdp.planning.budget import apply as apply_budget
 from sdp.planning.plan_entries import Entry, communicators
 from sdp.planning.plan_peaks import predict_peaks
@@ -60,7 +61,8 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
     name, world, job = str(cfg.parallelism.name), int(cfg.cluster.world_size), built.job
     spec, ready = STRATEGIES.get(name), built.prepared  # SDP's plan: the one validation drew
     with torch.device("meta"):
-        model = build(cfg.model)  # a build of its own: a prediction may change it (activation checkpointing)
+        model = build(cfg.model)  # a build of its own: a prediction may change it
+    apply_checkpointing(model, every=job.ac_every)  # train.ac: the blocks every rank checkpoints, for every strategy
     facts: dict[str, Any] = {}  # strategy-specific facts for the plan (e.g. its unit plan)
     entries = spec.predict(cfg=cfg.parallelism, job=job, model=model, facts=facts, prepared=ready)
     assert built.val_samples is not None, "sdp-plan's evaluation peak needs the validation set's size: validate(cfg) builds it"

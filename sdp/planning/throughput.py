@@ -11,7 +11,9 @@ prediction (``comm.per_rank``: each kind's ring wire bytes), what they overlap i
 (:class:`sdp.parallel.spec.Overlap`), and the device and link are a row each of ``conf/hardware.yaml``
 (``cluster.gpu``, ``cluster.link``). The rule, one for every strategy:
 
-- ``compute_s`` = the rank's FLOPs per step / (the GPU's dense peak for the run's matmul dtype x ``plan.mfu``);
+- ``compute_s`` = the rank's FLOPs per step, plus what activation checkpointing recomputes (``train.ac``: one more
+  forward of the checkpointed blocks, :func:`recompute_share` of a forward, a forward being a third of the count),
+  / (the GPU's dense peak for the run's matmul dtype x ``plan.mfu``);
 - ``comm_s`` = the rank's ring wire bytes per step / the link's bus bandwidth (nccl-tests' busbw is defined so
   that this is a collective's time);
 - ``exposed_comm_s`` = the kinds that do not overlap, plus, of those that do, ``max(tail, overlapping -
@@ -21,8 +23,10 @@ prediction (``comm.per_rank``: each kind's ring wire bytes), what they overlap i
 - ``step_s`` = ``compute_s`` + ``exposed_comm_s``; the method's step is its slowest rank's (every step ends in
   a collective over the world); tokens/s/GPU = the tokens one rank trains per step / ``step_s``.
 
-Not modelled: collective latency (a per-call constant, small beside bandwidth at these sizes), activation
-recomputation (useful FLOPs only, as MFU counts them), the optimizer step, data loading, and a strategy whose
+``flops_per_token`` and ``flops_per_step`` stay the useful FLOPs (as MFU counts them); ``recompute_flops_per_step``
+is the overhead. Under SDP the recomputed share is the full model's, scaled by the fraction the worker computes
+(its blocks' own shares are not weighed). Not modelled: collective latency (a per-call constant, small beside
+bandwidth at these sizes), the optimizer step, data loading, and a strategy whose
 step is not forward + backward + collectives (``overlap = None``: a pipeline schedule's bubble).
 This module names no strategy.
 """
@@ -35,14 +39,16 @@ from omegaconf import DictConfig
 
 from sdp.metrics.flops import matmul_dtype
 from sdp.metrics.hardware import gpus, links
+from sdp.models.base import forward_flop_counts
+from sdp.parallel.ac import chosen_blocks
 from sdp.parallel.spec import Overlap, StrategySpec
 from sdp.planning.budget import resolve_steps
 
 WINDOW_SHARE = {"none": 0.0, "backward": 2.0 / 3.0, "step": 1.0}  # share of compute_s a window spans
 FIELDS = ("compute_s", "comm_s", "exposed_comm_s", "step_s")
-NOTE = ("step time = compute (FLOPs / (peak x plan.mfu)) + exposed comm (wire bytes / bus bandwidth, less what "
+NOTE = ("step time = compute ((FLOPs + train.ac's recomputation) / (peak x plan.mfu)) + exposed comm (wire bytes / bus bandwidth, less what "
         "overlaps compute as the strategy states); an assumed MFU and published link figures, not a measurement; "
-        "no latency, recomputation, optimizer step or data loading")
+        "no latency, optimizer step or data loading")
 
 
 def comm_times(*, by_kind: dict[str, dict[str, float]], bus_bytes_per_s: float, overlap: Overlap,
@@ -77,6 +83,19 @@ def rank_times(*, flops_per_step: float, peak_flops: float | None, mfu: float, b
     return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "step_s": step}
 
 
+def recompute_share(*, model: Any, every: int) -> float:
+    """Share of ``model``'s forward FLOPs that activation checkpointing recomputes in backward: the blocks
+    ``train.ac`` checkpoints (:func:`sdp.parallel.ac.chosen_blocks`; ``every`` = 0: none), each run once more."""
+    chosen = chosen_blocks(n_blocks=len(model.blocks), every=every)
+    if not chosen:
+        return 0.0
+    counts = forward_flop_counts(model)
+    prefix, total = type(model).__name__, counts["Global"]
+    share = sum(counts.get(f"{prefix}.blocks.{i}", 0) for i in chosen) / total if total else 0.0
+    assert 0 <= share <= 1, f"checkpointed blocks {chosen}: {share} of the forward FLOPs"
+    return share
+
+
 def tokens_per_sample(model: Any) -> int | None:
     """Tokens in one sample of a language model (one ``max_seq_len`` sequence, as its FLOP count takes it);
     None for another task (its figures are per sample)."""
@@ -96,6 +115,7 @@ def predict(*, cfg: DictConfig, built: Any, spec: type[StrategySpec], comm: list
     dtype = matmul_dtype(precision=str(cfg.train.precision), tf32=bool(cfg.train.tf32))
     mfu, overlap, batch = float(cfg.plan.mfu), spec.comm_overlap(cfg=cfg.parallelism), built.job.batch_size
     flops_sample = per_sample * fraction if per_sample is not None and fraction is not None else None
+    recompute = recompute_share(model=built.model, every=built.job.ac_every) / 3.0  # of the step's useful (training) FLOPs
     out: dict[str, Any] = {
         "gpu": gpu_name, "link": link_name, "dtype": dtype, "mfu": mfu,
         "peak_flops": gpu.peak_flops[dtype] if gpu else None, "bus_bytes_per_s": link.bus_bytes_per_s if link else None,
@@ -103,16 +123,18 @@ def predict(*, cfg: DictConfig, built: Any, spec: type[StrategySpec], comm: list
         "model_flops_per_token": per_sample / tokens if per_sample is not None and tokens else None,
         "fraction_computed": fraction,
         "flops_per_token": flops_sample / tokens if flops_sample is not None and tokens else None,
-        "flops_per_sample": flops_sample, "note": NOTE if overlap is not None else
+        "flops_per_sample": flops_sample, "recompute_fraction": recompute, "note": NOTE if overlap is not None else
         f"{spec.method_label(cfg=cfg.parallelism)}: no step-time model (StrategySpec.overlap is None)",
     }
     rows = []
     for c in comm:
         row: dict[str, Any] = {"rank": c["rank"], "flops_per_step": flops_sample * batch if flops_sample is not None else None}
+        row["recompute_flops_per_step"] = row["flops_per_step"] * recompute if row["flops_per_step"] is not None else None
         if overlap is None or row["flops_per_step"] is None:
             row |= dict.fromkeys(FIELDS)
         else:
-            row |= rank_times(flops_per_step=row["flops_per_step"], peak_flops=out["peak_flops"], mfu=mfu,
+            computed = row["flops_per_step"] + row["recompute_flops_per_step"]
+            row |= rank_times(flops_per_step=computed, peak_flops=out["peak_flops"], mfu=mfu,
                               by_kind=c["by_kind"], bus_bytes_per_s=out["bus_bytes_per_s"], overlap=overlap)
         row |= rates(step_s=row["step_s"], batch=batch, tokens=tokens)
         rows.append(row)

@@ -145,6 +145,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         strategy: Strategy = spec.runtime(cfg=cfg.parallelism, job=Job.of(cfg), ctx=ctx, prepared=prepared)
         model = build_model(cfg, data, meta=strategy.materialises_held)
         rng.seed_rank_streams(int(cfg.seed) * 7919 + rank + 1)  # per-rank streams (dropout, stochastic depth)
+        strategy.checkpoint_blocks(model=model)  # train.ac, before the strategy wraps, masks or shards the model
         strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
         if rank == 0:
             strategy.save_artifacts(run_dir=out)
@@ -235,7 +236,7 @@ def collect_summary(
     """Gather every rank's measurements and fill the run's :class:`Summary` (meaningful on rank 0); ``versions``:
     the commit and tree state taken when the run started."""
     warmup = int(cfg.train.warmup_steps)
-    extra = strategy.summary_extra()
+    extra = {**strategy.summary_extra(), **({"checkpointed_blocks": strategy.checkpointed} if strategy.checkpointed else {})}
     mine = {
         "rank": ctx.rank,
         "memory": memory_record(rank=ctx.rank, strategy=strategy, activation_bytes=trainer.activation_bytes, peak=peak,

@@ -1,0 +1,93 @@
+"""Activation checkpointing (``train.ac``), one mechanism for every strategy: each chosen block runs under
+non-reentrant ``torch.utils.checkpoint``, so only its input is kept and its activations are recomputed in
+backward (torchtitan's ``activation_checkpoint``, mode ``full``; every k-th block: its ``selective_ac_option=k``).
+
+Why a training option and not a strategy: what a block keeps for backward is independent of how gradients
+are synchronised, so DDP, SDP (either masking), FSDP2 and the drop baselines take the same blocks; the rank
+(:meth:`sdp.parallel.base.Strategy.checkpoint_blocks`) applies it to the model before ``setup`` wraps, masks or
+shards it (torchtitan applies AC before ``fully_shard`` too), and ``sdp-plan`` applies it to its meta model, so
+the prediction rehearses the same blocks.
+
+Why swap the block's class instead of wrapping it in a module: parameter and buffer names stay those of the
+plain model (checkpoints and the gradient tests compare by name), and a deep copy (SDP's skeleton, the
+planner's rehearsals) stays checkpointed, which an instance-attribute ``forward`` closing over the original
+block would not. Why restore buffers after the recomputation: recomputing a BatchNorm forward in training mode
+would update its running statistics a second time, so AC would evaluate differently from no AC; the
+recomputation must repeat the forward's values and leave no other trace. Checkpointed inputs are reported to
+the activation meter with :func:`sdp.metrics.activations.note_retained`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from sdp.metrics.activations import note_retained
+
+MODES = ("none", "full")  # train.ac's values
+
+
+@contextmanager
+def restored_buffers(module: nn.Module) -> Iterator[None]:
+    """Run the block, then put every buffer back as it was (no double BatchNorm statistics update)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
+class Checkpointed(nn.Module):
+    """Mixin of a checkpointed block's class: its ``forward`` is the original one under the checkpoint; the
+    recomputation in backward runs with the block's buffers restored afterwards."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        inner = super().forward
+        calls = 0
+
+        def run(inp: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return inner(inp)
+            with restored_buffers(self):  # the recomputation in backward
+                return inner(inp)
+
+        if not torch.is_grad_enabled():  # evaluation: nothing to recompute
+            return inner(x)
+        note_retained(x)  # the checkpoint keeps its input alive for the recomputation
+        return checkpoint(run, x, use_reentrant=False)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def checkpointed_class(cls: type) -> type:
+    """The checkpointed subclass of ``cls``, one per class (so copies and isinstance checks agree)."""
+    if issubclass(cls, Checkpointed):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (Checkpointed, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def chosen_blocks(*, n_blocks: int, every: int) -> list[int]:
+    """Blocks 0, every, 2*every, ... of ``n_blocks`` (``every`` = 0: none, train.ac=none)."""
+    assert every >= 0, f"ac_every={every}: must be >= 0 (0: no checkpointing)"
+    return list(range(0, n_blocks, every)) if every > 0 else []
+
+
+def apply_checkpointing(model: nn.Module, *, every: int) -> list[int]:
+    """Checkpoint ``model.blocks`` 0, every, 2*every, ... in place (``every`` = 0: none); returns their indices.
+    Applying it twice changes nothing."""
+    chosen = chosen_blocks(n_blocks=len(model.blocks), every=every)
+    for i in chosen:
+        block = model.blocks[i]
+        block.__class__ = checkpointed_class(type(block))
+    return chosen
