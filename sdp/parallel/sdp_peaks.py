@@ -110,8 +110,8 @@ def _eval_extra(*, job: Job, model: SDPModel, flats: dict[str, int], eval_batch:
     if partwise_names(model):
         norms = batch_norms(model)
         reestimate = job.eval_bn == "reestimate" and bool(norms)
-        extra = rehearse_partwise(model=model, flats=flats, example=model.example_input, device=job.device,
-                                  batches=[(eval_batch, False)] + ([(job.batch_size, True)] if reestimate else []))
+        extra = rehearse_partwise(model=model, flats=flats, example=model.example_input, precision=job.precision,
+                                  device=job.device, batches=[(eval_batch, False)] + ([(job.batch_size, True)] if reestimate else []))
         return extra + (nbytes(b for m in norms for b in m.buffers()) if reestimate else 0)
     full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, optimizer=job.optimizer,
                          example=model.example_input, precision=job.precision, device=job.device)

@@ -30,6 +30,7 @@ against a real CPU autocast forward, saved bytes for saved bytes.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
@@ -38,7 +39,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from sdp.rank.precision import DTYPES
+from sdp.rank.precision import DTYPES, meta_region
 
 DEVICES = ("cpu", "cuda")
 _LOWER = (F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm,
@@ -48,17 +49,20 @@ _FP32 = {"cpu": (F.cross_entropy, F.nll_loss, F.mse_loss),
                   Tensor.log_softmax, F.layer_norm, F.group_norm, torch.logsumexp)}
 
 
-def _cast(value: Any, *, to: torch.dtype, frm: torch.dtype, cache: dict[int, Tensor] | None) -> Any:
+def _cast(value: Any, *, to: torch.dtype, frm: torch.dtype, cache: dict[int, tuple[weakref.ref, Tensor]] | None) -> Any:
     """``value`` with its ``frm`` floating tensors cast to ``to`` (lists and tuples walked), a leaf that
-    requires grad (a weight) cast once per region when ``cache`` is given, as autocast's cast cache does."""
+    requires grad (a weight) cast once per region when ``cache`` is given, as autocast's cast cache does
+    (the cast is held until the region ends, its source only weakly: a part dropped mid-region leaves its cast)."""
     if isinstance(value, (list, tuple)):
         return type(value)(_cast(v, to=to, frm=frm, cache=cache) for v in value)
     if not isinstance(value, Tensor) or value.dtype != frm:
         return value
     if cache is not None and value.is_leaf and value.requires_grad:
-        if id(value) not in cache:
-            cache[id(value)] = value.to(to)
-        return cache[id(value)]
+        ref, cast = cache.get(id(value), (None, None))
+        if ref is None or ref() is not value:  # a weak key, as autocast's: the cast outlives its source
+            ref, cast = weakref.ref(value), value.to(to)
+            cache[id(value)] = (ref, cast)
+        return cast
     return value.to(to)
 
 
@@ -70,13 +74,11 @@ class Autocast(TorchFunctionMode):
         super().__init__()
         assert device in DEVICES, f"device={device!r} not in {DEVICES}"
         self.dtype, self.fp32 = dtype, _FP32[device]
-        self._cache: dict[int, Tensor] = {}
-        self._keep: list[Tensor] = []  # the cached weights, so their ids stay theirs for the region
+        self._cache: dict[int, tuple[weakref.ref, Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func in _LOWER:
-            self._keep += [a for a in args if isinstance(a, Tensor) and a.is_leaf and a.requires_grad]
             args = _cast(args, to=self.dtype, frm=torch.float32, cache=self._cache)
             kwargs = {k: _cast(v, to=self.dtype, frm=torch.float32, cache=self._cache) for k, v in kwargs.items()}
         elif func in self.fp32:
@@ -85,7 +87,6 @@ class Autocast(TorchFunctionMode):
 
     def __exit__(self, *exc: Any) -> Any:
         self._cache.clear()
-        self._keep.clear()
         return super().__exit__(*exc)
 
 
@@ -118,11 +119,13 @@ def device_forward(*, precision: str, device: str, attention: bool = True) -> It
     """The meta forward of a rank on ``device`` (``cluster.device``) under ``precision`` (``train.precision``):
     the device's attention kernel (``attention=False``: not routed, for a caller that enters
     :class:`Attention` once around several regions) and, under bf16, autocast. Enter it where the ranks
-    enter :func:`sdp.rank.precision.autocast`: around the forward and the loss, not the backward."""
+    enter :func:`sdp.rank.precision.autocast`: around a training forward and its loss (not the backward),
+    and around a whole evaluation (:meth:`sdp.rank.trainer.Trainer` evaluates under it)."""
     assert precision in DTYPES, f"precision={precision!r} not in {tuple(DTYPES)}"
     with ExitStack() as stack:
         if attention:
             stack.enter_context(Attention(device=device))
-        if precision != "fp32":
+        if precision != "fp32":  # meta_region: SDP's re-joined weights cast ahead as on the ranks (sdp.subnet.rejoin)
+            stack.enter_context(meta_region(dtype=DTYPES[precision]))
             stack.enter_context(Autocast(device=device, dtype=DTYPES[precision]))
         yield

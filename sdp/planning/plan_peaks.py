@@ -44,19 +44,18 @@ def _targets(out: torch.Tensor) -> torch.Tensor:
 
 
 def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[tuple[int, bool]],
-                      example: Callable[[int], torch.Tensor], device: str) -> int:
+                      example: Callable[[int], torch.Tensor], precision: str, device: str) -> int:
     """Peak live meta bytes of evaluating ``model`` part by part (:func:`sdp.rank.evaluation.partwise_totals`
     with ``eval.part_batches=1``), above whatever the rank already holds: for each part, its transient
     copy plus the largest flat broadcast that fills it (``flats``: bytes per part), then its forward on
     the previous part's output; ``batches``: (batch size, BatchNorm re-estimation pass?) per pass kind,
-    the training batch for re-estimation and the evaluation batch for the validation pass; ``device``:
-    ``cluster.device``, whose attention kernel runs (evaluation runs in float32 under every precision: no
-    autocast)."""
+    the training batch for re-estimation and the evaluation batch for the validation pass; under
+    ``precision`` on ``device`` (one autocast region over the whole evaluation, as the trainer's)."""
     tracker = LiveTensorTracker(device_type="meta")
     names = partwise_names(model)
     for size, reestimate in batches:
         skeletons: list[Any] = [copy.deepcopy(model.get_submodule(name)) for name in names]  # untracked, as the real
-        with tracker, Attention(device=device), torch.no_grad():  # run copies its skeleton; to_empty allocates
+        with tracker, device_forward(precision=precision, device=device), torch.no_grad():  # run copies its skeleton; to_empty allocates
             x = example(size).to("meta")
             for i, name in enumerate(names):
                 part, skeletons[i] = skeletons[i].to_empty(device="meta").eval(), None  # dropped after its forward
@@ -82,8 +81,7 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
     (no ``trainable``: evaluation only; ``optimizer``: the ``optim.optimizer`` node, built over ``trainable``).
     ``after_backward`` stands for the strategy's gradient sync. The forward and the loss run as the ranks
     run them on ``device`` (``cluster.device``) under ``precision`` (``train.precision``:
-    :func:`~sdp.planning.device_forward.device_forward`); evaluation with the device's attention kernel,
-    in float32 (the ranks evaluate outside autocast)."""
+    :func:`~sdp.planning.device_forward.device_forward`), evaluation too (the trainer evaluates under autocast)."""
 
     tracker = LiveTensorTracker(device_type="meta")
     with tracker, Attention(device=device):
@@ -107,7 +105,7 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
         was = module.training
         module.eval()
         tracker.reset_peak()
-        with torch.no_grad():
+        with torch.no_grad(), device_forward(precision=precision, device=device, attention=False):
             out = module(example(eval_batch).to("meta"))
             loss_and_correct(out, _targets(out))
             del out
