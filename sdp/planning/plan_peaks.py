@@ -13,6 +13,9 @@ it cannot see is added by each strategy's own rule, next to the strategy in ``sd
 (:func:`sdp.parallel.sdp_peaks.sdp_peaks`), FSDP's shards and unsharded blocks (a rule, not a
 rehearsal of FSDP2's buffers: :func:`sdp.parallel.fsdp.fsdp_peaks`).
 
+The forward runs as the ranks' would on ``cluster.device`` under ``train.precision``
+(:func:`sdp.planning.device_forward.device_forward`: autocast emulated on meta, the device's attention kernel).
+
 The comparison with the CPU tracker is ``tests/test_plan_peaks.py`` (within 10 %).
 """
 
