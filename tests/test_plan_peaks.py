@@ -26,10 +26,7 @@ CASES = {
     "ddp_llama": ["parallelism=ddp", *LLAMA],
     # train.precision=bf16: the rehearsal runs under the planner's emulation of CPU autocast (sdp.planning.device_forward)
     "ddp_llama_bf16": ["parallelism=ddp", *LLAMA, "train.precision=bf16"],
-    "sdp_llama_bf16": ["parallelism=sdp", *LLAMA, "train.precision=bf16"],
     "fsdp_llama_bf16": ["parallelism=fsdp", *LLAMA, "train.precision=bf16"],
-    # grouped-query attention: the CPU's fused kernel takes unequal head counts (O(T) saved, not the scores)
-    "ddp_llama_gqa": ["parallelism=ddp", *LLAMA, "model.n_kv_heads=2", "dataset.seq_len=128"],
     # the default digits (359 validation images, 180 on a rank, below the default evaluation batch of 256)
     "ddp_digits": ["parallelism=ddp", "train.steps=4", "train.warmup_steps=2", "train.eval_every=0"],
     # cyclic roles differ by rank; relabel re-draws move them between the ranks, evaluated in every draw
