@@ -116,7 +116,7 @@ def ddp_peaks(*, job: Job, model: SDPModel, eval_batch: int, prepare: Callable[[
     mine = copy.deepcopy(model)
     prepare(mine)
     r = rehearse(module=mine, trainable=list(mine.parameters()), batch=job.batch_size, eval_batch=eval_batch,
-                 optimizer=job.optimizer, example=model.example_input)
+                 optimizer=job.optimizer, example=model.example_input, precision=job.precision, device=job.device)
     buckets = nbytes(mine.parameters())
     one = {"setup_peak_bytes": r["setup"] + buckets, "train_peak_bytes": r["train"], "eval_peak_bytes": r["eval"]}
     return [dict(one) for _ in range(job.world_size)]
@@ -143,7 +143,7 @@ class DDPSpec(StrategySpec):
         """DDP family: full replica on every rank; one all-reduce of every gradient per step."""
         cls.prepare_for_plan(model=model, cfg=cfg)
         world, params = job.world_size, list(model.parameters())
-        acts = activations(model, model.example_input(job.batch_size).to("meta"))
+        acts = activations(model, model.example_input(job.batch_size).to("meta"), job=job)
         sizes = [t.numel() * t.element_size() for t in params]
         n_buckets = ddp_buckets(sizes, cap_mb=float(cfg.bucket_cap_mb))
         total = sum(sizes)

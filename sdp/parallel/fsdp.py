@@ -42,7 +42,7 @@ from sdp.metrics.collectives import count_collectives
 from sdp.metrics.groups import mesh_process_groups
 from sdp.models import init
 from sdp.models.base import SDPModel
-from sdp.rank.precision import fsdp_policies
+from sdp.rank.precision import DTYPES, fsdp_policies
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import Job
 from sdp.parallel.spec import Overlap, StrategySpec, register
@@ -174,28 +174,52 @@ class FSDPStrategy(Strategy):
         }
 
 
+def compute_replica(model: SDPModel, *, precision: str) -> SDPModel:
+    """A copy of ``model`` with the parameters FSDP2 computes with: under ``train.precision=bf16`` its
+    ``MixedPrecisionPolicy`` (:func:`sdp.rank.precision.fsdp_policies`) all-gathers every parameter in bf16
+    but BatchNorm's (sharded apart in float32); buffers keep their dtype. Why the planner needs it: FSDP2's
+    forward runs embedding and norms on bf16 parameters (bf16 outputs where DDP's are float32) and saves
+    no autocast weight casts (the parameters are bf16 already), so its activations are not DDP's."""
+    replica = copy.deepcopy(model)
+    if precision == "fp32":
+        return replica
+    dtype = DTYPES[precision]
+    for m in replica.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            continue
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_floating_point():
+                m._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+    return replica
+
+
 def fsdp_peaks(*, job: Job, model: SDPModel, eval_batch: int, state: list[dict[str, Any]]) -> list[dict[str, int]]:
-    """FSDP2 on top of the full replica's rehearsal: the model is sharded on the meta device and each rank
-    materialises its shards only (set-up: the shards, the unsharded buffers and one module's full
-    tensors in flight, :func:`sdp.models.init.materialise_sharded`); a training step holds the sharded
-    state, the replica's activation transient, the root unsharded, and for the largest block its
-    unsharded parameters twice (running + prefetched) and its unsharded gradients and reduce-scatter
-    input; evaluation unshards every unit (the full parameters) with one all-gather buffer in flight."""
-    full = rehearse(module=copy.deepcopy(model), trainable=list(model.parameters()), batch=job.batch_size,
-                    eval_batch=eval_batch, optimizer=job.optimizer, example=model.example_input)
-    block_ids = {id(p) for b in model.blocks for p in b.parameters()}
-    root = nbytes(p for p in model.parameters() if id(p) not in block_ids)
-    largest = max((nbytes(b.parameters()) for b in model.blocks), default=0)
-    params_full = nbytes(model.parameters())
+    """FSDP2 on top of the compute replica's rehearsal (:func:`compute_replica`: parameters in the policy's
+    ``param_dtype``): the model is sharded on the meta device and each rank materialises its shards only
+    (set-up: the shards, the unsharded buffers and one module's full tensors in flight,
+    :func:`sdp.models.init.materialise_sharded`); a training step holds the sharded float32 state, the
+    replica's activation transient, the root unsharded, and for the largest block its unsharded
+    parameters twice (running + prefetched) and its unsharded gradients, all in ``param_dtype``, and its
+    reduce-scatter input in ``reduce_dtype`` (float32); evaluation unshards every unit (the full
+    parameters in ``param_dtype``) with one all-gather buffer in flight."""
+    compute = compute_replica(model, precision=job.precision)
+    full = rehearse(module=compute, trainable=list(compute.parameters()), batch=job.batch_size,
+                    eval_batch=eval_batch, optimizer=job.optimizer, example=model.example_input,
+                    precision=job.precision, device=job.device)
+    block_ids = {id(p) for b in compute.blocks for p in b.parameters()}
+    root = nbytes(p for p in compute.parameters() if id(p) not in block_ids)
+    largest = max((nbytes(b.parameters()) for b in compute.blocks), default=0)  # in param_dtype
+    largest_reduce = max((nbytes(b.parameters()) for b in model.blocks), default=0)  # float32
+    params_full = nbytes(compute.parameters())
     one_module = max((nbytes(t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None)
                       for m in model.modules()), default=0)
     buffers = nbytes(model.buffers())
     out = []
     for mem in state:
-        state = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
+        held = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
         out.append({"setup_peak_bytes": mem["param_bytes"] + buffers + one_module,
-                    "train_peak_bytes": state + (full["train"] - full["state"]) + root + 4 * largest,
-                    "eval_peak_bytes": state + params_full + (full["eval"] - full["state"]) + largest})
+                    "train_peak_bytes": held + (full["train"] - full["state"]) + root + 3 * largest + largest_reduce,
+                    "eval_peak_bytes": held + params_full + (full["eval"] - full["state"]) + largest})
     return out
 
 
@@ -221,16 +245,19 @@ class FSDPSpec(StrategySpec):
     @classmethod
     def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
-        """FSDP2: each block and the root (stem + head) is a unit; per step every unit is all-gathered
-        (blocks twice when resharded after forward, the root once), its gradients reduce-scattered
-        (padded to a multiple of the shard count), and under HSDP all-reduced across replicas."""
+        """FSDP2: each block and the root (stem + head) is a unit; per step every unit is all-gathered in
+        ``param_dtype`` (bf16 under ``train.precision=bf16``, BatchNorm's float32; blocks twice when resharded
+        after forward, the root once), its gradients reduce-scattered in float32 (padded to a multiple of the
+        shard count), and under HSDP all-reduced across replicas; activations from :func:`compute_replica`."""
         pc, world = cfg, job.world_size
         rep = int(pc.replicate)
         shards = world // rep
         block_ids = {id(p) for b in model.blocks for p in b.parameters()}
         units = [(list(b.parameters()), 2 if bool(pc.reshard_after_forward) else 1) for b in model.blocks]
         units.append(([p for p in model.parameters() if id(p) not in block_ids], 1))
-        acts = activations(model, model.example_input(job.batch_size).to("meta"))
+        compute = compute_replica(model, precision=job.precision)
+        acts = activations(compute, compute.example_input(job.batch_size).to("meta"), job=job)
+        gathered = {id(p): q.element_size() for p, q in zip(model.parameters(), compute.parameters())}
         facts["process_groups"] = mesh_process_groups(world_size=world, shape=mesh_layout(replicate=rep, world=world)[0])
         out = []
         for r in range(world):
@@ -241,8 +268,10 @@ class FSDPSpec(StrategySpec):
             for params, gathers in units:
                 if not params:
                     continue
-                padded = sum(math.ceil(p.shape[0] / shards) * (p.numel() // max(p.shape[0], 1)) * p.element_size() for p in params)
-                records += [("all_gather", padded * shards, shards)] * gathers + [("reduce_scatter", padded * shards, shards)]
+                rows = [math.ceil(p.shape[0] / shards) * (p.numel() // max(p.shape[0], 1)) for p in params]
+                padded = sum(n * p.element_size() for n, p in zip(rows, params))  # float32: reduce_dtype
+                cast = sum(n * gathered[id(p)] for n, p in zip(rows, params))  # param_dtype
+                records += [("all_gather", cast * shards, shards)] * gathers + [("reduce_scatter", padded * shards, shards)]
                 if rep > 1:
                     records.append(("all_reduce", padded, rep))
             held = sum(local)

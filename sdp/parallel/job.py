@@ -28,6 +28,7 @@ class Job:
     batch_size: int = 1  # train.batch_size: the per-rank batch
     seed: int = 0  # seed: the job's seed (a strategy's own random draws derive from it)
     precision: str = "fp32"  # train.precision
+    device: str = "cpu"  # cluster.device: what the planner's meta rehearsal reproduces (sdp.planning.device_forward)
     eval_bn: str = "reestimate"  # eval.bn: how evaluation treats BatchNorm statistics
     model_name: str = ""  # model.name, for messages and plan titles
     optimizer: Any = None  # the optim.optimizer node (sdp-plan: optimizer state bytes and rehearsal)
@@ -40,6 +41,7 @@ class Job:
         sel = lambda key, default: OmegaConf.select(cfg, key, default=default)  # noqa: E731
         return cls(world_size=int(cfg.cluster.world_size), batch_size=int(cfg.train.batch_size),
                    seed=int(sel("seed", cls.seed)), precision=str(sel("train.precision", cls.precision)),
+                   device=str(sel("cluster.device", cls.device)),
                    eval_bn=str(sel("eval.bn", cls.eval_bn)), model_name=str(sel("model.name", "") or ""),
                    optimizer=sel("optim.optimizer", None), ac_every=ac_every(cfg))
 

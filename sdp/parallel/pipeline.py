@@ -289,7 +289,7 @@ class PipelineSpec(StrategySpec):
                     records += [("send", nbytes([boundary[s + 1]]), 2), ("recv", nbytes([boundary[s + 1]]), 2)] * mbs
                 inp = boundary[s].detach().requires_grad_(boundary[s].is_floating_point())
                 in_flight = mbs if str(pc.schedule) == "gpipe" else min(mbs, plan.num_stages - s)
-                acts += in_flight * activations(m, inp, loss=s == plan.num_stages - 1)
+                acts += in_flight * activations(m, inp, job=job, loss=s == plan.num_stages - 1)
             if plan.dp > 1:
                 records.append(("all_reduce", nbytes(params), plan.dp))
             out.append(rank_entry(rank=r, params=nbytes(params), grads=nbytes(params),

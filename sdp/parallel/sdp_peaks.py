@@ -110,11 +110,11 @@ def _eval_extra(*, job: Job, model: SDPModel, flats: dict[str, int], eval_batch:
     if partwise_names(model):
         norms = batch_norms(model)
         reestimate = job.eval_bn == "reestimate" and bool(norms)
-        extra = rehearse_partwise(model=model, flats=flats, example=model.example_input,
-                                  batches=[(eval_batch, False)] + ([(job.batch_size, True)] if reestimate else []))
+        extra = rehearse_partwise(model=model, flats=flats, example=model.example_input, precision=job.precision,
+                                  device=job.device, batches=[(eval_batch, False)] + ([(job.batch_size, True)] if reestimate else []))
         return extra + (nbytes(b for m in norms for b in m.buffers()) if reestimate else 0)
     full_eval = rehearse(module=copy.deepcopy(model), trainable=[], batch=1, eval_batch=eval_batch, optimizer=job.optimizer,
-                         example=model.example_input)
+                         example=model.example_input, precision=job.precision, device=job.device)
     return nbytes(list(model.parameters()) + list(model.buffers())) + full_eval["eval"] - full_eval["setup"]
 
 
@@ -131,7 +131,7 @@ def _rank_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, piece
         key = _key(mine=mine, trained=trained, sync=sync)
         if key not in rehearsed:
             res = rehearse(module=mine, trainable=trained, batch=job.batch_size, eval_batch=eval_batch,
-                           optimizer=job.optimizer, example=mine.example_input,
+                           optimizer=job.optimizer, example=mine.example_input, precision=job.precision, device=job.device,
                            after_backward=_overlap_stand_in(sync) if overlap else None)
             flats = [sum(q.nbytes for q in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
             rehearsed[key] = {"setup": res["setup"], "train": max(res["train"], res["state"] + max(flats, default=0)),

@@ -133,7 +133,7 @@ def predict(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, facts: di
         records: list[Record] = [("all_reduce", sum(p.nbytes for p in items), len(h)) for h, items in sync.grad_buckets]
         records += [("broadcast", sum(p.nbytes for p in items) if r == min(h) else 0, len(groups.refresh_set(h)))
                     for h, items in sync.refresh_buckets]
-        acts = activations(mine, mine.example_input(job.batch_size).to("meta"))
+        acts = activations(mine, mine.example_input(job.batch_size).to("meta"), job=job)
         out.append(rank_entry(rank=r, params=nbytes(mine.parameters()), grads=nbytes(trained),
                               optim=optim_bytes(held=nbytes(trained), tensors=len(trained), optimizer=job.optimizer),
                               acts=acts, records=records))
@@ -148,7 +148,7 @@ def plan_frontier(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan) -> 
                          f"and activation on every worker), got parallelism.name={cfg.name!r} "
                          f"masking={cfg.get('masking')!r}")
     world = plan.world_size
-    result = frontier(plan=plan, full_activation_bytes=activations(model, model.example_input(2).to("meta")) / 2)
+    result = frontier(plan=plan, full_activation_bytes=activations(model, model.example_input(2).to("meta"), job=job) / 2)
     title = (f"model={job.model_name} world_size={world} coverage={cfg.coverage} "
              f"level={plan.level} balance={dict(cfg.balance)}")
     return {"assignments": result["assignments"], "connected_assignments": result["connected_assignments"],

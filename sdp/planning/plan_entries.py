@@ -9,7 +9,7 @@ prediction and measurement compare field by field). It imports no strategy, so s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
@@ -17,6 +17,10 @@ from omegaconf import DictConfig
 from sdp.rank.loss import loss_fn
 from sdp.metrics.activations import forward_saved_bytes
 from sdp.metrics.comm import wire_bytes
+from sdp.planning.device_forward import device_forward
+
+if TYPE_CHECKING:
+    from sdp.parallel.job import Job
 
 Record = tuple[str, float, int]  # (kind, payload bytes, group size) per step
 Entry = tuple[dict, dict]  # one rank's (memory entry, comm entry)
@@ -39,10 +43,13 @@ def optim_bytes(*, held: int, tensors: int, optimizer: DictConfig) -> int:
     raise ValueError(f"optim.optimizer._target_={optimizer._target_!r}: sdp-plan knows SGD, Adam and AdamW")
 
 
-def activations(module: torch.nn.Module, inputs: torch.Tensor, *, loss: bool = True) -> int:
-    """Bytes saved for backward by one forward (+ loss) on the meta device, parameters excluded."""
+def activations(module: torch.nn.Module, inputs: torch.Tensor, *, job: Job, loss: bool = True) -> int:
+    """Bytes saved for backward by one forward (+ loss) on the meta device, parameters excluded, as the
+    job's ranks save them: under ``train.precision``'s autocast and with ``cluster.device``'s attention
+    kernel (:func:`sdp.planning.device_forward.device_forward`)."""
     meta_loss = lambda out: loss_fn(out, torch.zeros(out.shape[:-1], dtype=torch.long, device="meta"))  # noqa: E731
-    return forward_saved_bytes(module, inputs, loss=meta_loss if loss else None)
+    with device_forward(precision=job.precision, device=job.device):
+        return forward_saved_bytes(module, inputs, loss=meta_loss if loss else None)
 
 
 def comm_entry(records: list[Record]) -> dict[str, Any]:

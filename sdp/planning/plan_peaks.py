@@ -13,6 +13,9 @@ it cannot see is added by each strategy's own rule, next to the strategy in ``sd
 (:func:`sdp.parallel.sdp_peaks.sdp_peaks`), FSDP's shards and unsharded blocks (a rule, not a
 rehearsal of FSDP2's buffers: :func:`sdp.parallel.fsdp.fsdp_peaks`).
 
+The forward runs as the ranks' would on ``cluster.device`` under ``train.precision``
+(:func:`sdp.planning.device_forward.device_forward`: autocast emulated on meta, the device's attention kernel).
+
 The comparison with the CPU tracker is ``tests/test_plan_peaks.py`` (within 10 %).
 """
 
@@ -25,11 +28,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from omegaconf import DictConfig
 from torch import nn
-from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
+from sdp.planning.device_forward import Attention, device_forward
 from sdp.rank.eval_ops import loss_and_correct
 from sdp.subnet.assemble import partwise_names
 from sdp.rank.loss import loss_fn
@@ -40,36 +42,23 @@ if TYPE_CHECKING:
     from sdp.rank.schedule import Cadence
 
 
-class FusedAttention(TorchFunctionMode):
-    """On meta, ``F.scaled_dot_product_attention`` takes the math path and saves the T x T scores;
-    real runs (CPU and CUDA) use a fused kernel that saves the output and its log-sum-exp. This
-    routes the call to the CPU fused kernel's op (which has meta and autograd support), so the
-    rehearsal allocates what a real run does. Masks, dropout and grouped-query calls pass through."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and len(args) == 3 and not kwargs.get("enable_gqa") \
-                and kwargs.get("attn_mask") is None and not kwargs.get("dropout_p") and kwargs.get("scale") is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, bool(kwargs.get("is_causal")))[0]
-        return func(*args, **kwargs)
-
-
 def _targets(out: torch.Tensor) -> torch.Tensor:
     return torch.zeros(out.shape[:-1], dtype=torch.long, device="meta")
 
 
 def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[tuple[int, bool]],
-                      example: Callable[[int], torch.Tensor]) -> int:
+                      example: Callable[[int], torch.Tensor], precision: str, device: str) -> int:
     """Peak live meta bytes of evaluating ``model`` part by part (:func:`sdp.rank.evaluation.partwise_totals`
     with ``eval.part_batches=1``), above whatever the rank already holds: for each part, its transient
     copy plus the largest flat broadcast that fills it (``flats``: bytes per part), then its forward on
     the previous part's output; ``batches``: (batch size, BatchNorm re-estimation pass?) per pass kind,
-    the training batch for re-estimation and the evaluation batch for the validation pass."""
+    the training batch for re-estimation and the evaluation batch for the validation pass; under
+    ``precision`` on ``device`` (one autocast region over the whole evaluation, as the trainer's)."""
     tracker = LiveTensorTracker(device_type="meta")
     names = partwise_names(model)
     for size, reestimate in batches:
         skeletons: list[Any] = [copy.deepcopy(model.get_submodule(name)) for name in names]  # untracked, as the real
-        with tracker, FusedAttention(), torch.no_grad():  # run copies its skeleton; to_empty allocates
+        with tracker, device_forward(precision=precision, device=device), torch.no_grad():  # run copies its skeleton; to_empty allocates
             x = example(size).to("meta")
             for i, name in enumerate(names):
                 part, skeletons[i] = skeletons[i].to_empty(device="meta").eval(), None  # dropped after its forward
@@ -88,14 +77,17 @@ def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[t
 
 
 def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, eval_batch: int, optimizer: Any,
-             example: Callable[[int], torch.Tensor], after_backward: Callable[[], None] | None = None) -> dict[str, int]:
+             example: Callable[[int], torch.Tensor], precision: str, device: str,
+             after_backward: Callable[[], None] | None = None) -> dict[str, int]:
     """Live meta bytes of ``module``: at set-up (module state), the peak of a training step after one
     warm-up step, and the peak of one evaluation forward; plus the persistent state after a step
     (no ``trainable``: evaluation only; ``optimizer``: the ``optim.optimizer`` node, built over ``trainable``).
-    ``after_backward`` stands for the strategy's gradient sync."""
+    ``after_backward`` stands for the strategy's gradient sync. The forward and the loss run as the ranks
+    run them on ``device`` (``cluster.device``) under ``precision`` (``train.precision``:
+    :func:`~sdp.planning.device_forward.device_forward`), evaluation too (the trainer evaluates under autocast)."""
 
     tracker = LiveTensorTracker(device_type="meta")
-    with tracker, FusedAttention():
+    with tracker, Attention(device=device):
         tracker.label(list(module.parameters()) + list(module.buffers()), "parameters")
         setup = tracker.total
         opt = build(optimizer)(trainable) if trainable else None
@@ -103,9 +95,11 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
         for step in range(2 if opt is not None else 0):
             if step == 1:
                 tracker.reset_peak()
-            out = module(x)
-            loss_fn(out, _targets(out)).backward()
-            del out
+            with device_forward(precision=precision, device=device, attention=False):
+                out = module(x)
+                loss = loss_fn(out, _targets(out))
+            loss.backward()
+            del out, loss
             if after_backward is not None:
                 after_backward()
             opt.step()  # type: ignore[union-attr]
@@ -114,7 +108,7 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
         was = module.training
         module.eval()
         tracker.reset_peak()
-        with torch.no_grad():
+        with torch.no_grad(), device_forward(precision=precision, device=device, attention=False):
             out = module(example(eval_batch).to("meta"))
             loss_and_correct(out, _targets(out))
             del out

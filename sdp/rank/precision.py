@@ -19,7 +19,8 @@ override into an error that names the new key.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Iterator
 
 import torch
 
@@ -41,6 +42,29 @@ def autocast(*, precision: str, device: torch.device) -> AbstractContextManager:
         return nullcontext()
     assert precision in DTYPES, f"precision={precision!r} not in {PRECISIONS}"
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+_META: list[torch.dtype] = []  # the planner's emulated autocast regions on meta (sdp.planning.device_forward)
+
+
+def lowered_dtype(*, device_type: str) -> torch.dtype | None:
+    """The dtype autocast now runs linear and conv layers in on ``device_type``, None outside autocast; on
+    meta (which has no autocast) that of the planner's emulation, so code that casts ahead of autocast
+    (SDP's re-joined weights, :mod:`sdp.subnet.rejoin`) does the same in the rehearsal as on the ranks."""
+    if device_type == "meta":
+        return _META[-1] if _META else None
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+@contextmanager
+def meta_region(*, dtype: torch.dtype) -> Iterator[None]:
+    """An autocast region of the planner's meta emulation (:func:`sdp.planning.device_forward.device_forward`),
+    what :func:`lowered_dtype` reports on meta while it is entered."""
+    _META.append(dtype)
+    try:
+        yield
+    finally:
+        _META.pop()
 
 
 def fsdp_policies(*, precision: str):  # type: ignore[no-untyped-def]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sdp.rank.precision import lowered_dtype
+
 
 class _DeviceIndex:
     """An index tensor that lives where it is used: created once at masking time (on the CPU, where
@@ -90,8 +92,8 @@ def _split_forward(module: nn.Module, specs: list[tuple[str, int, _DeviceIndex]]
         for leaf, dim, index in specs:
             held = getattr(module, leaf + "_held")
             dev = held.device.type
-            lowered = leaf == "weight" and isinstance(module, _LOWERED) and dev != "meta" and torch.is_autocast_enabled(dev)
-            w = _join(module, leaf, dim, index, dtype=torch.get_autocast_dtype(dev) if lowered else None)
+            lowered = leaf == "weight" and isinstance(module, _LOWERED)
+            w = _join(module, leaf, dim, index, dtype=lowered_dtype(device_type=dev) if lowered else None)
             object.__setattr__(module, leaf, w)
             joined.append((w, leaf, dim, index))
 

@@ -1,0 +1,131 @@
+"""The forward a rank runs on its device, reproduced on the meta device: ``train.precision``'s autocast
+and the attention kernel that device's ``F.scaled_dot_product_attention`` dispatches to.
+
+Why it is needed: the planner rehearses on meta tensors (nothing computed, nothing allocated), and
+there (1) ``torch.autocast`` does nothing (no autocast dispatch key for meta: a bf16 job would be
+counted in float32), and (2) SDPA takes the math path, which saves the T x T scores per head, where
+a real run's fused kernel saves its output and a log-sum-exp, O(T) per head. :func:`device_forward`
+enters two ``TorchFunctionMode`` s that make the meta forward allocate and save what the target
+device's forward does:
+
+- :class:`Autocast` (``train.precision=bf16``): the ops autocast runs in bf16 (linear, convolution,
+  matmul, SDPA) get their float32 inputs cast to bf16 first, exactly as autocast does above autograd,
+  so autograd saves the bf16 casts; the weight casts are cached for the region as autocast caches them
+  (a cast of a parameter, :class:`sdp.metrics.activations._WeightCopies`, is model state, not an
+  activation, but is live memory the peaks include); the ops autocast runs in float32 (the losses; on
+  CUDA also softmax and the normalisations) get their bf16 inputs cast up. Everything else runs in
+  the dtype its inputs promote to, as under autocast.
+- :class:`Attention` routes SDPA to the op the device runs, whose autograd node saves what that
+  kernel saves: ``cpu``: ``_scaled_dot_product_flash_attention_for_cpu`` (grouped-query too: the CPU
+  kernel takes unequal head counts); ``cuda``: ``_scaled_dot_product_flash_attention`` in bf16 (q, k, v,
+  output, log-sum-exp; grouped-query native), the memory-efficient kernel in float32 (flash has no
+  float32), and the math path for a float32 grouped-query call (the memory-efficient kernel refuses
+  unequal head counts, so CUDA's dispatcher falls back to math, which saves the scores). A call with a
+  mask, dropout or an explicit scale runs as given (the models here make none).
+
+The lists are CUDA's and CPU's autocast op lists (torch's ``autocast_mode.cpp``) restricted to the
+functions the models in ``sdp/models`` call; ``tests/test_device_forward.py`` checks the CPU emulation
+against a real CPU autocast forward, saved bytes for saved bytes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from sdp.rank.precision import DTYPES, meta_region
+
+DEVICES = ("cpu", "cuda")
+_LOWER = (F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm,
+          Tensor.bmm, torch.mm, Tensor.mm, torch.addmm, torch.baddbmm, F.scaled_dot_product_attention)
+_FP32 = {"cpu": (F.cross_entropy, F.nll_loss, F.mse_loss),
+         "cuda": (F.cross_entropy, F.nll_loss, F.mse_loss, F.log_softmax, F.softmax, Tensor.softmax,
+                  Tensor.log_softmax, F.layer_norm, F.group_norm, torch.logsumexp)}
+
+
+def _cast(value: Any, *, to: torch.dtype, frm: torch.dtype, cache: dict[int, tuple[weakref.ref, Tensor]] | None) -> Any:
+    """``value`` with its ``frm`` floating tensors cast to ``to`` (lists and tuples walked), a leaf that
+    requires grad (a weight) cast once per region when ``cache`` is given, as autocast's cast cache does
+    (the cast is held until the region ends, its source only weakly: a part dropped mid-region leaves its cast)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, to=to, frm=frm, cache=cache) for v in value)
+    if not isinstance(value, Tensor) or value.dtype != frm:
+        return value
+    if cache is not None and value.is_leaf and value.requires_grad:
+        ref, cast = cache.get(id(value), (None, None))
+        if ref is None or ref() is not value:  # a weak key, as autocast's: the cast outlives its source
+            ref, cast = weakref.ref(value), value.to(to)
+            cache[id(value)] = (ref, cast)
+        return cast
+    return value.to(to)
+
+
+class Autocast(TorchFunctionMode):
+    """``torch.autocast(device, dtype)`` for meta tensors (see the module docstring); one instance per
+    autocast region, its weight-cast cache dropped on exit."""
+
+    def __init__(self, *, device: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert device in DEVICES, f"device={device!r} not in {DEVICES}"
+        self.dtype, self.fp32 = dtype, _FP32[device]
+        self._cache: dict[int, tuple[weakref.ref, Tensor]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in _LOWER:
+            args = _cast(args, to=self.dtype, frm=torch.float32, cache=self._cache)
+            kwargs = {k: _cast(v, to=self.dtype, frm=torch.float32, cache=self._cache) for k, v in kwargs.items()}
+        elif func in self.fp32:
+            args = _cast(args, to=torch.float32, frm=self.dtype, cache=None)
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._cache.clear()
+        return super().__exit__(*exc)
+
+
+class Attention(TorchFunctionMode):
+    """SDPA on meta routed to the op ``device`` runs (see the module docstring)."""
+
+    def __init__(self, *, device: str) -> None:
+        super().__init__()
+        assert device in DEVICES, f"device={device!r} not in {DEVICES}"
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or len(args) != 3 or kwargs.get("attn_mask") is not None \
+                or kwargs.get("dropout_p") or kwargs.get("scale") is not None:
+            return func(*args, **kwargs)
+        q, k, v = args
+        causal = bool(kwargs.get("is_causal"))
+        if self.device == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[0]
+        if q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[0]
+        if q.shape[1] == k.shape[1]:
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[0]
+        return func(*args, **kwargs)  # float32 grouped-query on CUDA: the math path, as the dispatcher picks
+
+
+@contextmanager
+def device_forward(*, precision: str, device: str, attention: bool = True) -> Iterator[None]:
+    """The meta forward of a rank on ``device`` (``cluster.device``) under ``precision`` (``train.precision``):
+    the device's attention kernel (``attention=False``: not routed, for a caller that enters
+    :class:`Attention` once around several regions) and, under bf16, autocast. Enter it where the ranks
+    enter :func:`sdp.rank.precision.autocast`: around a training forward and its loss (not the backward),
+    and around a whole evaluation (:meth:`sdp.rank.trainer.Trainer` evaluates under it)."""
+    assert precision in DTYPES, f"precision={precision!r} not in {tuple(DTYPES)}"
+    with ExitStack() as stack:
+        if attention:
+            stack.enter_context(Attention(device=device))
+        if precision != "fp32":  # meta_region: SDP's re-joined weights cast ahead as on the ranks (sdp.subnet.rejoin)
+            stack.enter_context(meta_region(dtype=DTYPES[precision]))
+            stack.enter_context(Autocast(device=device, dtype=DTYPES[precision]))
+        yield
