@@ -19,8 +19,8 @@ the activation meter with :func:`sdp.metrics.activations.note_retained`.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -62,7 +62,29 @@ class Checkpointed(nn.Module):
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute
             return inner(x)
         note_retained(x)  # the checkpoint keeps its input alive for the recomputation
-        return checkpoint(run, x, use_reentrant=False)
+        return checkpoint(run, x, use_reentrant=False, context_fn=_forward_modes_again)
+
+
+def _forward_modes_again() -> tuple[Any, Any]:
+    """``checkpoint``'s contexts: none around the forward; around the recomputation, the torch-function modes
+    that were active in the forward and are not any more. Why: torch's checkpoint restores autocast for the
+    recomputation, but not a mode, and ``sdp-plan`` emulates autocast on the meta device with one
+    (:class:`sdp.planning.device_forward.Autocast`): without it the recomputation would save other tensors than
+    the forward (non-reentrant checkpoint refuses that). A rank's training forward runs under no such mode."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    forward = list(_get_current_function_mode_stack())
+
+    @contextmanager
+    def again() -> Iterator[None]:
+        active = {id(m) for m in _get_current_function_mode_stack()}
+        with ExitStack() as stack:
+            for mode in forward:
+                if id(mode) not in active:
+                    stack.enter_context(mode)
+            yield
+
+    return nullcontext(), again()
 
 
 _CLASSES: dict[type, type] = {}
