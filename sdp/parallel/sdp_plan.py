@@ -148,7 +148,8 @@ def plan_frontier(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan) -> 
                          f"and activation on every worker), got parallelism.name={cfg.name!r} "
                          f"masking={cfg.get('masking')!r}")
     world = plan.world_size
-    result = frontier(plan=plan, full_activation_bytes=activations(model, model.example_input(2).to("meta"), job=job) / 2)
+    # on the units' scale: their activation costs come from a plain meta forward (sdp.subnet.units), not the job's device
+    result = frontier(plan=plan, full_activation_bytes=activations(model, model.example_input(2).to("meta"), job=None) / 2)
     title = (f"model={job.model_name} world_size={world} coverage={cfg.coverage} "
              f"level={plan.level} balance={dict(cfg.balance)}")
     return {"assignments": result["assignments"], "connected_assignments": result["connected_assignments"],

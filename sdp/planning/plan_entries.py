@@ -9,6 +9,7 @@ prediction and measurement compare field by field). It imports no strategy, so s
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,12 +44,13 @@ def optim_bytes(*, held: int, tensors: int, optimizer: DictConfig) -> int:
     raise ValueError(f"optim.optimizer._target_={optimizer._target_!r}: sdp-plan knows SGD, Adam and AdamW")
 
 
-def activations(module: torch.nn.Module, inputs: torch.Tensor, *, job: Job, loss: bool = True) -> int:
+def activations(module: torch.nn.Module, inputs: torch.Tensor, *, job: Job | None, loss: bool = True) -> int:
     """Bytes saved for backward by one forward (+ loss) on the meta device, parameters excluded, as the
     job's ranks save them: under ``train.precision``'s autocast and with ``cluster.device``'s attention
-    kernel (:func:`sdp.planning.device_forward.device_forward`)."""
+    kernel (:func:`sdp.planning.device_forward.device_forward`). ``job=None``: a plain meta forward, the
+    scale of the SDP units' own activation costs (:mod:`sdp.subnet.units`), which are facts of the model."""
     meta_loss = lambda out: loss_fn(out, torch.zeros(out.shape[:-1], dtype=torch.long, device="meta"))  # noqa: E731
-    with device_forward(precision=job.precision, device=job.device):
+    with device_forward(precision=job.precision, device=job.device) if job is not None else nullcontext():
         return forward_saved_bytes(module, inputs, loss=meta_loss if loss else None)
 
 
