@@ -1,8 +1,8 @@
 """Config errors and the check helpers every module uses to refuse a value (key, value, what is allowed).
 
 Imports nothing from ``sdp``, so any module can raise a :class:`ConfigError` without importing the
-validation pass (:mod:`sdp.driver.config`), which imports most of the package: that is what keeps the import
-graph free of cycles.
+validation pass (:mod:`sdp.driver.config`), which imports most of the package: it is the bottom layer of the
+``layers`` contract (``pyproject.toml``), beside :mod:`sdp.registry`.
 """
 
 from __future__ import annotations

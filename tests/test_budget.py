@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 import sdp.driver.train
-from sdp.planning.budget import model_flops, resolve_steps
+from sdp.driver.budget import model_flops, resolve_steps
 from sdp.metrics.flops import masked_fraction
 from sdp.parallel.sdp_plan import compute_fraction
 from sdp.errors import ConfigError

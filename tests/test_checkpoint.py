@@ -19,14 +19,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from sdp.rank import checkpoint, checkpoint_resume, rng
+from sdp.rank import checkpoint, rng
+from sdp.driver import checkpoint_resume
 from sdp.errors import ConfigError
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.mlp import MLP
 from sdp.parallel.base import StepResult, Strategy
-from sdp.rank.distctx import DistContext
+from sdp.core.distctx import DistContext
 from sdp.parallel.job import Job
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 
 KEY = {"seed": 0, "global_batch": 8, "num_samples": 64}
 

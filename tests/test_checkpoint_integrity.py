@@ -23,10 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdp.rank import checkpoint, checkpoint_io, checkpoint_resume
-from sdp.rank.checkpoint_resume import CheckpointWarning
+from sdp.rank import checkpoint, checkpoint_io
+from sdp.driver import checkpoint_resume
+from sdp.driver.checkpoint_resume import CheckpointWarning
 from sdp.errors import ConfigError
-from sdp.rank.distctx import DistContext
+from sdp.core.distctx import DistContext
 from sdp.results.rundir import checkpoint_meta
 from tests.helpers import CORE, compose, run_job, spawn
 from tests.test_checkpoint import KEY, Plain, Sharded, make

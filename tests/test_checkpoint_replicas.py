@@ -25,8 +25,8 @@ from sdp.parallel import STRATEGIES
 from sdp.parallel.base import StepResult, Strategy
 from sdp.parallel.job import Job
 from sdp.rank import checkpoint
-from sdp.rank.distctx import DistContext
-from sdp.rank.loss import loss_fn
+from sdp.core.distctx import DistContext
+from sdp.core.loss import loss_fn
 from tests.helpers import CORE, spawn
 
 KEY = {"seed": 0, "global_batch": 8, "num_samples": 64}

@@ -1,7 +1,7 @@
 """Communicator memory: NCCL groups share the default communicator's resources, and ``sdp-plan``
 predicts each rank's groups and their device memory for every strategy.
 
-- ``sdp.rank.distctx.comm_options``: on NCCL the options every group is made with (the default group
+- ``sdp.core.distctx.comm_options``: on NCCL the options every group is made with (the default group
   first) carry ``config.split_share = 1``, without which a split communicator gets buffers of its own;
   gloo takes none. Built without a GPU (torch's NCCL options are plain objects).
 - ``sdp-plan`` at 8 ranks on the meta device: per rank the process groups (the default one included)
@@ -39,7 +39,7 @@ STRATEGIES = [
 def test_nccl_groups_are_made_with_split_share_and_the_jobs_timeout() -> None:
     from torch.distributed import ProcessGroupNCCL
 
-    from sdp.rank.distctx import comm_options
+    from sdp.core.distctx import comm_options
 
     options = comm_options(backend="nccl", timeout=timedelta(seconds=42))
     assert isinstance(options, ProcessGroupNCCL.Options)
@@ -49,7 +49,7 @@ def test_nccl_groups_are_made_with_split_share_and_the_jobs_timeout() -> None:
 
 
 def test_gloo_groups_take_no_backend_options() -> None:
-    from sdp.rank.distctx import comm_options
+    from sdp.core.distctx import comm_options
 
     assert comm_options(backend="gloo", timeout=timedelta(seconds=42)) is None
 

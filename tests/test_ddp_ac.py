@@ -11,7 +11,7 @@ import torch
 from sdp.metrics.activations import measure_saved_tensors
 from sdp.models.resnet import ResNetCIFAR
 from sdp.parallel.ac import apply_checkpointing
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from tests.helpers import CORE, run_job, train_losses
 
 

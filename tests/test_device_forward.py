@@ -1,5 +1,5 @@
 """sdp-plan models the device it plans for (issue 36 item 1): ``train.precision``'s autocast and
-``cluster.device``'s attention kernel in the meta rehearsal (sdp.planning.device_forward).
+``cluster.device``'s attention kernel in the meta rehearsal (sdp.parallel.device_forward).
 
 - The meta emulation of CPU autocast saves, byte for byte, what a real CPU autocast forward saves
   (grouped-query attention included: the CPU kernel takes unequal head counts and saves O(T) per head).
@@ -17,7 +17,7 @@ import torch
 
 from sdp.metrics.activations import forward_saved_bytes
 from sdp.models.llama import LLaMA
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from tests.helpers import compose
 
 TINY = ["model=llama_tiny", "dataset=synthetic_text", "optim=adamw", "cluster.world_size=2", "model.dim=128",
@@ -31,7 +31,7 @@ def _tiny(*, n_kv_heads: int) -> LLaMA:
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
 def test_meta_autocast_saves_what_cpu_autocast_saves(n_kv_heads: int) -> None:
-    from sdp.planning.device_forward import device_forward  # new in issue 36; the tests below run on older code
+    from sdp.parallel.device_forward import device_forward  # new in issue 36; the tests below run on older code
 
     model = _tiny(n_kv_heads=n_kv_heads)
     x = model.example_input(2)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sdp.rank.evaluation import applied, reestimate_bn
-from sdp.rank.distctx import DistContext
+from sdp.core.distctx import DistContext
 
 
 def _ctx() -> DistContext:
@@ -92,7 +92,7 @@ def test_rescale_auto_resolves_per_model_family(model: str, level: str, masking:
 def test_chunked_evaluation_loss_equals_the_whole_batch_loss() -> None:
     from torch.nn import functional as F
 
-    from sdp.rank.eval_ops import loss_and_correct
+    from sdp.core.loss import loss_and_correct
 
     torch.manual_seed(0)
     logits, target = torch.randn(3, 50, 97, dtype=torch.float64), torch.randint(0, 97, (3, 50))

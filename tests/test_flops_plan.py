@@ -18,7 +18,7 @@ from sdp.metrics.flops import unit_shares
 from sdp.models.base import count_forward_flops, forward_flop_counts
 from sdp.parallel.ddp_drop import survival_probs
 from sdp.parallel.sdp_plan import plan_for, plan_fraction
-from sdp.planning.budget import resolve_steps
+from sdp.driver.budget import resolve_steps
 from sdp.registry import build
 from tests.helpers.flops import direct_forward_fraction
 from tests.hydra_cfg import compose_config

@@ -11,10 +11,10 @@ import torch
 from omegaconf import OmegaConf
 
 from sdp.metrics.timing import PhaseTimer
-from sdp.rank.distctx import DistContext
+from sdp.core.distctx import DistContext
 from sdp.parallel.fsdp import FSDPStrategy, fsdp_modules
 from sdp.parallel.job import Job
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from tests.helpers import CapturingSGD, core_cases, global_batch, reference_grads, run_job, small_mlp, spawn, train_losses
 
 CPU = torch.device("cpu")

@@ -21,7 +21,7 @@ from sdp.driver.config import validate
 from sdp.errors import ConfigError
 from sdp.metrics.flops import compute_dtype
 from sdp.models.resnet import ResNetCIFAR
-from sdp.driver.rankenv import set_backends
+from sdp.rank.rankenv import set_backends
 from tests.hydra_cfg import compose_config
 
 CUDA = torch.device("cuda", 0)  # a device object needs no GPU; only running a kernel on it would

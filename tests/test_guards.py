@@ -8,7 +8,7 @@ import torch
 
 from sdp.rank import guards
 from sdp.parallel.base import StepResult
-from sdp.rank.distctx import DistContext
+from sdp.core.distctx import DistContext
 
 CTX = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 

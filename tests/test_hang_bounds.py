@@ -3,10 +3,10 @@
 - A rank stalled inside a holder-set all-reduce (a sub-group, not the world) makes its peer fail after
   the job's timeout, not torch's per-backend default for ``new_group`` (30 minutes on gloo, 10 on
   NCCL), with a message naming the step and the group (``sdp.rank.guards.naming_step`` with
-  ``sdp.rank.distctx.WHERE``): spawned gloo ranks (default tier) and a whole SDP job (slow tier).
+  ``sdp.core.distctx.WHERE``): spawned gloo ranks (default tier) and a whole SDP job (slow tier).
 - A rank that dies without a Python error (NCCL's watchdog aborts the process on a timeout under its
   default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``) has already left its step and groups in its failure file,
-  which the launcher's report quotes (``sdp.rank.distctx.last_position``).
+  which the launcher's report quotes (``sdp.core.distctx.last_position``).
 - Under Slurm a task that dies ends the job step (``srun --kill-on-bad-exit=1``) in both the submitit
   launcher's config and the sbatch scripts.
 """
@@ -88,7 +88,7 @@ def test_an_sdp_job_with_a_rank_hung_before_its_holder_set_all_reduce_ends_withi
 
 ABORT = """
 import os, signal, sys
-from sdp.rank.distctx import WHERE
+from sdp.core.distctx import WHERE
 WHERE.keep_at(sys.argv[1], rank=2, world=4)
 WHERE.begin_step(4)
 WHERE.used((0, 2), world=4)
@@ -98,7 +98,7 @@ os.kill(os.getpid(), signal.SIGABRT)  # what NCCL's watchdog does to a rank on a
 
 
 def test_a_rank_aborted_without_a_python_error_leaves_its_step_and_groups_in_its_failure_file(tmp_path: Path) -> None:
-    from sdp.rank.distctx import last_position
+    from sdp.core.distctx import last_position
 
     path = tmp_path / "failure_rank2.json"
     proc = subprocess.run([sys.executable, "-c", ABORT, str(path)], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -112,7 +112,7 @@ def test_a_rank_aborted_without_a_python_error_leaves_its_step_and_groups_in_its
 
 
 def test_a_rank_that_finishes_or_raises_leaves_no_running_position(tmp_path: Path) -> None:
-    from sdp.rank.distctx import Whereabouts, last_position
+    from sdp.core.distctx import Whereabouts, last_position
 
     where = Whereabouts()
     path = tmp_path / "failure_rank0.json"

@@ -1,91 +1,54 @@
-"""The import graph of ``sdp`` has no cycle, counting imports made inside functions (a lazy import that
-only dodges a cycle is still a cycle of design). Read from the source with ``ast``: nothing is imported."""
+"""The layers of ``sdp`` hold: the import-linter contracts of ``pyproject.toml`` (``[tool.importlinter]``), the
+picture of the packages a newcomer reads first, are kept.
+
+Two contracts: ``layers`` (every package imports only from the layers below it; ``a | b`` siblings not from
+each other; every package of ``sdp`` has its place) and ``modules`` (no cycle between the modules of any one
+package). import-linter reads every import statement from the source, those inside functions and under
+``TYPE_CHECKING`` included: a lazy import that only dodges a cycle is still a cycle of design. The second test
+shows that the very same contracts break on a copy of ``sdp`` given an upward import inside a function and a
+module cycle, so the first cannot pass for want of reading the code.
+"""
 
 from __future__ import annotations
 
-import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "sdp"
+REPO = Path(__file__).resolve().parent.parent
+LINT = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 
 
-def modules() -> dict[str, Path]:
-    out = {}
-    for f in ROOT.rglob("*.py"):
-        parts = f.relative_to(ROOT.parent).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
-    return out
+def lint_imports(*, root: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` on ``root/pyproject.toml`` with ``root`` first on the path (no cache written into it)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-c", LINT, "--no-cache", "--no-logo", str(root / "pyproject.toml")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the ``sdp`` modules it imports anywhere in its body (``from sdp import x`` counts ``sdp.x``)."""
-    mods = modules()
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for name, path in mods.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            graph[name] |= {t for t in targets if t in mods and t != name}
-    return graph
+def broken(out: subprocess.CompletedProcess) -> str:
+    """What lint-imports says about the broken contracts (the whole output when it has no such section)."""
+    text = out.stdout + out.stderr
+    return text[text.find("Broken contracts"):] if "Broken contracts" in text else text
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+def test_sdp_keeps_its_layers() -> None:
+    out = lint_imports(root=REPO)
+    assert out.returncode == 0, f"lint-imports exit code {out.returncode}:\n{broken(out)}"
+    assert "Contracts: 2 kept, 0 broken." in out.stdout, out.stdout
 
 
-def test_the_detector_finds_a_cycle() -> None:
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert cycles({"a": {"b"}, "b": set()}) == []
-
-
-def test_sdp_has_no_import_cycle() -> None:
-    graph = import_graph()
-    assert len(graph) > 50 and "sdp.rank.worker" in graph["sdp.driver.launch"], "the graph was not read (or launch no longer starts workers)"
-    found = cycles(graph)
-    detail = "; ".join(" <-> ".join(c) + " (edges: " + ", ".join(f"{m}->{sorted(graph[m] & set(c))}" for m in c) + ")"
-                       for c in found)
-    assert not found, f"import cycles: {detail}"
-
-
-def test_errors_module_imports_nothing_from_sdp() -> None:
-    """The check helpers every module raises with depend on nothing, so they can never close a cycle."""
-    assert import_graph()["sdp.errors"] == set()
+def test_the_contracts_break_on_an_upward_import_and_a_module_cycle(tmp_path: Path) -> None:
+    shutil.copytree(REPO / "sdp", tmp_path / "sdp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    loss = tmp_path / "sdp" / "core" / "loss.py"  # the bottom of the rank side reaching up into the driver, lazily
+    loss.write_text(loss.read_text() + "\n\ndef _up() -> None:\n    from sdp.driver import train  # noqa: F401\n")
+    rng = tmp_path / "sdp" / "rank" / "rng.py"  # the worker imports rng; rng importing the worker back is a cycle
+    rng.write_text(rng.read_text() + "\n\ndef _back() -> None:\n    from sdp.rank import worker  # noqa: F401\n")
+    out = lint_imports(root=tmp_path)
+    text = broken(out)
+    assert out.returncode == 1 and "Contracts: 0 kept, 2 broken." in out.stdout, f"exit code {out.returncode}:\n{text}"
+    assert "sdp.core is not allowed to import sdp.driver" in text and "sdp.core.loss -> sdp.driver.train" in text, text
+    assert "No cycles are allowed in sdp.rank" in text, text

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from sdp.models.resnet import ResNetCIFAR
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from sdp.subnet import masking as M
 from sdp.subnet.plan import build_plan
 from tests.helpers import batch, config_dict, make_strategy

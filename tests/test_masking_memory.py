@@ -13,7 +13,7 @@ import torch
 from sdp.metrics.activations import measure_saved_tensors
 from sdp.parallel.sdp_plan import plan_for
 from sdp.subnet import masking as M
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from sdp.registry import build
 from tests.hydra_cfg import compose_config
 

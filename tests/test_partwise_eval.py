@@ -15,7 +15,7 @@ from tests.helpers import batch, config_dict, core_cases, make_strategy, spawn
 from sdp.rank import evaluation
 from sdp.rank.evaluation import Partwise
 from sdp.subnet.assemble import set_branch_scales, tensor_map
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 
 RESNET = ["model=resnet18_cifar", "model.width=8", "dataset=synthetic", "dataset.image_size=8", "dataset.num_val=49",
           "train.batch_size=4", "train.eval_batch_size=4", "optim=sgd"]

@@ -17,11 +17,11 @@ from sdp.driver.config import validate
 from sdp.errors import ConfigError
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.resnet import ResNetCIFAR
-from sdp.rank.distctx import DistContext
+from sdp.core.distctx import DistContext
 from sdp.parallel.pipeline import PipelineStrategy
 from sdp.parallel.job import Job
 from sdp.parallel.pipeline_plan import balanced_bounds, make_plan
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from tests.helpers import CORE, CapturingSGD, compose, core_cases, global_batch, reference_grads, run_job, small_mlp, spawn, train_losses
 
 CPU = torch.device("cpu")

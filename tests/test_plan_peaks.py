@@ -1,4 +1,4 @@
-"""sdp-plan's predicted peaks (set-up, train, eval; sdp.planning.plan_peaks) against the CPU live-tensor
+"""sdp-plan's predicted peaks (set-up, train, eval; sdp.parallel.plan_peaks) against the CPU live-tensor
 tracker of the same config on 2 gloo ranks, per rank: within 10 %, except FSDP's training step, a
 rule rather than a rehearsal (FSDP2's all-gather and reduce-scatter buffers are not rehearsed), held
 to 15 % (LOOSE). SDP's evaluation is rehearsed part by part as it runs (sdp.rank.evaluation.partwise_totals);
@@ -24,7 +24,7 @@ CASES = {
     "fsdp": ["parallelism=fsdp", *SMALL],
     "sdp_llama": ["parallelism=sdp", *LLAMA],
     "ddp_llama": ["parallelism=ddp", *LLAMA],
-    # train.precision=bf16: the rehearsal runs under the planner's emulation of CPU autocast (sdp.planning.device_forward)
+    # train.precision=bf16: the rehearsal runs under the planner's emulation of CPU autocast (sdp.parallel.device_forward)
     "ddp_llama_bf16": ["parallelism=ddp", *LLAMA, "train.precision=bf16"],
     "fsdp_llama_bf16": ["parallelism=fsdp", *LLAMA, "train.precision=bf16"],
     # the default digits (359 validation images, 180 on a rank, below the default evaluation batch of 256)
@@ -117,7 +117,7 @@ def test_the_evaluation_batch_is_a_rank_s_share_of_the_real_validation_set() -> 
     """Issue 35 item 8: the evaluation batch sdp-plan rehearses is ``min(train.eval_batch_size, ceil(N / world))``
     with N the validation set the dataset builds (digits sets no ``dataset.num_val``: 20 % of 1797 = 359)."""
     from sdp.driver.config import validate
-    from sdp.planning.plan_peaks import eval_batch
+    from sdp.planning.planner import eval_batch
 
     built = validate(compose_cfg(["parallelism=ddp", "cluster.world_size=2"]))
     assert built.val_samples == 359, built.val_samples

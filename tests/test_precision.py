@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from sdp.data.base import GlobalBatchSampler
 from sdp.metrics.timing import PhaseTimer
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from tests.helpers import CORE, config_dict, make_strategy, spawn
 
 COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "cluster.world_size=2", "train.batch_size=16",

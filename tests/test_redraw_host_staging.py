@@ -1,7 +1,7 @@
 """SDP's re-draw on ranks that share a GPU over gloo (issue 35, item 11): gloo runs collectives on CUDA
 tensors but not send/recv, which read the tensor's pointer as host memory ("Bad address" or a crash at the
 first re-draw). The re-draw's one point-to-point place (:class:`sdp.subnet.redraw.Wire`) now stages such
-tensors through host copies (:func:`sdp.rank.distctx.staged_through_host`).
+tensors through host copies (:func:`sdp.core.distctx.staged_through_host`).
 
 No GPU here: the ranks are CPU gloo ranks and the device check is replaced by one that stages every tensor.
 What is checked is what a CUDA rank relies on: gloo is handed host copies only, never the tensors
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdp.rank.distctx import DistContext
-from sdp.rank.loss import loss_fn
+from sdp.core.distctx import DistContext
+from sdp.core.loss import loss_fn
 from sdp.subnet import redraw as R
 from tests.helpers import CORE, batch, config_dict, make_strategy, spawn
 

@@ -43,7 +43,7 @@ def _train(rank: int, world: int, config: dict) -> dict[str, Any]:
     re-draw is wrapped: peak reset before it, read and reset after it), and the ranks' checkpoint content
     just before and just after every re-draw (copied with the tracker paused, so nothing of it counts)."""
     from sdp.metrics.live import LiveTensorTracker
-    from sdp.rank.loss import loss_fn
+    from sdp.core.loss import loss_fn
     from sdp.rank.worker import dataset_tensors
 
     tracker = LiveTensorTracker()

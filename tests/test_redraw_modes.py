@@ -280,7 +280,7 @@ def test_study_variants(variant: str) -> None:
 
 # ---- on ranks ----------------------------------------------------------------------------------------
 def _train_rolling(rank: int, world: int, config: dict) -> tuple[dict, int, float]:
-    from sdp.rank.loss import loss_fn
+    from sdp.core.loss import loss_fn
     from tests.helpers import batch, make_strategy
     from tests.test_sdp_redraw import _NoTimer
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from sdp.planning.budget import resolve_steps
-from sdp.rank.distctx import DistContext
+from sdp.driver.budget import resolve_steps
+from sdp.core.distctx import DistContext
 from sdp.models.base import ResidualBlock
 from sdp.models.llama import LLaMA
 from sdp.models.mlp import MLP
@@ -264,7 +264,7 @@ class _NoTimer:
 
 
 def _scales(rank: int, world: int, config: dict[str, Any]) -> list[tuple[str, float, dict[str, float], float]]:
-    from sdp.rank.loss import loss_fn
+    from sdp.core.loss import loss_fn
 
     strategy, data, cfg = make_strategy(config, rank, world)
     x, y = batch(data, cfg, step=0, rank=rank, world_size=world)

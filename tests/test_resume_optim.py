@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from sdp.rank import checkpoint, checkpoint_resume
+from sdp.rank import checkpoint
+from sdp.driver import checkpoint_resume
 from sdp.errors import ConfigError
 from sdp.results.rundir import checkpoint_meta
 from tests.helpers import compose, run_job

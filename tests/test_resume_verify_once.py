@@ -2,7 +2,7 @@
 
 Under Slurm tasks or torchrun each rank runs the driver itself; each used to hash the whole checkpoint before its
 peers could set up their communicators (8 ranks per node x 13 GB for LLaMA-1B with AdamW). Now rank 0 verifies
-and hands its verdict to the others through the run directory (:func:`sdp.rank.checkpoint_resume.resolve_once`),
+and hands its verdict to the others through the run directory (:func:`sdp.driver.checkpoint_resume.resolve_once`),
 which rank 0 removes once they have read it. Unit tests run the job's processes as threads; the end-to-end test
 runs two torchrun ranks with a plugin that logs every hash (``tests/count_hashes.py``).
 """
@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 from sdp.errors import ConfigError
-from sdp.rank import checkpoint, checkpoint_io, checkpoint_resume
-from sdp.rank.checkpoint_resume import CheckpointWarning
+from sdp.rank import checkpoint, checkpoint_io
+from sdp.driver import checkpoint_resume
+from sdp.driver.checkpoint_resume import CheckpointWarning
 from sdp.results.rundir import RunDir
 from tests.helpers import CORE, REPO, run_train, sdp_env
 from tests.test_checkpoint_integrity import flip_a_byte, truncate, two_checkpoints
@@ -71,7 +72,7 @@ def test_rank_zero_alone_hashes_and_every_rank_takes_its_verdict(tmp_path: Path,
     assert per_rank["rank0"] == len(checkpoint.read_meta(older)[checkpoint_io.FILES]) + 2, per_rank  # step 6 to its bad file
     verdicts = RunDir(tmp_path).resume_verdict("job-1").parent
     assert sorted(p.name for p in verdicts.iterdir()) == ["job-1.json", "job-1.read1", "job-1.read2"]
-    checkpoint_resume.release_verdicts(run_dir=tmp_path, attempt="job-1", world_size=3, timeout_s=5)
+    checkpoint.release_verdicts(run_dir=tmp_path, attempt="job-1", world_size=3, timeout_s=5)
     assert not verdicts.exists(), "the verdicts are removed once every rank has read them"
 
 

@@ -17,8 +17,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from sdp.planning import budget as budgets
-from sdp.rank import checkpoint, checkpoint_resume
+from sdp.driver import budget as budgets
+from sdp.rank import checkpoint
+from sdp.driver import checkpoint_resume
 from sdp.driver.rerun import rerun_argv
 from sdp.results.contract import scrub
 from sdp.driver.sweep import first_difference

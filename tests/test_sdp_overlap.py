@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sdp.subnet.masking import locate, view
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from tests.helpers import CORE, batch, config_dict, make_strategy, spawn
 
 MLP = ["model=mlp", "dataset=digits", "model.hidden=64", "model.depth=4", "train.batch_size=8", "optim=sgd",

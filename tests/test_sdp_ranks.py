@@ -8,7 +8,7 @@ import torch
 
 from sdp.models.base import count_params
 from sdp.subnet.masking import locate, view
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from sdp.rank.worker import build_model
 from sdp.registry import build
 from tests.helpers import CORE, batch, compose, config_dict, make_strategy, run_job, spawn

@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from sdp.parallel.sdp_plan import plan_for, plan_lists
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from sdp.registry import build
 from tests.helpers import batch, compose, config_dict, core_cases, make_strategy, run_job, spawn
 from tests.holders import compare, differing, pieces_of

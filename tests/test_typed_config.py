@@ -153,11 +153,12 @@ def test_recorded_run_configs_parse() -> None:
 
 def test_schema_choices_are_the_codes_own() -> None:
     """The schema states each choice for the reader; the modules that act on a value keep their own tuple."""
-    from sdp.planning import budget
-    from sdp.rank import evaluation, faults, guards, precision
+    from sdp.driver import budget
+    from sdp.rank import evaluation, faults, guards
+    from sdp.core import precision
     from sdp.parallel import pipeline_plan, sdp_config, sdp_plan
-    from sdp.subnet import assign, rolling, units
-    from sdp.models import resnet, vit
+    from sdp.subnet import assign, rolling
+    from sdp.models import base, resnet, vit
 
     def choices(cls: type, name: str) -> tuple:
         return next(f.metadata["choices"] for f in dataclasses.fields(cls) if f.name == name)
@@ -165,7 +166,7 @@ def test_schema_choices_are_the_codes_own() -> None:
     pairs = [((Train, "nan_policy"), guards.POLICIES), ((Train, "precision"), precision.PRECISIONS),
              ((Train, "budget"), budget.BUDGETS), ((Train, "flops_ratio"), budget.FLOPS_RATIOS),
              ((schema.Debug, "fault"), faults.FAULTS), ((Eval, "bn"), evaluation.BN_PROTOCOLS),
-             ((PRESETS["sdp"], "level"), units.LEVELS), ((PRESETS["sdp"], "masking"), sdp_plan.MASKINGS),
+             ((PRESETS["sdp"], "level"), base.LEVELS), ((PRESETS["sdp"], "masking"), sdp_plan.MASKINGS),
              ((PRESETS["sdp"], "assignment"), assign.ASSIGNMENTS), ((PRESETS["sdp"], "redraw"), rolling.REDRAWS),
              ((PRESETS["sdp"], "rescale"), sdp_config.RESCALES), ((PRESETS["pipeline"], "schedule"), pipeline_plan.SCHEDULES),
              ((schema_models.ResNetArgs, "block"), resnet.BLOCKS), ((schema_models.ResNetArgs, "stem"), resnet.STEMS),

@@ -272,7 +272,7 @@ def test_stale_override_on_the_command_line_names_the_new_key() -> None:
 def test_steps_are_checked_after_the_budget_has_set_them() -> None:
     """Under a FLOP budget train.steps is DDP's count and SDP runs more: a fault step beyond the
     configured steps but inside the resolved ones is accepted, one beyond both is refused, naming both."""
-    from sdp.planning.budget import resolve_steps
+    from sdp.driver.budget import resolve_steps
     from sdp.driver.config import check_resolved
 
     def resolved(fault_step: int):  # noqa: ANN202
@@ -295,7 +295,7 @@ def test_the_driver_builds_the_model_and_the_plan_once_and_hands_them_on(monkeyp
     to the budget: nothing is kept between calls, so a second job validated in the same process (another
     coverage) gets its own plan, and the budget reads the plan it is handed (k), not one left from earlier."""
     from sdp.driver import preflight
-    from sdp.planning import budget as budgets
+    from sdp.driver import budget as budgets
 
     sdp_spec = STRATEGIES.get("sdp")
     counts = {"model": 0, "plan": 0}

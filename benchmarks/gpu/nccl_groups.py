@@ -1,11 +1,11 @@
 """The communicator life cycle an SDP re-draw puts NCCL through, on one rank: split, use, destroy, split again.
 
 Why a smoke test of its own: SDP makes one process group per holder set with ``new_group`` (on NCCL bound to its
-device, a ``ncclCommSplit`` of the default communicator sharing its resources, ``sdp.rank.distctx.comm_options``)
+device, a ``ncclCommSplit`` of the default communicator sharing its resources, ``sdp.core.distctx.comm_options``)
 and a re-draw destroys the groups the new plan no longer uses and makes new ones
 (``sdp.subnet.holder_groups.GroupSet.redraw``). At world size 1 SDP itself makes no sub-group (every unit is
 held by the one rank), so a one-GPU run of SDP never exercises that path; this script does, with the job's own
-initialisation (:func:`sdp.rank.distctx.init_world`) and group options (:func:`sdp.rank.distctx.subgroup_kwargs`).
+initialisation (:func:`sdp.core.distctx.init_world`) and group options (:func:`sdp.core.distctx.subgroup_kwargs`).
 What it cannot show: a split into groups of several ranks (NCCL refuses two ranks on one GPU).
 
 Writes one JSON object: each step's name, whether it passed, its seconds, and the error where it failed.
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from sdp.rank.distctx import init_world, subgroup_kwargs
+from sdp.core.distctx import init_world, subgroup_kwargs
 
 
 def _reduce_is_identity(*, group: Any, device: torch.device) -> None:

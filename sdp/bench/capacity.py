@@ -70,7 +70,7 @@ def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: t
     from sdp.metrics.live import LiveTensorTracker
     from sdp.models.base import count_params
     from sdp.parallel import STRATEGIES as REGISTRY, DistContext, Job
-    from sdp.rank.loss import loss_fn
+    from sdp.core.loss import loss_fn
     from sdp.rank.worker import build_model
     from sdp.registry import build
 

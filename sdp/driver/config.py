@@ -70,7 +70,7 @@ def importable(key: str, value: Any, *, base: type | None = None) -> None:
 def validate_train(cfg: DictConfig) -> None:
     """The ``train:`` node's rules beyond its schema: ``train.resume`` must resolve, ``train.debug`` must name a
     rank and step of the job (types, choices and ranges: :func:`sdp.driver.typed.parse`, run first)."""
-    from sdp.rank import checkpoint_resume
+    from sdp.driver import checkpoint_resume
 
     tc = cfg.train
     if tc.resume is not None and str(tc.resume) != "auto":
@@ -85,7 +85,7 @@ def validate_train(cfg: DictConfig) -> None:
 
 
 def check_resolved(cfg: DictConfig) -> None:
-    """What depends on the resolved ``train.steps`` (:func:`sdp.planning.budget.resolve_steps` may change it under
+    """What depends on the resolved ``train.steps`` (:func:`sdp.driver.budget.resolve_steps` may change it under
     ``train.budget=flops|tokens``): called by the driver once the budget is resolved, before any rank."""
     dbg, steps = cfg.train.debug, cfg.train.steps
     if dbg.fault is not None:
@@ -125,7 +125,7 @@ def validate(cfg: DictConfig, *, launching: bool = True) -> Preflight:
     """Check everything that can be checked without starting a rank; returns what was built for it once
     (the meta model, the job's facts, the strategy's plan), for the budget and the launch. ``launching=False``
     (``sdp-plan``: nothing runs here) skips what only a launch on this machine needs: visible CUDA devices."""
-    from sdp.driver.rankenv import external_launcher
+    from sdp.rank.rankenv import external_launcher
     from sdp.driver.typed import check_built, parse
     from sdp.models.base import SDPModel
     from sdp.parallel import STRATEGIES
@@ -148,7 +148,7 @@ def validate(cfg: DictConfig, *, launching: bool = True) -> Preflight:
         import os
 
         env_world = int(os.environ["WORLD_SIZE"])
-        from sdp.driver.rankenv import seen_env
+        from sdp.rank.rankenv import seen_env
 
         require(env_world == cl.world_size, "cluster.world_size", cl.world_size,
                 f"the external launcher started a world of WORLD_SIZE={env_world} ranks (variables seen: {seen_env()}); "

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from sdp.registry import build
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.driver.rankenv import attempt_id, external_launcher
+from sdp.rank.rankenv import attempt_id, external_launcher
 from sdp.results.rundir import RunDir
 from sdp.results.summary import Summary
 
@@ -146,7 +146,7 @@ def launch(*, cfg: DictConfig, run_dir: Path, budget: dict[str, Any] | None = No
         raise stopped(exc.sigval) from None
     except ChildFailedError as exc:
         rank, failure, message = root_cause(exc.failures)
-        from sdp.rank.distctx import last_position
+        from sdp.core.distctx import last_position
 
         message += last_position(str(RunDir(run_dir).failure_rank(rank)))  # aborted (NCCL watchdog) or killed
         others = sorted(r for r in exc.failures if r != rank)

@@ -33,7 +33,7 @@ def rerun_argv(*, run_dir: Path, out: Path, overrides: list[str]) -> list[str]:
     if budget and budget.get("base_steps") is not None and budget.get("budget") != "tokens":
         args.append(f"train.steps={int(budget['base_steps'])}")  # the budget re-derives the recorded steps
     for key, values in ((budget or {}).get("schedule") or {}).items():
-        args.append(f"{key}={int(values['base'])}")  # and the schedule keys it scaled (sdp.planning.budget.SCALED_KEYS)
+        args.append(f"{key}={int(values['base'])}")  # and the schedule keys it scaled (sdp.driver.budget.SCALED_KEYS)
     return args + overrides
 
 

@@ -2,7 +2,7 @@
 
 Every Slurm task of a job is one rank: :func:`slurm_environment` turns the task's SLURM_* variables
 into the torch.distributed ones (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE),
-so the worker runs in-process (``sdp.driver.rankenv.external_launcher``) and nothing is spawned again. It
+so the worker runs in-process (``sdp.rank.rankenv.external_launcher``) and nothing is spawned again. It
 works for tasks started by Hydra's submitit launcher (``cluster=slurm`` with ``-m``) and by a plain
 ``srun`` (``slurm/sdp.sbatch``) alike, single- or multi-node.
 
@@ -33,7 +33,7 @@ from hydra.core.config_store import ConfigStore
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from omegaconf import DictConfig
 
-from sdp.driver.rankenv import external_launcher
+from sdp.rank.rankenv import external_launcher
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from sdp.driver import finished, messages, sweep
-from sdp.rank import checkpoint, checkpoint_resume
+from sdp.rank import checkpoint
+from sdp.driver import checkpoint_resume
 from sdp.results import contract as results
-from sdp.planning import budget as budgets
+from sdp.driver import budget as budgets
 from sdp.driver.config import check_resolved, renamed_overrides, validate
 from sdp.driver.typed import register
 from sdp.driver.launch import RankFailure, launch
-from sdp.driver.rankenv import attempt_id, external_launcher
+from sdp.rank.rankenv import attempt_id, external_launcher
 from sdp.results.loggers import wandb_mode, wandb_run_id
 from sdp.results.rundir import RunDir
 from sdp.driver.slurm import slurm_environment
@@ -67,7 +68,7 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
     run_dir = Path(run_dir)
     slurm_environment(cluster=cfg.cluster)  # a Slurm task becomes a rank (RANK, WORLD_SIZE, ...) before validation
     built = validate(cfg)  # the driver's one meta build, the job's facts and the strategy's plan, handed on below
-    budget = budgets.apply(cfg, preflight=built)  # train.steps and the step-denominated schedule keys (sdp/planning/budget.py)
+    budget = budgets.apply(cfg, preflight=built)  # train.steps and the step-denominated schedule keys (sdp/driver/budget.py)
     check_resolved(cfg)  # checks against train.steps come after the budget has set it
     driver = not external_launcher() or os.environ.get("RANK") == "0"
     if cfg.train.get("skip_done"):
@@ -89,8 +90,8 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
         if finished.is_finished(ckpt=ckpt, cfg=cfg):  # nothing to train: no rank starts, nothing is overwritten
             if rank == 0:  # no worker starts to remove the verdict: once the others have read it (before a rebuilt
                 # summary.json exists, which a slower rank under train.skip_done would take for a job to skip)
-                checkpoint_resume.release_verdicts(run_dir=run_dir, attempt=attempt_id(), world_size=int(os.environ["WORLD_SIZE"]),
-                                                   timeout_s=wait_s)
+                checkpoint.release_verdicts(run_dir=run_dir, attempt=attempt_id(), world_size=int(os.environ["WORLD_SIZE"]),
+                                            timeout_s=wait_s)
             done = finished.finish(cfg=cfg, run_dir=run_dir, ckpt=ckpt, budget=budget, prepared=built.prepared, driver=driver)
             if done is not None:
                 print(format_summary(done), flush=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdp.metrics.hardware import gpu_of_device
-from sdp.subnet.units import LEVELS
+from sdp.models.base import LEVELS
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def peak_flops(*, device_name: str, dtype: str) -> float | None:
 
 def matmul_dtype(*, precision: str, tf32: bool) -> str:
     """What a run's matmuls run in, the key of a device's peak: bf16 under ``train.precision=bf16``, else tf32
-    where TF32 matmuls are on (``train.tf32``, :func:`sdp.driver.rankenv.set_backends`), else fp32."""
+    where TF32 matmuls are on (``train.tf32``, :func:`sdp.rank.rankenv.set_backends`), else fp32."""
     if precision == "bf16":
         return "bf16"
     return "tf32" if tf32 else "fp32"

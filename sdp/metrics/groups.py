@@ -13,7 +13,7 @@ NCCL), its communicator is created eagerly and every later ``new_group`` is made
 ``ncclCommSplit`` of it (``_get_split_source``; non-members issue a no-colour split). A split alone
 shares nothing: NCCL gives the child its parent's buffers, channels and proxy only when the *parent*
 was created with ``config.splitShare = 1`` (NCCL ``src/init.cc``), which torch leaves unset; so the
-worker creates the default group with :func:`sdp.rank.distctx.comm_options` (``split_share = 1``), and
+worker creates the default group with :func:`sdp.core.distctx.comm_options` (``split_share = 1``), and
 ``process_groups()["split_share"]`` says whether it was. The split needs every rank of the world to
 call ``new_group`` for every set, in the same order, which :class:`sdp.subnet.holder_groups.GroupSet` does (so
 ``use_local_synchronization=True`` is *not* used: members-only creation cannot split).

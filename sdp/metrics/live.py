@@ -8,7 +8,7 @@ optimizer, collectives' staging) and keys each output by its storage (the C++ ``
 views, in-place results and tensors sharing a storage count once. A weak reference on the storage
 removes it when it dies (storages keep their Python object alive as long as the C++ storage lives).
 ``device_type="meta"`` counts meta tensors the same way: ``sdp-plan`` rehearses steps on the meta
-device with it (:mod:`sdp.planning.plan_peaks`).
+device with it (:mod:`sdp.parallel.plan_peaks`).
 
 Why this and not ``torch.distributed._tools.mem_tracker.MemTracker``: that one hooks every module and
 keeps per-module snapshots (useful for attribution, costly per step); here the work per op is one

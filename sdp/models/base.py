@@ -25,6 +25,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+LEVELS = ("block", "neuron")  # what SDP splits a model by: its residual blocks, or their hidden dims (HiddenDim)
+
 
 @dataclass(frozen=True)
 class HiddenSlice:
@@ -243,3 +245,10 @@ def count_params(module: nn.Module) -> int:
     for p in module.parameters():
         total += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
     return total
+
+
+def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """BatchNorm layers with running statistics (a forward-masked worker's dropped blocks keep their
+    modules with the tensors deleted: they never run and have nothing to re-estimate)."""
+    return [m for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]

@@ -11,7 +11,7 @@ import importlib
 import pkgutil
 
 from sdp.parallel.base import StepResult, Strategy
-from sdp.rank.distctx import DistContext
+from sdp.core.distctx import DistContext
 from sdp.parallel.job import Job
 from sdp.parallel.spec import STRATEGIES, Coverage, StrategySpec, register
 

@@ -69,7 +69,7 @@ def _forward_modes_again() -> tuple[Any, Any]:
     """``checkpoint``'s contexts: none around the forward; around the recomputation, the torch-function modes
     that were active in the forward and are not any more. Why: torch's checkpoint restores autocast for the
     recomputation, but not a mode, and ``sdp-plan`` emulates autocast on the meta device with one
-    (:class:`sdp.planning.device_forward.Autocast`): without it the recomputation would save other tensors than
+    (:class:`sdp.parallel.device_forward.Autocast`): without it the recomputation would save other tensors than
     the forward (non-reentrant checkpoint refuses that). A rank's training forward runs under no such mode."""
     from torch.overrides import _get_current_function_mode_stack
 

@@ -28,11 +28,11 @@ from torch import nn
 
 from sdp.errors import ConfigError
 from sdp.metrics import memory
-from sdp.rank.distctx import DistContext, average_buffers
+from sdp.core.distctx import DistContext, average_buffers
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel
 from sdp.parallel.ac import apply_checkpointing
-from sdp.rank.precision import autocast
+from sdp.core.precision import autocast
 
 if TYPE_CHECKING:
     from sdp.parallel.job import Job
@@ -141,7 +141,7 @@ class Strategy(ABC):
 
     # ---- the forward, in the run's precision ------------------------------------------------------
     def autocast(self) -> Any:
-        """``train.precision``'s context (:func:`sdp.rank.precision.autocast`); every forward runs inside it."""
+        """``train.precision``'s context (:func:`sdp.core.precision.autocast`); every forward runs inside it."""
         return autocast(precision=self.precision, device=self.ctx.device)
 
     def _forward_loss(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer) -> torch.Tensor:

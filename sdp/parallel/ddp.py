@@ -19,8 +19,8 @@ from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import Job
 from sdp.parallel.spec import Overlap, StrategySpec, register
-from sdp.planning.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
-from sdp.planning.plan_peaks import rehearse
+from sdp.parallel.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.parallel.plan_peaks import rehearse
 from sdp.subnet.holder_groups import predicted_process_groups
 
 

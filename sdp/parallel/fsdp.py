@@ -14,7 +14,7 @@ Why these choices:
   still starts from exactly the parameters DDP and SDP start from (``tests/test_fsdp_meta.py``).
 - ``parallelism.replicate`` > 1 is HSDP: a 2-D mesh (replicate, shard), parameters sharded within a
   shard group and all-reduced across replicas.
-- Precision comes from ``train.precision`` (:func:`sdp.rank.precision.fsdp_policies`): bf16 all-gathers
+- Precision comes from ``train.precision`` (:func:`sdp.core.precision.fsdp_policies`): bf16 all-gathers
   and computes in bf16 and reduce-scatters in float32, BatchNorm layers sharded apart in float32;
   the forward runs under the same autocast as every other strategy (``Strategy._forward_loss``).
 - Communication is counted by intercepting the ``torch.distributed`` collectives FSDP issues
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from sdp.rank.distctx import average_buffers, mesh_overrides
+from sdp.core.distctx import average_buffers, mesh_overrides
 from sdp.driver.fields import conform
 from sdp.driver.schema_parallel import FSDP
 from sdp.errors import require
@@ -42,12 +42,12 @@ from sdp.metrics.collectives import count_collectives
 from sdp.metrics.groups import mesh_process_groups
 from sdp.models import init
 from sdp.models.base import SDPModel
-from sdp.rank.precision import DTYPES, fsdp_policies
+from sdp.core.precision import DTYPES, fsdp_policies
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import Job
 from sdp.parallel.spec import Overlap, StrategySpec, register
-from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
-from sdp.planning.plan_peaks import rehearse
+from sdp.parallel.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.parallel.plan_peaks import rehearse
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -78,9 +78,9 @@ class FSDPStrategy(Strategy):
         ctx = self.ctx
         self.reshard_after_forward = bool(self.cfg.reshard_after_forward)
         shape, names = mesh_layout(replicate=int(self.cfg.replicate), world=ctx.world_size)
-        # every dimension's groups get the job's timeout and NCCL options (sdp.rank.distctx.mesh_overrides)
+        # every dimension's groups get the job's timeout and NCCL options (sdp.core.distctx.mesh_overrides)
         self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names, backend_override=mesh_overrides(shape))
-        policy, norm_policy = fsdp_policies(precision=self.precision)  # train.precision (sdp/rank/precision.py)
+        policy, norm_policy = fsdp_policies(precision=self.precision)  # train.precision (sdp/core/precision.py)
         # On the meta device (the worker's build): shard first, then give each rank storage for its
         # shards only and fill them with the full build's seeded values (sdp.models.init), so the set-up
         # peak is one shard set plus one module, never the full model. A materialised model (built
@@ -176,7 +176,7 @@ class FSDPStrategy(Strategy):
 
 def compute_replica(model: SDPModel, *, precision: str) -> SDPModel:
     """A copy of ``model`` with the parameters FSDP2 computes with: under ``train.precision=bf16`` its
-    ``MixedPrecisionPolicy`` (:func:`sdp.rank.precision.fsdp_policies`) all-gathers every parameter in bf16
+    ``MixedPrecisionPolicy`` (:func:`sdp.core.precision.fsdp_policies`) all-gathers every parameter in bf16
     but BatchNorm's (sharded apart in float32); buffers keep their dtype. Why the planner needs it: FSDP2's
     forward runs embedding and norms on bf16 parameters (bf16 outputs where DDP's are float32) and saves
     no autocast weight casts (the parameters are bf16 already), so its activations are not DDP's."""

@@ -28,7 +28,7 @@ class Job:
     batch_size: int = 1  # train.batch_size: the per-rank batch
     seed: int = 0  # seed: the job's seed (a strategy's own random draws derive from it)
     precision: str = "fp32"  # train.precision
-    device: str = "cpu"  # cluster.device: what the planner's meta rehearsal reproduces (sdp.planning.device_forward)
+    device: str = "cpu"  # cluster.device: what the planner's meta rehearsal reproduces (sdp.parallel.device_forward)
     eval_bn: str = "reestimate"  # eval.bn: how evaluation treats BatchNorm statistics
     model_name: str = ""  # model.name, for messages and plan titles
     optimizer: Any = None  # the optim.optimizer node (sdp-plan: optimizer state bytes and rehearsal)

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from sdp.rank.distctx import average_buffers, mesh_overrides
+from sdp.core.distctx import average_buffers, mesh_overrides
 from sdp.errors import ConfigError, require
 from sdp.metrics.collectives import count_collectives
 from sdp.metrics.groups import mesh_process_groups
@@ -45,7 +45,7 @@ from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy
 from sdp.parallel.job import Job
 from sdp.parallel.spec import StrategySpec, register
 from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan
-from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.parallel.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 
 
 class StageModule(nn.Module):
@@ -97,7 +97,7 @@ class PipelineStrategy(Strategy):
         plan = self.prepared if self.prepared is not None else make_plan(  # the driver's cut (PipelineSpec.prepare)
             cfg=self.cfg, world_size=ctx.world_size, model=model, batch_size=self.job.batch_size)
         self.plan = plan
-        # every dimension's groups get the job's timeout and NCCL options (sdp.rank.distctx.mesh_overrides)
+        # every dimension's groups get the job's timeout and NCCL options (sdp.core.distctx.mesh_overrides)
         self.mesh = init_device_mesh(ctx.device.type, (plan.dp, plan.pp), mesh_dim_names=("dp", "pp"),
                                      backend_override=mesh_overrides((plan.dp, plan.pp)))
         self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp")

@@ -38,7 +38,7 @@ from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
 from sdp.parallel import sdp_config, sdp_plan, sdp_redraw_plan
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
-from sdp.planning.plan_entries import Entry
+from sdp.parallel.plan_entries import Entry
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import PartwiseAssembly, assemble, own_evaluated, set_branch_scales, split_blocks, tensor_map
 from sdp.subnet import redraw as R

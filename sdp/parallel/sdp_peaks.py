@@ -1,11 +1,11 @@
 """SDP's peak rehearsal for ``sdp-plan`` (set-up, train, eval and re-draw peaks per rank), next to the
-strategy it predicts; :mod:`sdp.planning.plan_peaks` holds the generic rehearsal it runs on.
+strategy it predicts; :mod:`sdp.parallel.plan_peaks` holds the generic rehearsal it runs on.
 
 Each rank's subnetwork is the strategy's own masking of the driver's plan on the meta device
 (:func:`sdp.subnet.masking.rank_subnetworks`), with the buckets of :class:`sdp.subnet.sync.OwnerSetSync`
 (the largest flat buffer of a step, or under ``parallelism.overlap`` every launched bucket until the sync
 finishes); evaluation builds the model part by part next to the rank's own state
-(:func:`sdp.planning.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
+(:func:`sdp.parallel.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
 time); with ``resample_every`` every peak is the largest over the draws the run makes, and the re-draws between
 them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_redraw_plan.rehearse_redraw`).
 ``tests/test_plan_peaks.py`` compares with the CPU tracker.
@@ -20,14 +20,14 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from sdp.rank.evaluation import batch_norms
+from sdp.models.base import batch_norms
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
 from sdp.parallel.sdp_plan import draw_at, run_plans
 from sdp.parallel.sdp_redraw_plan import redraw_peaks
-from sdp.planning.plan_entries import nbytes
-from sdp.planning.plan_peaks import rehearse, rehearse_partwise
+from sdp.parallel.plan_entries import nbytes
+from sdp.parallel.plan_peaks import rehearse, rehearse_partwise
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import partwise_names
 from sdp.subnet.holder_groups import GroupSet
@@ -43,7 +43,7 @@ def sdp_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, eval_ba
     which hands a rank another role: its training peak is the largest over the draws it trains on, its evaluation
     peak the largest over the draws it evaluates in (``eval_steps``: the 1-based steps evaluated after), set-up
     draw 0's, and ``redraw_peak_bytes`` the largest re-draw between those draws (``cfg``: the ``parallelism`` node).
-    Each rank's masked subnetwork is rehearsed (:func:`sdp.planning.plan_peaks.rehearse`) with its owner-set
+    Each rank's masked subnetwork is rehearsed (:func:`sdp.parallel.plan_peaks.rehearse`) with its owner-set
     buckets' flat buffers (overlapped: :func:`_overlap_stand_in`); evaluation part by part next to the rank's
     state (:func:`rehearse_partwise`), or a whole assembled copy for a model that cannot be cut.
 

@@ -19,7 +19,7 @@ from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import BlockShare, forward_fraction
 from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
-from sdp.planning.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.parallel.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.registry import build
 from sdp.subnet import masking as M
 from sdp.parallel.sdp_redraw_plan import state_template
@@ -120,7 +120,7 @@ def predict(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, facts: di
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
     facts["plan"] = plan.summary()  # as summary.json["plan"]: units -> holders, holder sets, connectivity
     if (redraw := predict_redraw(cfg=pc, optimizer=job.optimizer, model=model, world=world, plan=plan)) is not None:
-        facts["redraw"] = redraw  # the bytes of the first re-draw; its peaks: sdp.planning.plan_peaks (redraw_peak_bytes)
+        facts["redraw"] = redraw  # the bytes of the first re-draw; its peaks: sdp.parallel.plan_peaks (redraw_peak_bytes)
     pieces = M.pieces(model, plan)
     # the groups SDPStrategy creates (the same holder sets, the same rule): summary.json's process_groups
     facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets={p.holders for p in pieces},

@@ -12,7 +12,7 @@ meta model for every rank (:meth:`StrategySpec.prepare`: SDP's plan), its name i
 (:meth:`StrategySpec.method_label`), the share of the model's units a worker computes
 (:meth:`StrategySpec.coverage`, a :class:`Coverage`) and of DDP's FLOPs (:meth:`StrategySpec.flops_fraction`;
 the budget and the report use both), and its ``sdp-plan`` prediction (:meth:`StrategySpec.predict`,
-:meth:`StrategySpec.predict_peaks`). The planner, :mod:`sdp.planning.budget`, :mod:`sdp.report` and
+:meth:`StrategySpec.predict_peaks`). The planner, :mod:`sdp.driver.budget`, :mod:`sdp.report` and
 :mod:`sdp.metrics.flops` ask the spec and name no strategy. A question only one strategy answers (SDP's
 plan frontier) is that strategy's own method, not the base's.
 
@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from sdp.metrics.flops import BlockShare
 from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
-from sdp.planning.plan_entries import Entry
+from sdp.parallel.plan_entries import Entry
 from sdp.registry import Registry
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ class StrategySpec:
     @classmethod
     def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
-        """``sdp-plan``: each rank's (memory, comm) entry (:mod:`sdp.planning.plan_entries`) for the ``parallelism``
+        """``sdp-plan``: each rank's (memory, comm) entry (:mod:`sdp.parallel.plan_entries`) for the ``parallelism``
         node ``cfg`` of ``job`` and ``model`` built on the meta device; strategy facts for the plan's JSON go into
         ``facts``."""
         raise ValueError(f"parallelism.name={cls.name!r}: this strategy makes no sdp-plan prediction (StrategySpec.predict)")
@@ -154,7 +154,7 @@ class StrategySpec:
     def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int, steps: int,
                       eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         """``sdp-plan``'s set-up, train and eval peaks per rank (the strategy's own rehearsal, next to it in
-        ``sdp/parallel/``, on :mod:`sdp.planning.plan_peaks`'s generic one); ``eval_batch``: a rank's evaluation
+        ``sdp/parallel/``, on :mod:`sdp.parallel.plan_peaks`'s generic one); ``eval_batch``: a rank's evaluation
         batch; ``steps``: the steps the run makes and ``eval_steps`` the 1-based steps it evaluates after (its budget
         resolved, :class:`sdp.rank.schedule.Cadence`): a strategy whose state changes over the run, SDP's
         re-draws, predicts the largest over it; ``state``: the memory entries of :meth:`predict`. None

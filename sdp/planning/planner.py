@@ -3,7 +3,7 @@
 Same Hydra config as ``sdp-train``; nothing is launched and the model is built on the meta device,
 so a 1B-parameter model on 8 workers is planned in seconds. The strategy makes its own prediction
 (:meth:`sdp.parallel.spec.StrategySpec.predict` and ``predict_peaks``, with the shared rules of
-:mod:`sdp.planning.plan_entries`), reusing the code it runs (its plan, masking, buckets, cut or sharding
+:mod:`sdp.parallel.plan_entries`), reusing the code it runs (its plan, masking, buckets, cut or sharding
 rule) rather than a second model of it; activations come from a meta-device forward through the
 same saved-tensor meter the trainer measures with. ``plan.output=<file>`` writes JSON with the
 ``memory.per_rank`` and ``comm.per_rank`` keys of ``summary.json``, so prediction and measurement
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,8 @@ from sdp.errors import positive_int, require
 from sdp.models.base import SDPModel
 from sdp.parallel import STRATEGIES, Job, StrategySpec
 from sdp.parallel.ac import apply_checkpointing
-from sdp.planning.budget import apply as apply_budget
-from sdp.planning.plan_entries import Entry, communicators
-from sdp.planning.plan_peaks import predict_peaks
+from sdp.driver.budget import apply as apply_budget
+from sdp.parallel.plan_entries import Entry, communicators
 from sdp.planning.throughput import format_throughput, predict as predict_throughput
 from sdp.rank.schedule import Cadence
 from sdp.driver.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
@@ -44,7 +44,7 @@ from sdp.registry import build
 from sdp.report.compare import mib
 
 BASE_NOTE = "activation_bytes: saved for backward by a meta-device forward at the per-rank batch"
-# The peaks a prediction may hold (sdp/planning/plan_peaks.py; a re-draw's only with parallelism.resample_every),
+# The peaks a prediction may hold (sdp/parallel/plan_peaks.py; a re-draw's only with parallelism.resample_every),
 # in the order a run reaches them: each is a column of the printed table where the plan has it.
 PEAKS = (("setup_peak_bytes", "set-up peak MiB"), ("train_peak_bytes", "train peak MiB"),
          ("redraw_peak_bytes", "re-draw peak MiB"), ("eval_peak_bytes", "eval peak MiB"))
@@ -81,15 +81,37 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
 
 def run_cadence(cfg: DictConfig, *, built: Preflight) -> Cadence:
     """The steps the run of ``cfg`` makes and those it evaluates after: its budget resolved into a copy of the config
-    (:func:`sdp.planning.budget.apply`, as the driver resolves it into the config the ranks read), then the
+    (:func:`sdp.driver.budget.apply`, as the driver resolves it into the config the ranks read), then the
     trainer's own :class:`~sdp.rank.schedule.Cadence` of it."""
     run = copy.deepcopy(cfg)
     return Cadence.of(train=run.train, budget=apply_budget(run, preflight=built))
 
 
+def eval_batch(*, eval_batch_size: int, val_samples: int, world: int) -> int:
+    """The largest batch a rank evaluates: ``train.eval_batch_size``, or the rank's whole share of the
+    validation set when that is smaller (:func:`sdp.data.base.val_batches` deals sample ``i`` to rank
+    ``i mod world``, so rank 0's share, ``ceil(val_samples / world)``, is the largest; ``val_samples``: the
+    size of the set the dataset built, :attr:`sdp.driver.preflight.Preflight.val_samples`)."""
+    assert val_samples > 0 and world > 0 and eval_batch_size > 0, (val_samples, world, eval_batch_size)
+    return min(int(eval_batch_size), math.ceil(int(val_samples) / world))
+
+
+def predict_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, state: list[dict[str, Any]], spec: Any,
+                  val_samples: int, cadence: Cadence, prepared: Any = None) -> list[dict[str, int]] | None:
+    """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` from ``spec``'s
+    :meth:`~sdp.parallel.spec.StrategySpec.predict_peaks` (None: a strategy without a peak rehearsal:
+    pipeline). ``state``: the planner's per-rank memory entries (the held parameter, gradient and
+    optimizer bytes that FSDP's rule starts from); ``val_samples``: the validation set's real size (what
+    evaluation batches, :func:`eval_batch`); ``cadence``: the run's steps and the steps it evaluates after (its
+    budget resolved); ``prepared``: what the driver built for the ranks."""
+    batch = eval_batch(eval_batch_size=int(cfg.train.eval_batch_size), val_samples=val_samples, world=job.world_size)
+    return spec.predict_peaks(cfg=cfg.parallelism, job=job, model=model, eval_batch=batch, steps=cadence.steps,
+                              eval_steps=frozenset(cadence.eval_at), state=state, prepared=prepared)
+
+
 def add_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, entries: list[Entry], spec: type[StrategySpec],
               prepared: Any, val_samples: int, cadence: Cadence) -> None:
-    """Add the predicted set-up, train and eval peaks (:mod:`sdp.planning.plan_peaks`) to each rank's memory entry
+    """Add the predicted set-up, train and eval peaks (:mod:`sdp.parallel.plan_peaks`) to each rank's memory entry
     (``val_samples``: the validation set's size; ``cadence``: the run's steps and evaluations, :func:`run_cadence`)."""
     assert len(entries) == job.world_size, f"one entry per rank: {len(entries)} entries, world_size={job.world_size}"
     peaks = predict_peaks(cfg=cfg, job=job, model=model, state=[m for m, _ in entries], spec=spec, prepared=prepared,

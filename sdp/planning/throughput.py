@@ -6,7 +6,7 @@ compute and where by the network, and so where SDP's smaller all-reduces turn in
 input is one the suite already predicts or states: a step's FLOPs are the budget's count (the full model's
 training FLOPs per sample, :meth:`sdp.models.base.SDPModel.flops_per_sample`, times the fraction of it the
 strategy computes, :meth:`sdp.parallel.spec.StrategySpec.flops_fraction`, as ``train.budget=flops`` uses
-them: :func:`sdp.planning.budget.resolve_steps`), a rank's collectives are the strategy's ``sdp-plan``
+them: :func:`sdp.driver.budget.resolve_steps`), a rank's collectives are the strategy's ``sdp-plan``
 prediction (``comm.per_rank``: each kind's ring wire bytes), what they overlap is the strategy's own statement
 (:class:`sdp.parallel.spec.Overlap`), and the device and link are a row each of ``conf/hardware.yaml``
 (``cluster.gpu``, ``cluster.link``). The rule, one for every strategy:
@@ -42,7 +42,7 @@ from sdp.metrics.hardware import gpus, links
 from sdp.models.base import forward_flop_counts
 from sdp.parallel.ac import chosen_blocks
 from sdp.parallel.spec import Overlap, StrategySpec
-from sdp.planning.budget import resolve_steps
+from sdp.driver.budget import resolve_steps
 
 WINDOW_SHARE = {"none": 0.0, "backward": 2.0 / 3.0, "step": 1.0}  # share of compute_s a window spans
 FIELDS = ("compute_s", "comm_s", "exposed_comm_s", "step_s")

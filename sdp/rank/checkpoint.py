@@ -22,7 +22,7 @@ the step *is* the data position; ``data_key`` records what that function depends
 with a different seed, batch or dataset size is refused. Why atomic: everything is written into
 ``step_N.tmp/`` and renamed by rank 0 after a barrier, so a crash mid-write never leaves a directory
 that looks complete; a file damaged afterwards is found by its checksum before a resume, and
-``train.resume=auto`` falls back to the previous whole checkpoint (:mod:`sdp.rank.checkpoint_resume`, the
+``train.resume=auto`` falls back to the previous whole checkpoint (:mod:`sdp.driver.checkpoint_resume`, the
 driver's side of a resume). Every wait of a save is on a gloo group of its own with
 ``train.checkpoint_timeout_s`` (:mod:`sdp.rank.checkpoint_io` says why). Loading uses
 ``torch.load(weights_only=True)``: no arbitrary pickle.
@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from sdp.parallel.base import Strategy
 from sdp.results.rundir import CHECKPOINT_PREFIX as PREFIX, RunDir, checkpoint_meta
 
 # What a resume must share with the checkpoint it continues, each with why: recorded in meta.json
-# (resume_key) and compared by the driver before any rank starts (sdp.rank.checkpoint_resume.check_resume), which
+# (resume_key) and compared by the driver before any rank starts (sdp.driver.checkpoint_resume.check_resume), which
 # names the first key that differs. A node (model, optim.optimizer) stands for every key under it.
 _SCHEDULE = "the LR schedule depends on it (sdp.rank.schedule.lr_lambda over the resolved train.steps, which the budget sets)"
 RESUME_KEYS: dict[str, str] = {
@@ -192,3 +193,26 @@ def io_timeout_s(cfg: DictConfig) -> Any:
     """``train.checkpoint_timeout_s`` as set (:func:`sdp.driver.config.validate_train` checks it is a number > 0); a
     config written before the key (a re-run of a recorded run) waits ``cluster.timeout_s``, as its checkpoints did."""
     return cfg.train.get("checkpoint_timeout_s", cfg.cluster.timeout_s)
+
+
+VERDICT_POLL_S = 0.5  # how often a process waiting for the resume verdict looks for it
+
+
+def release_verdicts(*, run_dir: Path, attempt: str, world_size: int, timeout_s: float) -> None:
+    """Rank 0: remove the resume verdicts (written by :func:`sdp.driver.checkpoint_resume.resolve_once`) once the
+    job's other ``world_size - 1`` processes have read this attempt's (up to ``timeout_s``; the worker calls it with
+    0 once every rank has joined the process group, the driver when a finished run starts no worker), so a finished
+    or resumed run directory keeps none of them (a job that fails before leaves them; another attempt of the job
+    reads its own, :func:`sdp.rank.rankenv.attempt_id`)."""
+    path = RunDir(run_dir).resume_verdict(attempt)
+    if not path.parent.exists():
+        return
+    deadline = time.monotonic() + timeout_s
+    while path.exists() and not all(verdict_ack(path, r).exists() for r in range(1, world_size)) and time.monotonic() < deadline:
+        time.sleep(VERDICT_POLL_S)
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def verdict_ack(path: Path, rank: int) -> Path:
+    """The file a rank other than 0 writes once it has read the resume verdict at ``path``."""
+    return path.with_name(f"{path.stem}.read{rank}")

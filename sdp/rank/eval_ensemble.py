@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from sdp.rank.distctx import DistContext
-from sdp.rank.eval_ops import LOSS_CHUNK_TOKENS
+from sdp.core.distctx import DistContext
+from sdp.core.loss import LOSS_CHUNK_TOKENS
 
 
 def add_batch(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor, *, ctx: DistContext, argmax: bool,

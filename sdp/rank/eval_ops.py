@@ -11,17 +11,11 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
+from sdp.core.distctx import DistContext
+from sdp.core.loss import loss_and_correct
 from sdp.data.base import DataBundle, val_batches
-from sdp.rank.distctx import DistContext
-
-
-def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    """BatchNorm layers with running statistics (a forward-masked worker's dropped blocks keep their
-    modules with the tensors deleted: they never run and have nothing to re-estimate)."""
-    return [m for m in model.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
+from sdp.models.base import batch_norms
 
 
 def statistics(norms: Sequence[nn.modules.batchnorm._BatchNorm]) -> list[torch.Tensor]:
@@ -83,24 +77,6 @@ def world_sum(t: torch.Tensor, *, ctx: DistContext) -> torch.Tensor:
     """``t`` summed over the ranks in rank order (:func:`ordered_sum` of the gathered values, where an
     all-reduce's order is the backend's): the world's totals, added as :func:`sdp.rank.evaluation.own_totals` adds shards."""
     return ordered_sum(gathered([t], ctx=ctx))
-
-
-LOSS_CHUNK_TOKENS = 8192  # rows of the flattened logits per cross-entropy call in evaluation
-
-
-def loss_and_correct(out: torch.Tensor, target: torch.Tensor, *,
-                     chunk: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy and correct arg-max predictions of ``out`` (N, C) or (B, T, V) against
-    ``target``, ``chunk`` rows at a time: cross-entropy's log-softmax copy is then one chunk of the
-    vocabulary-sized logits, not all of them (an LM's evaluation batch would otherwise hold two). Both
-    are float64 tensors on ``out``'s device: nothing is read back per chunk (a host sync on a GPU)."""
-    logits, labels = out.reshape(-1, out.shape[-1]), target.reshape(-1)
-    loss = torch.zeros((), dtype=torch.float64, device=out.device)
-    correct = torch.zeros((), dtype=torch.float64, device=out.device)
-    for o, t in zip(logits.split(chunk), labels.split(chunk)):
-        loss += F.cross_entropy(o, t, reduction="sum")
-        correct += (o.argmax(-1) == t).sum()
-    return loss, correct
 
 
 def accumulate(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor) -> None:

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from sdp.data.base import DataBundle, val_batches
-from sdp.rank.distctx import DistContext
-from sdp.rank.distctx import flatten, unflatten
-from sdp.rank.eval_ops import accumulate, batch_norms, bn_pass, gathered, ordered_mean
+from sdp.core.distctx import DistContext
+from sdp.core.distctx import flatten, unflatten
+from sdp.models.base import batch_norms
+from sdp.rank.eval_ops import accumulate, bn_pass, gathered, ordered_mean
 
 
 @runtime_checkable

@@ -59,8 +59,9 @@ from torch import nn
 
 from sdp.rank import eval_ensemble
 from sdp.data.base import DataBundle
-from sdp.rank.distctx import DistContext, flatten, unflatten
-from sdp.rank.eval_ops import batch_norms, bn_pass, gathered, ordered_mean, ordered_sum, statistics, val_totals
+from sdp.core.distctx import DistContext, flatten, unflatten
+from sdp.models.base import batch_norms
+from sdp.rank.eval_ops import bn_pass, gathered, ordered_mean, ordered_sum, statistics, val_totals
 from sdp.rank.eval_parts import Partwise, partwise_totals
 from sdp.results.evalresult import EvalResult
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sdp.parallel.base import StepResult
-from sdp.rank.distctx import WHERE, DistContext
+from sdp.core.distctx import WHERE, DistContext
 
 POLICIES = ("stop", "skip")
 
@@ -134,7 +134,7 @@ def _hint(exc: BaseException, *, timeout_s: float) -> str:
 def naming_step(*, step: int, rank: int, timeout_s: float) -> Iterator[None]:
     """Re-raise any error of a step as :class:`StepFailure` naming the step and rank (a process-group
     timeout or a dead peer is said so) and the groups the step's collectives went to (SDP's holder sets:
-    :data:`sdp.rank.distctx.WHERE`), so the launcher's report says where the job died. The step's start is
+    :data:`sdp.core.distctx.WHERE`), so the launcher's report says where the job died. The step's start is
     noted in ``WHERE`` too, which keeps it in the rank's failure file for a process that is aborted
     without a Python error (NCCL's watchdog)."""
     WHERE.begin_step(step)

@@ -63,7 +63,7 @@ def budget_clock(*, budget: dict[str, Any] | None, steps: int) -> tuple[int, Fra
     ``train.budget=flops``, where methods run different step counts, DDP's step count (the budget's
     ``base_steps``) and, where the budget scaled ``train.eval_every``, DDP's cadence as a fraction of it;
     otherwise the run's own steps (every method runs the same) and None. ``budget``: the driver's
-    resolution (:mod:`sdp.planning.budget`)."""
+    resolution (:mod:`sdp.driver.budget`)."""
     if budget is None or budget.get("budget") != "flops":
         return steps, None
     base = int(budget["base_steps"])

@@ -24,7 +24,7 @@ from sdp.rank.schedule import Cadence, lr_lambda
 from sdp.results.evalresult import EvalResult
 from sdp.results.loggers import Logger, ProgressBar
 from sdp.rank.eval_ops import world_sum
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from sdp.metrics.activations import measure_saved_tensors
 from sdp.metrics.memory import PeakTracker
 from sdp.metrics.timing import PhaseTimer

@@ -22,11 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from sdp.rank import evaluation, rng
+from sdp.rank.checkpoint import release_verdicts
 from sdp.results import contract as results
 from sdp.data.base import DataBundle
-from sdp.driver.rankenv import attempt_id, format_layout, launcher_identity, nodes_of, set_backends, world_layout
-from sdp.rank.checkpoint_resume import release_verdicts
-from sdp.rank.distctx import WHERE, init_world
+from sdp.rank.rankenv import attempt_id, format_layout, launcher_identity, nodes_of, set_backends, world_layout
+from sdp.core.distctx import WHERE, init_world
 from sdp.results.rundir import RunDir
 from sdp.results.summary import Final, Summary
 from sdp.results.loggers import JsonlLogger, Logger, MultiLogger, NullLogger, WandbLogger
@@ -96,7 +96,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
              prepared: Any = None) -> Summary | None:
     """Entry point of every rank; returns the summary on rank 0 and None elsewhere.
 
-    ``budget`` (the driver's step count resolution, :mod:`sdp.planning.budget`) goes into summary.json with the
+    ``budget`` (the driver's step count resolution, :mod:`sdp.driver.budget`) goes into summary.json with the
     throughput figures derived from it, so rank 0 writes the file once and complete. ``prepared``: what
     the strategy built once in the driver (SDP's plan), handed to the strategy, which builds nothing of it again."""
     cfg = OmegaConf.create(config)
@@ -115,14 +115,14 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
     peak = PeakTracker(device=device, live=bool(mem.get("tracker", True)),
                        budget_bytes=int(float(budget_mb) * 2**20) if budget_mb is not None else None)
     # NCCL: bound to its device, the default communicator is created at once and every later new_group
-    # (SDP's holder sets) is split from it, sharing its resources: split_share (sdp.rank.distctx.comm_options).
+    # (SDP's holder sets) is split from it, sharing its resources: split_share (sdp.core.distctx.comm_options).
     timeout = timedelta(seconds=float(cfg.cluster.timeout_s))
     init_world(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     logger: Logger = NullLogger()
     out = Path(run_dir)
     try:
         # Under an external launcher every process composed its own config; rank 0's dir wins, and every rank must
-        # resume what rank 0 resumes (rank 0 verified it: sdp.rank.checkpoint_resume.resolve_once).
+        # resume what rank 0 resumes (rank 0 verified it: sdp.driver.checkpoint_resume.resolve_once).
         shared, resume = [run_dir, cfg.train.get("resume")], cfg.train.get("resume")
         dist.broadcast_object_list(shared, src=0)
         out = Path(shared[0])
@@ -131,7 +131,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
                                "must resume the same checkpoint (a run directory every rank sees, hydra.run.dir=<dir>)")
         if rank == 0:  # every rank has joined: none reads the resume verdict any more
             release_verdicts(run_dir=out, attempt=attempt_id(), world_size=world, timeout_s=0)
-        WHERE.keep_at(str(RunDir(out).failure_rank(rank)), rank=rank, world=world)  # survives an abort (sdp.rank.distctx)
+        WHERE.keep_at(str(RunDir(out).failure_rank(rank)), rank=rank, world=world)  # survives an abort (sdp.core.distctx)
         ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
         layout = world_layout(rank=rank, local_rank=local_rank, device=device, world_size=world, nodes=cfg.cluster.get("nodes"))
         if rank == 0:

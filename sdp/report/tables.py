@@ -4,7 +4,7 @@ Group keys are derived, not configured: every config key (dotted) that takes two
 values across the sweep's runs, minus the seed and run-location keys (``exclude``). A key present in
 only some runs with one value (a preset's own knob) follows from another key and is not a group key.
 Group keys outside ``parallelism.*``, ``train.steps`` and the schedule keys a FLOP budget scales with the
-steps (:data:`sdp.planning.budget.SCALED_KEYS`) split the sweep into separate tables (one
+steps (:data:`sdp.driver.budget.SCALED_KEYS`) split the sweep into separate tables (one
 per model, dataset, world size, budget, evaluation protocol ``eval.bn``, ...); within a table, rows
 are method variants, so no table ever compares rows that were evaluated differently.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sdp.planning.budget import SCALED_KEYS
+from sdp.driver.budget import SCALED_KEYS
 from sdp.parallel import STRATEGIES
 from sdp.report.runs import Run, run_figures
 from sdp.report.stats import PAIRED_METRICS, TARGET_FACTOR, Paired, paired_difference, ratio, run_time_to_target
@@ -31,7 +31,7 @@ from sdp.results.contract import RUN_CONTROL_KEYS
 
 DEFAULT_EXCLUDE = ("seed", "hydra.*", "logger.*", "*dir", "*_dir", "*root", "run_dir",
                    *(p for key in RUN_CONTROL_KEYS for p in (key, f"{key}.*")))
-# what the budget sets per method (sdp/planning/budget.py: steps and the schedule keys scaled with them; shown as row columns)
+# what the budget sets per method (sdp/driver/budget.py: steps and the schedule keys scaled with them; shown as row columns)
 METHOD_KEYS = ("parallelism.*", "train.steps", *SCALED_KEYS)
 TITLE_KEYS = {"model.name": "model", "dataset.name": "dataset", "cluster.world_size": "workers",
               "train.budget": "budget", "scale.name": "scale", "eval.bn": "eval BN"}

@@ -88,7 +88,7 @@ class RunDir:
 
     def resume_verdict(self, attempt: str) -> Path:
         """The checkpoint one attempt's verifying process chose for ``train.resume`` (read by the job's other
-        processes, removed once every rank has joined: :mod:`sdp.rank.checkpoint_resume`)."""
+        processes, removed once every rank has joined: :mod:`sdp.driver.checkpoint_resume`)."""
         return self.root / "resume_verdicts" / f"{attempt}.json"
 
     @property

@@ -113,13 +113,13 @@ class Summary:
     run_dir: str | None = None
     """Where the run wrote its outputs (:class:`sdp.results.rundir.RunDir`)."""
     budget: dict[str, Any] | None = None
-    """The driver's step-count resolution (:func:`sdp.planning.budget.apply`): ``budget``, ``base_steps``,
+    """The driver's step-count resolution (:func:`sdp.driver.budget.apply`): ``budget``, ``base_steps``,
     ``steps``, ``step_ratio``, ``flops_per_step``, ``total_flops``, ``schedule`` (each schedule key scaled
     with the steps: ``{"optim.warmup_steps": {"base": asked for, "scaled": run}, ...}``; absent in older runs), ..."""
     nodes: Any = None
-    """Hosts the ranks ran on (:func:`sdp.driver.rankenv.nodes_of`)."""
+    """Hosts the ranks ran on (:func:`sdp.rank.rankenv.nodes_of`)."""
     backends: dict[str, Any] | None = None
-    """The numerics switches rank 0 set (:func:`sdp.driver.rankenv.set_backends`): ``device_type``, ``deterministic``,
+    """The numerics switches rank 0 set (:func:`sdp.rank.rankenv.set_backends`): ``device_type``, ``deterministic``,
     and on CUDA ``tf32_matmul``, ``tf32_cudnn``, ``cudnn_benchmark``, ``cudnn_deterministic`` (None on CPU);
     None in older runs."""
     rebuilt: str | None = None

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp.models.base import ResidualBlock, SDPModel
-from sdp.rank.distctx import DistContext, flatten, unflatten
+from sdp.core.distctx import DistContext, flatten, unflatten
 from sdp.subnet.masking import Local, Piece, locate, view
 from sdp.subnet.plan import Plan
 from sdp.subnet.holder_groups import GroupSet

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from sdp.rank.distctx import DistContext
+from sdp.core.distctx import DistContext
 from sdp.subnet.masking import Local, Piece, locate
 
 # A piece's state as ``{key: description}``; a description is ("tensor", dtype) for state shaped like

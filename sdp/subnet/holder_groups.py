@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from sdp.rank.distctx import WHERE, DistContext, subgroup_kwargs
+from sdp.core.distctx import WHERE, DistContext, subgroup_kwargs
 
 
 def group_rank_sets(*, world_size: int, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> list[tuple[int, ...]]:
@@ -86,7 +86,7 @@ class GroupSet:
     """Process groups for holder sets and refresh sets, created in one global order.
 
     Every group gets the default group's timeout (``cluster.timeout_s``) and, on NCCL, options that make
-    it share the default communicator's resources (:func:`sdp.rank.distctx.subgroup_kwargs`); its description
+    it share the default communicator's resources (:func:`sdp.core.distctx.subgroup_kwargs`); its description
     names its ranks (``holders(0, 1)``), which NCCL's watchdog prints. A re-draw (:meth:`redraw`)
     destroys the groups the new plan no longer uses, so a run holds the groups of one plan (plus, during
     the re-draw, the new ones), not of every plan it ever drew."""
@@ -122,6 +122,6 @@ class GroupSet:
 
     def get(self, ranks: tuple[int, ...]) -> Any:
         """The group of ``ranks`` for a collective about to be issued: None (the default group) for the
-        whole world. Noted in :data:`sdp.rank.distctx.WHERE`, so a failure names the groups of its step."""
+        whole world. Noted in :data:`sdp.core.distctx.WHERE`, so a failure names the groups of its step."""
         WHERE.used(ranks, world=self.n)
         return None if len(ranks) == self.n else self.groups[ranks]

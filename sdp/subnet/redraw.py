@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdp.rank.distctx import DistContext, staged_through_host
+from sdp.core.distctx import DistContext, staged_through_host
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import average_statistics
 from sdp.subnet.carry import Described, descriptions, gather_descriptions, rebuild
@@ -75,7 +75,7 @@ class Wire:
 
     def _post(self, ops: list[tuple[bool, int, torch.Tensor]]) -> None:
         """Send and receive ``ops`` (send?, peer, contiguous buffer) as one batch; a buffer gloo cannot move
-        point to point (:func:`~sdp.rank.distctx.staged_through_host`: CUDA) goes through a host copy, a
+        point to point (:func:`~sdp.core.distctx.staged_through_host`: CUDA) goes through a host copy, a
         received one copied back after the wait, so the device holds no more than without staging."""
         for send, peer, buf in ops:
             self.ctx.comm.record(kind="send" if send else "recv", payload=buf.numel() * buf.element_size(), group_size=2)

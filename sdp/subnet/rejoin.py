@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sdp.rank.precision import lowered_dtype
+from sdp.core.precision import lowered_dtype
 
 
 class _DeviceIndex:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdp.rank.distctx import flatten, unflatten
+from sdp.core.distctx import flatten, unflatten
 from sdp.metrics.comm import CommCounter
 from sdp.subnet.holder_groups import GroupSet
 from sdp.subnet.masking import Local, Piece, locate, view

@@ -11,12 +11,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from sdp.metrics.activations import forward_saved_bytes
-from sdp.models.base import ResidualBlock, SDPModel
+from sdp.models.base import LEVELS, ResidualBlock, SDPModel
 from sdp.subnet.assign import PlanError
 
-__all__ = ["LEVELS", "cross_sliced", "declare_units", "measure_block_costs", "sliced_names"]
-
-LEVELS = ("block", "neuron")
+__all__ = ["cross_sliced", "declare_units", "measure_block_costs", "sliced_names"]
 
 def declare_units(model: SDPModel, *, level: str, groups: int, drop_downsample: bool) -> list[tuple[int, int | None]]:
     """(block index, group) of every unit, from the model's declarations."""

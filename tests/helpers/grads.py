@@ -24,7 +24,7 @@ class CapturingSGD(torch.optim.SGD):
 
 def reference_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
     """Gradients of the mean cross-entropy over the whole batch in one process (the ground truth)."""
-    from sdp.rank.loss import loss_fn
+    from sdp.core.loss import loss_fn
 
     model.zero_grad()
     loss_fn(model(x), y).backward()

@@ -1,9 +1,8 @@
 """What a rank knows about the job (:class:`DistContext`), the averages every strategy and the
 evaluation share, the options every process group is made with (:func:`subgroup_kwargs`: the job's
-timeout, NCCL's shared resources) and where the rank is (:data:`WHERE`, for failure reports). A leaf
-module: it imports nothing of ``sdp`` but the comm counter, so evaluation, assembly, the holder-set
-groups and the planner's rehearsals can use it without importing the strategies (``sdp.parallel``
-imports every strategy module, and strategies import the planner's rehearsals)."""
+timeout, NCCL's shared resources) and where the rank is (:data:`WHERE`, for failure reports). It imports
+nothing of ``sdp`` but the comm counter (:mod:`sdp.metrics.comm`), so it sits in :mod:`sdp.core`, below the
+subnetwork code, the strategies and the rank's evaluation, which all use it."""
 
 from __future__ import annotations
 

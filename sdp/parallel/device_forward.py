@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from sdp.rank.precision import DTYPES, meta_region
+from sdp.core.precision import DTYPES, meta_region
 
 DEVICES = ("cpu", "cuda")
 _LOWER = (F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm,
@@ -119,7 +119,7 @@ def device_forward(*, precision: str, device: str, attention: bool = True) -> It
     """The meta forward of a rank on ``device`` (``cluster.device``) under ``precision`` (``train.precision``):
     the device's attention kernel (``attention=False``: not routed, for a caller that enters
     :class:`Attention` once around several regions) and, under bf16, autocast. Enter it where the ranks
-    enter :func:`sdp.rank.precision.autocast`: around a training forward and its loss (not the backward),
+    enter :func:`sdp.core.precision.autocast`: around a training forward and its loss (not the backward),
     and around a whole evaluation (:meth:`sdp.rank.trainer.Trainer` evaluates under it)."""
     assert precision in DTYPES, f"precision={precision!r} not in {tuple(DTYPES)}"
     with ExitStack() as stack:

@@ -1,7 +1,8 @@
 """The rank environment: which launcher started this process and as what, and the world's layout.
 
-Used by the driver (:mod:`sdp.driver.launch`, :mod:`sdp.driver.config`, :mod:`sdp.driver.slurm`) and by every rank
-(:mod:`sdp.rank.worker`); in a module of its own so that the launcher and the worker do not import each other.
+Used by every rank (:mod:`sdp.rank.worker`) and by the driver above it (:mod:`sdp.driver.launch`,
+:mod:`sdp.driver.config`, :mod:`sdp.driver.slurm`); in a module of its own so that the launcher and the worker do
+not import each other.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``sdp-plan``'s predicted peaks (set-up, train, eval) per rank, by rehearsing steps on the meta device.
+"""The peak rehearsal every strategy's ``predict_peaks`` shares: set-up, train and eval peaks of a rank's module
+rehearsed on the meta device (``sdp-plan`` asks each strategy: :func:`sdp.planning.planner.predict_peaks`).
 
 Why a rehearsal rather than a formula: the peak is where parameters, gradients, optimizer state,
 saved activations, output gradients and temporaries (the logits' gradient, foreach optimizer
@@ -14,7 +15,7 @@ it cannot see is added by each strategy's own rule, next to the strategy in ``sd
 rehearsal of FSDP2's buffers: :func:`sdp.parallel.fsdp.fsdp_peaks`).
 
 The forward runs as the ranks' would on ``cluster.device`` under ``train.precision``
-(:func:`sdp.planning.device_forward.device_forward`: autocast emulated on meta, the device's attention kernel).
+(:func:`sdp.parallel.device_forward.device_forward`: autocast emulated on meta, the device's attention kernel).
 
 The comparison with the CPU tracker is ``tests/test_plan_peaks.py`` (within 10 %).
 """
@@ -22,24 +23,17 @@ The comparison with the CPU tracker is ``tests/test_plan_peaks.py`` (within 10 %
 from __future__ import annotations
 
 import copy
-import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
-from sdp.planning.device_forward import Attention, device_forward
-from sdp.rank.eval_ops import loss_and_correct
+from sdp.parallel.device_forward import Attention, device_forward
 from sdp.subnet.assemble import partwise_names
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_and_correct, loss_fn
 from sdp.registry import build
-
-if TYPE_CHECKING:
-    from sdp.parallel.job import Job
-    from sdp.rank.schedule import Cadence
 
 
 def _targets(out: torch.Tensor) -> torch.Tensor:
@@ -84,7 +78,7 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
     (no ``trainable``: evaluation only; ``optimizer``: the ``optim.optimizer`` node, built over ``trainable``).
     ``after_backward`` stands for the strategy's gradient sync. The forward and the loss run as the ranks
     run them on ``device`` (``cluster.device``) under ``precision`` (``train.precision``:
-    :func:`~sdp.planning.device_forward.device_forward`), evaluation too (the trainer evaluates under autocast)."""
+    :func:`~sdp.parallel.device_forward.device_forward`), evaluation too (the trainer evaluates under autocast)."""
 
     tracker = LiveTensorTracker(device_type="meta")
     with tracker, Attention(device=device):
@@ -115,25 +109,3 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
         module.train(was)
         evaluation = tracker.peak
     return {"setup": setup, "train": train, "eval": evaluation, "state": state}
-
-
-def eval_batch(*, eval_batch_size: int, val_samples: int, world: int) -> int:
-    """The largest batch a rank evaluates: ``train.eval_batch_size``, or the rank's whole share of the
-    validation set when that is smaller (:func:`sdp.data.base.val_batches` deals sample ``i`` to rank
-    ``i mod world``, so rank 0's share, ``ceil(val_samples / world)``, is the largest; ``val_samples``: the
-    size of the set the dataset built, :attr:`sdp.driver.preflight.Preflight.val_samples`)."""
-    assert val_samples > 0 and world > 0 and eval_batch_size > 0, (val_samples, world, eval_batch_size)
-    return min(int(eval_batch_size), math.ceil(int(val_samples) / world))
-
-
-def predict_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, state: list[dict[str, Any]], spec: Any,
-                  val_samples: int, cadence: Cadence, prepared: Any = None) -> list[dict[str, int]] | None:
-    """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` from ``spec``'s
-    :meth:`~sdp.parallel.spec.StrategySpec.predict_peaks` (None: a strategy without a peak rehearsal:
-    pipeline). ``state``: the planner's per-rank memory entries (the held parameter, gradient and
-    optimizer bytes that FSDP's rule starts from); ``val_samples``: the validation set's real size (what
-    evaluation batches, :func:`eval_batch`); ``cadence``: the run's steps and the steps it evaluates after (its
-    budget resolved); ``prepared``: what the driver built for the ranks."""
-    batch = eval_batch(eval_batch_size=int(cfg.train.eval_batch_size), val_samples=val_samples, world=job.world_size)
-    return spec.predict_peaks(cfg=cfg.parallelism, job=job, model=model, eval_batch=batch, steps=cadence.steps,
-                              eval_steps=frozenset(cadence.eval_at), state=state, prepared=prepared)

@@ -44,7 +44,7 @@ def autocast(*, precision: str, device: torch.device) -> AbstractContextManager:
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
-_META: list[torch.dtype] = []  # the planner's emulated autocast regions on meta (sdp.planning.device_forward)
+_META: list[torch.dtype] = []  # the planner's emulated autocast regions on meta (sdp.parallel.device_forward)
 
 
 def lowered_dtype(*, device_type: str) -> torch.dtype | None:
@@ -58,7 +58,7 @@ def lowered_dtype(*, device_type: str) -> torch.dtype | None:
 
 @contextmanager
 def meta_region(*, dtype: torch.dtype) -> Iterator[None]:
-    """An autocast region of the planner's meta emulation (:func:`sdp.planning.device_forward.device_forward`),
+    """An autocast region of the planner's meta emulation (:func:`sdp.parallel.device_forward.device_forward`),
     what :func:`lowered_dtype` reports on meta while it is entered."""
     _META.append(dtype)
     try:

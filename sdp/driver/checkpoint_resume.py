@@ -4,7 +4,8 @@ continue it, and the run directory made ready for it.
 Why a module of its own: all of it runs in the driver, once, before any rank starts
 (:func:`sdp.driver.train.run`; :func:`sdp.driver.config.validate_train` checks a path), and reads a checkpoint's
 ``meta.json`` and file list only, never its tensors; the ranks write and load checkpoints with
-:mod:`sdp.rank.checkpoint` and call none of it (but :func:`release_verdicts`, once all have joined). A damaged
+:mod:`sdp.rank.checkpoint` and call none of it (but :func:`sdp.rank.checkpoint.release_verdicts`, once all have
+joined). A damaged
 checkpoint is found here by its checksums (:func:`sdp.rank.checkpoint_io.damage`): ``train.resume=auto`` skips it
 for the latest whole one, with a :class:`CheckpointWarning`, and nothing is ever deleted (a damaged later checkpoint
 is moved aside). Under an external launcher every rank runs the driver, and rank 0 alone hashes: :func:`resolve_once`
@@ -24,7 +25,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from sdp.rank import checkpoint_io
-from sdp.rank.checkpoint import RESUME_KEY, RESUME_KEYS, checkpoints, read_meta, resume_key
+from sdp.rank.checkpoint import (RESUME_KEY, RESUME_KEYS, VERDICT_POLL_S, checkpoints, read_meta, resume_key,
+                                 verdict_ack)
 from sdp.errors import ConfigError
 from sdp.results.contract import write_json
 from sdp.results.rundir import CHECKPOINTS, RunDir, checkpoint_meta, run_of_checkpoint
@@ -68,9 +70,6 @@ def resolve(*, resume: Any, run_dir: Path | None, verify: bool = True) -> Path |
     return chosen
 
 
-VERDICT_POLL_S = 0.5  # how often a process waiting for the verdict looks for it
-
-
 def resolve_once(*, resume: Any, run_dir: Path, rank: int | None, attempt: str, timeout_s: float) -> Path | None:
     """:func:`resolve` with the checkpoint's files hashed once per job, not in every process.
 
@@ -102,28 +101,10 @@ def resolve_once(*, resume: Any, run_dir: Path, rank: int | None, attempt: str, 
                                f"train.resume={str(resume)!r} ({path}) and none came: rank 0 failed before writing it, "
                                "or hashes the checkpoint more slowly than that (then raise train.checkpoint_timeout_s)")
         time.sleep(VERDICT_POLL_S)
-    _write_verdict(_ack(path, rank), {"rank": rank})  # read: rank 0 may remove the verdict once every rank has
+    _write_verdict(verdict_ack(path, rank), {"rank": rank})  # read: rank 0 may remove the verdict once every rank has
     if verdict["error"] is not None:
         raise ConfigError(verdict["error"])
     return None if verdict["checkpoint"] is None else Path(verdict["checkpoint"])
-
-
-def release_verdicts(*, run_dir: Path, attempt: str, world_size: int, timeout_s: float) -> None:
-    """Rank 0: remove the resume verdicts once the job's other ``world_size - 1`` processes have read this attempt's
-    (up to ``timeout_s``; the worker calls it with 0 once every rank has joined the process group), so a finished
-    or resumed run directory keeps none of them (a job that fails before leaves them; another attempt of the job
-    reads its own, :func:`sdp.driver.rankenv.attempt_id`)."""
-    path = RunDir(run_dir).resume_verdict(attempt)
-    if not path.parent.exists():
-        return
-    deadline = time.monotonic() + timeout_s
-    while path.exists() and not all(_ack(path, r).exists() for r in range(1, world_size)) and time.monotonic() < deadline:
-        time.sleep(VERDICT_POLL_S)
-    shutil.rmtree(path.parent, ignore_errors=True)
-
-
-def _ack(path: Path, rank: int) -> Path:
-    return path.with_name(f"{path.stem}.read{rank}")
 
 
 def _write_verdict(path: Path, verdict: dict[str, Any]) -> None:

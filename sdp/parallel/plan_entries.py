@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from sdp.rank.loss import loss_fn
+from sdp.core.loss import loss_fn
 from sdp.metrics.activations import forward_saved_bytes
 from sdp.metrics.comm import wire_bytes
-from sdp.planning.device_forward import device_forward
+from sdp.parallel.device_forward import device_forward
 
 if TYPE_CHECKING:
     from sdp.parallel.job import Job
@@ -47,7 +47,7 @@ def optim_bytes(*, held: int, tensors: int, optimizer: DictConfig) -> int:
 def activations(module: torch.nn.Module, inputs: torch.Tensor, *, job: Job | None, loss: bool = True) -> int:
     """Bytes saved for backward by one forward (+ loss) on the meta device, parameters excluded, as the
     job's ranks save them: under ``train.precision``'s autocast and with ``cluster.device``'s attention
-    kernel (:func:`sdp.planning.device_forward.device_forward`). ``job=None``: a plain meta forward, the
+    kernel (:func:`sdp.parallel.device_forward.device_forward`). ``job=None``: a plain meta forward, the
     scale of the SDP units' own activation costs (:mod:`sdp.subnet.units`), which are facts of the model."""
     meta_loss = lambda out: loss_fn(out, torch.zeros(out.shape[:-1], dtype=torch.long, device="meta"))  # noqa: E731
     with device_forward(precision=job.precision, device=job.device) if job is not None else nullcontext():

@@ -1,0 +1,32 @@
+"""The losses every rank computes, in a module that imports nothing from ``sdp``: the training loss
+(:func:`loss_fn`) and evaluation's summed loss and correct count (:func:`loss_and_correct`). The trainer, the
+evaluation (:mod:`sdp.rank.eval_ops`) and the strategies' meta rehearsals (:mod:`sdp.parallel.plan_entries`,
+:mod:`sdp.parallel.plan_peaks`) share them without importing the trainer."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy; LM logits (B, T, V) and targets (B, T) are flattened."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+LOSS_CHUNK_TOKENS = 8192  # rows of the flattened logits per cross-entropy call in evaluation
+
+
+def loss_and_correct(out: torch.Tensor, target: torch.Tensor, *,
+                     chunk: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and correct arg-max predictions of ``out`` (N, C) or (B, T, V) against
+    ``target``, ``chunk`` rows at a time: cross-entropy's log-softmax copy is then one chunk of the
+    vocabulary-sized logits, not all of them (an LM's evaluation batch would otherwise hold two). Both
+    are float64 tensors on ``out``'s device: nothing is read back per chunk (a host sync on a GPU)."""
+    logits, labels = out.reshape(-1, out.shape[-1]), target.reshape(-1)
+    loss = torch.zeros((), dtype=torch.float64, device=out.device)
+    correct = torch.zeros((), dtype=torch.float64, device=out.device)
+    for o, t in zip(logits.split(chunk), labels.split(chunk)):
+        loss += F.cross_entropy(o, t, reduction="sum")
+        correct += (o.argmax(-1) == t).sum()
+    return loss, correct
