@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import Job, run_train
+from tests.helpers.jobs import TrainProcess, run_train
 
 
 @pytest.fixture
@@ -14,7 +14,7 @@ def train_job(tmp_path: Path):
     """Factory fixture: ``train_job("parallelism=ddp", ...)`` runs a job into a fresh tmp dir."""
     counter = iter(range(1000))
 
-    def make(*overrides: str, **kw) -> Job:
+    def make(*overrides: str, **kw) -> TrainProcess:
         return run_train(tmp_path / f"run{next(counter)}", *overrides, **kw)
 
     return make

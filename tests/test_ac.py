@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from sdp.errors import ConfigError
-from sdp.parallel import STRATEGIES, Job
+from sdp.parallel import STRATEGIES, JobFacts
 from tests.helpers import CORE, REPO, compose, run_job, train_losses
 
 SMALL = ["model=resnet18_cifar", "model.width=4", "dataset=synthetic", "dataset.image_size=8", "train.batch_size=8",
@@ -49,25 +49,25 @@ def test_a_copy_of_a_checkpointed_model_stays_checkpointed() -> None:
 def test_bad_values_are_refused_naming_the_key(overrides: list[str], message: str) -> None:
     cfg = compose([*SMALL, *overrides])
     with pytest.raises(ConfigError, match=message):
-        Job.of(cfg)
+        JobFacts.of(cfg)
 
 
 def test_pipeline_refuses_train_ac_by_name() -> None:
     cfg = compose([*SMALL, "parallelism=pipeline", "train.ac=full"])
     with pytest.raises(ConfigError, match="train.ac=full is not supported with parallelism.name='pipeline'"):
-        STRATEGIES.get("pipeline").validate(cfg=cfg.parallelism, job=Job.of(cfg))
+        STRATEGIES.get("pipeline").validate(cfg=cfg.parallelism, job=JobFacts.of(cfg))
 
 
 def test_job_reads_train_ac_and_the_ddp_ac_preset_alike() -> None:
-    assert Job.of(compose(SMALL)).ac_every == 0
-    assert Job.of(compose([*SMALL, "train.ac=full", "train.ac_every=3"])).ac_every == 3
-    assert Job.of(compose([*SMALL, "parallelism=ddp_ac", "parallelism.ac_every=2"])).ac_every == 2
+    assert JobFacts.of(compose(SMALL)).ac_every == 0
+    assert JobFacts.of(compose([*SMALL, "train.ac=full", "train.ac_every=3"])).ac_every == 3
+    assert JobFacts.of(compose([*SMALL, "parallelism=ddp_ac", "parallelism.ac_every=2"])).ac_every == 2
     recorded = OmegaConf.to_container(compose([*SMALL, "parallelism=ddp_ac"]))  # a run recorded before train.ac existed
     del recorded["train"]["ac"], recorded["train"]["ac_every"]
     recorded = OmegaConf.create(recorded)
-    assert Job.of(recorded).ac_every == 1
+    assert JobFacts.of(recorded).ac_every == 1
     run = OmegaConf.load(REPO / "benchmarks/results/cpu-4ranks/resnet18/runs/ddp_ac/config.yaml")  # a recorded DDP+AC run
-    assert "ac" not in run.train and Job.of(run).ac_every == int(run.parallelism.ac_every) == 1, run.parallelism
+    assert "ac" not in run.train and JobFacts.of(run).ac_every == int(run.parallelism.ac_every) == 1, run.parallelism
     assert STRATEGIES.get(str(run.parallelism.name)).method_label(cfg=run.parallelism) == "DDP+AC"
 
 

@@ -26,7 +26,7 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models.mlp import MLP
 from sdp.parallel.base import StepResult, Strategy
 from sdp.core.distctx import DistContext
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.core.loss import loss_fn
 
 KEY = {"seed": 0, "global_batch": 8, "num_samples": 64}
@@ -65,7 +65,7 @@ class Sharded(Plain):
 
 def make(cls: type[Strategy], seed: int) -> tuple[Strategy, Any]:
     torch.manual_seed(seed)
-    s = cls(cfg=None, job=Job(), ctx=DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo"))
+    s = cls(cfg=None, job=JobFacts(), ctx=DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo"))
     s.setup(model=MLP(num_classes=3, input_shape=(4,), dim=8, hidden=16, depth=2),
             optimizer_factory=lambda p: torch.optim.AdamW(p, lr=1e-2))
     sched = torch.optim.lr_scheduler.LambdaLR(s.optimizer, lambda k: 1.0 / (k + 1))

@@ -23,7 +23,7 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models.mlp import MLP
 from sdp.parallel import STRATEGIES
 from sdp.parallel.base import StepResult, Strategy
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.rank import checkpoint
 from sdp.core.distctx import DistContext
 from sdp.core.loss import loss_fn
@@ -57,7 +57,7 @@ class LocalSGD(Strategy):
 def _make(rank: int, world: int, init_seed: int) -> tuple[Strategy, Any]:
     torch.manual_seed(init_seed)  # the same on every rank: the replicas start equal, as local SGD's do
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    s = LocalSGD(cfg=None, job=Job(world_size=world), ctx=ctx)
+    s = LocalSGD(cfg=None, job=JobFacts(world_size=world), ctx=ctx)
     s.setup(model=MLP(num_classes=3, input_shape=(4,), dim=8, hidden=16, depth=2),
             optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     return s, torch.optim.lr_scheduler.LambdaLR(s.optimizer, lambda k: 1.0 / (k + 1))
@@ -127,7 +127,7 @@ def test_identical_replicas_keep_the_shared_layout() -> None:
     written: dict[type, dict[str, Any]] = {}
     for cls, layout in ((Replicated, {"shared": ["model", "optimizer"], "local": ["buffers"]}),
                         (LocalSGD, {"local": ["buffers", "model", "optimizer"]})):
-        s = cls(cfg=None, job=Job(), ctx=ctx)
+        s = cls(cfg=None, job=JobFacts(), ctx=ctx)
         s.setup(model=MLP(num_classes=3, input_shape=(4,), dim=8, hidden=16, depth=2),
                 optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1))
         state = s.checkpoint_state()

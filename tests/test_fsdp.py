@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from sdp.metrics.timing import PhaseTimer
 from sdp.core.distctx import DistContext
 from sdp.parallel.fsdp import FSDPStrategy, fsdp_modules
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.core.loss import loss_fn
 from tests.helpers import CapturingSGD, core_cases, global_batch, reference_grads, run_job, small_mlp, spawn, train_losses
 
@@ -24,7 +24,7 @@ DEPTH, PER_RANK = 3, 6
 def _grad_worker(rank: int, world: int, replicate: int, out: str) -> None:
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=CPU, backend="gloo")
     cfg = OmegaConf.create({"name": "fsdp", "replicate": replicate, "reshard_after_forward": True})
-    strategy = FSDPStrategy(cfg=cfg, job=Job(), ctx=ctx)
+    strategy = FSDPStrategy(cfg=cfg, job=JobFacts(), ctx=ctx)
     strategy.setup(model=small_mlp(depth=DEPTH), optimizer_factory=lambda ps: CapturingSGD(ps))
     x, y = global_batch(PER_RANK * world)
     sl = slice(rank * PER_RANK, (rank + 1) * PER_RANK)

@@ -28,13 +28,13 @@ def _nbytes(tensors: Any) -> int:
 
 def _case(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     from sdp.metrics.live import LiveTensorTracker
-    from sdp.parallel import STRATEGIES, DistContext, Job
+    from sdp.parallel import STRATEGIES, DistContext, JobFacts
     from sdp.registry import build
     from sdp.rank.worker import build_model
 
     cfg = OmegaConf.create(config)
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    strategy = STRATEGIES.get("fsdp").runtime(cfg=cfg.parallelism, job=Job.of(cfg), ctx=ctx)
+    strategy = STRATEGIES.get("fsdp").runtime(cfg=cfg.parallelism, job=JobFacts.of(cfg), ctx=ctx)
     with LiveTensorTracker() as tracker:  # what the worker's set-up phase runs: build, then setup
         model = build_model(cfg, None, meta=strategy.materialises_held)
         strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))

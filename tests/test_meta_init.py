@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from sdp.models import init
-from sdp.parallel import STRATEGIES, DistContext, Job
+from sdp.parallel import STRATEGIES, DistContext, JobFacts
 from sdp.subnet import masking as M
 from sdp.rank.worker import build_model
 from sdp.registry import build
@@ -72,7 +72,7 @@ def test_forward_masking_materialises_only_held(level: str) -> None:
     full = build_model(cfg, None)
     full_bytes = sum(t.numel() * t.element_size() for t in _state(full).values())
     ctx = DistContext(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    strategy = STRATEGIES.get("sdp").runtime(cfg=cfg.parallelism, job=Job.of(cfg), ctx=ctx)
+    strategy = STRATEGIES.get("sdp").runtime(cfg=cfg.parallelism, job=JobFacts.of(cfg), ctx=ctx)
     assert strategy.materialises_held
     strategy.mode = "forward"
     model = build_model(cfg, None, meta=True)

@@ -19,7 +19,7 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models.resnet import ResNetCIFAR
 from sdp.core.distctx import DistContext
 from sdp.parallel.pipeline import PipelineStrategy
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.pipeline_plan import balanced_bounds, make_plan
 from sdp.core.loss import loss_fn
 from tests.helpers import CORE, CapturingSGD, compose, core_cases, global_batch, reference_grads, run_job, small_mlp, spawn, train_losses
@@ -75,7 +75,7 @@ def test_validate_before_launch_sees_model_and_batch() -> None:
 # ---- gradients equal the unsplit model (2 and 4 ranks) --------------------------------------------
 def _grad_worker(rank: int, world: int, kw: dict, out: str) -> None:
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=CPU, backend="gloo")
-    strategy = PipelineStrategy(cfg=pp_cfg(**kw), job=Job(batch_size=PER_RANK), ctx=ctx)
+    strategy = PipelineStrategy(cfg=pp_cfg(**kw), job=JobFacts(batch_size=PER_RANK), ctx=ctx)
     strategy.setup(model=small_mlp(depth=DEPTH), optimizer_factory=lambda ps: CapturingSGD(ps))
     replica, replicas = strategy.data_parallel()
     x, y = global_batch(PER_RANK * world)

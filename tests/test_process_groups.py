@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sdp.metrics.groups import process_groups
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.sdp_plan import plan_for, predict as plan_sdp
 from sdp.subnet.assign import PlanError
 from sdp.subnet.capped import cap_holder_sets, groups_needed
@@ -77,7 +77,7 @@ def test_predicted_process_groups_equal_created(world: int, tmp_path: Path) -> N
         with torch.device("meta"):
             model = build(cfg.model)
         plan = plan_for(model=model, cfg=cfg.parallelism, world_size=world)  # the driver's plan (SDPSpec.prepare)
-        plan_sdp(cfg=cfg.parallelism, job=Job.of(cfg), model=model, plan=plan, facts=facts)
+        plan_sdp(cfg=cfg.parallelism, job=JobFacts.of(cfg), model=model, plan=plan, facts=facts)
         predicted[name] = facts["process_groups"]
     spawn(_create, world=world, args=({n: OmegaConf.to_container(c, resolve=True) for n, c in cfgs.items()}, str(tmp_path)))
     for rank in range(world):

@@ -15,7 +15,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from sdp.driver import schema, schema_data, schema_models, schema_parallel
-from sdp.driver.schema import CLUSTERS, Eval, Job, Optim, Train
+from sdp.driver.schema import CLUSTERS, Eval, Optim, RootConfig, Train
 from sdp.driver.schema_parallel import PRESETS
 from sdp.driver.typed import parse
 from sdp.errors import ConfigError
@@ -185,7 +185,7 @@ def test_every_field_has_a_type_and_a_docstring() -> None:
                     nxt = body[i + 1] if i + 1 < len(body) else None
                     documented = isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
                     assert documented, f"{module.__name__}.{cls.name}.{ast.unparse(stmt.target)} has no docstring"
-    assert [f.name for f in dataclasses.fields(Job)][:3] == ["seed", "plugins", "train"], "the root's key order"
+    assert [f.name for f in dataclasses.fields(RootConfig)][:3] == ["seed", "plugins", "train"], "the root's key order"
 
 
 def schema_fields() -> list[tuple[type, dataclasses.Field, object]]:

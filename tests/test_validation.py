@@ -18,7 +18,7 @@ import pytest
 
 from sdp.driver.config import validate
 from sdp.errors import ConfigError
-from sdp.parallel import STRATEGIES, Job
+from sdp.parallel import STRATEGIES, JobFacts
 from tests.helpers import run_if
 from tests.hydra_cfg import compose_config
 
@@ -223,7 +223,7 @@ def test_valid_configs_pass(overrides: list[str]) -> None:
 
 
 def test_strategy_validate_receives_its_node_and_the_jobs_facts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every strategy's validate receives its own ``parallelism`` node and the job's facts (sdp.parallel.Job: the
+    """Every strategy's validate receives its own ``parallelism`` node and the job's facts (sdp.parallel.JobFacts: the
     pipeline needs the batch size, SDP the world size), read from the composed config, never the whole config."""
     seen = {}
     ddp = STRATEGIES.get("ddp")
@@ -239,7 +239,7 @@ def test_strategy_validate_receives_its_node_and_the_jobs_facts(monkeypatch: pyt
     with pytest.raises(ConfigError, match="train.batch_size=32"):
         compose_and_validate(["parallelism=ddp"])
     compose_and_validate(["parallelism=ddp", "train.batch_size=33", "seed=5", "train.precision=bf16"])
-    assert isinstance(seen["job"], Job) and "train" not in seen["node"] and seen["node"].name == "ddp", seen
+    assert isinstance(seen["job"], JobFacts) and "train" not in seen["node"] and seen["node"].name == "ddp", seen
     assert (seen["job"].batch_size, seen["job"].seed, seen["job"].precision) == (33, 5, "bf16"), seen["job"]
 
 
@@ -323,7 +323,7 @@ def test_the_driver_builds_the_model_and_the_plan_once_and_hands_them_on(monkeyp
         built[coverage] = validate(cfg)
         info = budgets.apply(cfg, preflight=built[coverage])
         assert (counts["model"] - before["model"], counts["plan"] - before["plan"]) == (1, 1), counts
-        assert isinstance(built[coverage].job, Job) and built[coverage].job.world_size == 4, built[coverage].job
+        assert isinstance(built[coverage].job, JobFacts) and built[coverage].job.world_size == 4, built[coverage].job
         assert info["coverage"] == built[coverage].prepared.k / 4 == coverage, (info, built[coverage].prepared.k)
     assert built[0.5].prepared is not built[0.75].prepared and built[0.5].model is not built[0.75].model
 

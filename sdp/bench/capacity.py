@@ -69,7 +69,7 @@ def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: t
     from sdp.data.base import GlobalBatchSampler
     from sdp.metrics.live import LiveTensorTracker
     from sdp.models.base import count_params
-    from sdp.parallel import STRATEGIES as REGISTRY, DistContext, Job
+    from sdp.parallel import STRATEGIES as REGISTRY, DistContext, JobFacts
     from sdp.core.loss import loss_fn
     from sdp.rank.worker import build_model
     from sdp.registry import build
@@ -88,7 +88,7 @@ def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: t
         torch.cuda.reset_peak_memory_stats(dev)
     try:
         with tracker if tracker is not None else nullcontext():
-            strategy = REGISTRY.get(str(cfg.parallelism.name)).runtime(cfg=cfg.parallelism, job=Job.of(cfg), ctx=ctx)
+            strategy = REGISTRY.get(str(cfg.parallelism.name)).runtime(cfg=cfg.parallelism, job=JobFacts.of(cfg), ctx=ctx)
             model = build_model(cfg, data, meta=strategy.materialises_held)
             strategy.checkpoint_blocks(model=model)
             strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))

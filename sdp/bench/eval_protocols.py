@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, jobs: list[tuple[str, int, dict[str, Any]]]) ->
 
     from sdp.results.loggers import NullLogger
     from sdp.metrics.timing import PhaseTimer
-    from sdp.parallel import STRATEGIES, DistContext, Job
+    from sdp.parallel import STRATEGIES, DistContext, JobFacts
     from sdp.rank.trainer import Trainer
     from sdp.rank.worker import build_model
     from sdp.registry import build
@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, jobs: list[tuple[str, int, dict[str, Any]]]) ->
         ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
         data = build(cfg.dataset)
         model = build_model(cfg, data)
-        strategy = STRATEGIES.get(str(cfg.parallelism.name)).runtime(cfg=cfg.parallelism, job=Job.of(cfg), ctx=ctx)
+        strategy = STRATEGIES.get(str(cfg.parallelism.name)).runtime(cfg=cfg.parallelism, job=JobFacts.of(cfg), ctx=ctx)
         strategy.checkpoint_blocks(model=model)
         strategy.setup(model=model, optimizer_factory=lambda p, cfg=cfg: build(cfg.optim.optimizer)(p))
         trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=NullLogger(), timer=PhaseTimer(device=ctx.device))

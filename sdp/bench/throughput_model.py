@@ -76,7 +76,7 @@ def render(results: dict[str, Any]) -> str:
              f"the model's own FLOP count / ({GPU} dense bf16 peak x plan.mfu={results['mfu']:g}, an assumed MFU); comm =",
              "each predicted collective's ring wire bytes / the link's published nccl-tests bus bandwidth",
              "(conf/hardware.yaml, each figure cited there), less what overlaps backward (each strategy's `overlap`).",
-             f"Job: `{' '.join(LLAMA_1B)}` on `cluster.gpu={GPU}` (AdamW, fp32 gradients all-reduced as this suite",
+             f"JobFacts: `{' '.join(LLAMA_1B)}` on `cluster.gpu={GPU}` (AdamW, fp32 gradients all-reduced as this suite",
              "trains). Regenerate: `sdp-bench throughput-model --out benchmarks/results/throughput`. SDP's plan: balanced",
              "at 8 GPUs; at 64, `parallelism.assignment=random` (the balanced search is too slow there; its unequal unit",
              "counts make the slowest rank's comm, the method's step, larger than a balanced plan's).", "",

@@ -48,7 +48,7 @@ from sdp.errors import ConfigError, one_of, positive_int, require
 from sdp.metrics.flops import BlockShare, unit_shares
 from sdp.models.base import forward_flop_counts
 from sdp.parallel import STRATEGIES
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.registry import build
 
 BUDGETS = ("iterations", "flops", "tokens")
@@ -94,7 +94,7 @@ def _prepared(cfg: DictConfig, *, spec: Any, preflight: Any) -> tuple[Any, Any]:
             model = build(cfg.model)
     except Exception:  # noqa: BLE001 - model_flops records why
         return None, None
-    return model, spec.prepare(cfg=cfg.parallelism, job=Job.of(cfg), model=model)
+    return model, spec.prepare(cfg=cfg.parallelism, job=JobFacts.of(cfg), model=model)
 
 
 def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[str, Any]]:

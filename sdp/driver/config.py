@@ -108,14 +108,14 @@ def validate_determinism(cfg: DictConfig) -> None:
 
 
 def validate_strategy(cfg: DictConfig, *, model: Any, val_samples: int | None = None) -> Preflight:
-    """The strategy's own checks, given its ``parallelism`` node and the job's facts (:class:`Job`, read here
+    """The strategy's own checks, given its ``parallelism`` node and the job's facts (:class:`JobFacts`, read here
     once), then what it builds once from ``model`` (the driver's meta build) for the ranks (SDP's plan,
     checked): the :class:`Preflight` the budget, ``sdp-plan`` and the launch read (``val_samples``: the built
     validation set's size, None where the data was not built)."""
     from sdp.driver.preflight import Preflight
-    from sdp.parallel import STRATEGIES, Job
+    from sdp.parallel import STRATEGIES, JobFacts
 
-    job, spec = Job.of(cfg), STRATEGIES.get(str(cfg.parallelism.name))
+    job, spec = JobFacts.of(cfg), STRATEGIES.get(str(cfg.parallelism.name))
     spec.validate(cfg=cfg.parallelism, job=job)
     return Preflight(job=job, model=model, prepared=spec.prepare(cfg=cfg.parallelism, job=job, model=model),
                      val_samples=val_samples)

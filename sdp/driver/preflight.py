@@ -14,7 +14,7 @@ needs), which for the bundled and in-memory datasets takes about a second.
 
 That meta model is the driver's only build of it: :func:`build_once` returns it, and
 :func:`sdp.driver.config.validate` hands it on in a :class:`Preflight` with the job's facts
-(:class:`sdp.parallel.job.Job`) and what the strategy builds once from it for the ranks (SDP's plan, whose
+(:class:`sdp.parallel.job.JobFacts`) and what the strategy builds once from it for the ranks (SDP's plan, whose
 unit costs take one meta forward per block). The budget's FLOP count, ``sdp-plan`` and the launch take that
 object as an argument, rather than each building the model again from the same config node (or finding it in
 a module-level cache, which a test or a second job in one process would share). Its readers only read it
@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from sdp.errors import ConfigError
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.registry import build
 
 
@@ -61,7 +61,7 @@ class Preflight:
     """What the driver built once for one job config, passed on by argument: :func:`sdp.driver.config.validate`
     returns it; the budget (:func:`sdp.driver.budget.apply`), ``sdp-plan`` and the launch read it."""
 
-    job: Job  # the facts of the job a strategy reads besides its own node
+    job: JobFacts  # the facts of the job a strategy reads besides its own node
     model: Any  # the model on the meta device (read it, do not change it)
     prepared: Any  # what the strategy built for its ranks (StrategySpec.prepare: SDP's plan), None for most
     val_samples: int | None = None  # len() of the validation set the dataset built (what evaluation shards over the

@@ -227,7 +227,7 @@ class Optim:
 
 
 @dataclass
-class Job:
+class RootConfig:
     """The root: the keys ``conf/config.yaml`` sets itself. Stored as an open node holding these typed
     nodes (:func:`sdp.driver.typed.open_node`), so the groups it composes (model, dataset, parallelism,
     cluster, optim, ...) and an experiment's own keys may join it."""

@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sdp.driver import fields
 from sdp.driver.fields import readable
-from sdp.driver.schema import CLUSTERS, Job, Optim, Train
+from sdp.driver.schema import CLUSTERS, Optim, RootConfig, Train
 from sdp.driver.schema_data import DATASETS
 from sdp.driver.schema_models import MODELS, OPTIMIZERS, OptimizerArgs
 from sdp.driver.schema_parallel import FAMILIES, PRESETS
@@ -44,7 +44,7 @@ def open_node(schema: type) -> DictConfig:
 def register() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent: a second call stores the same nodes again)."""
     store = ConfigStore.instance()
-    for path, node in {"schema/job": open_node(Job), **STORED}.items():
+    for path, node in {"schema/job": open_node(RootConfig), **STORED}.items():
         group, _, name = path.rpartition("/")
         store.store(group=group, name=name, node=node, provider="sdp")
 
@@ -80,10 +80,10 @@ def parse(cfg: DictConfig) -> Typed:
     root = cfg if schema_of(cfg.get("train")) is Train else None
     untyped = [k for k, schema in wanted.items() if schema is not None and k not in typed]
     if root is None or untyped:  # a recorded config.yaml: merge it into the schemas, as Hydra would have
-        holder = open_node(Job)
+        holder = open_node(RootConfig)
         for k in untyped:
             holder[k] = OmegaConf.structured(wanted[k])
-        keys = ([f.name for f in dataclasses.fields(Job)] if root is None else []) + untyped
+        keys = ([f.name for f in dataclasses.fields(RootConfig)] if root is None else []) + untyped
         plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
                  for k in keys if k in cfg}
         try:
@@ -92,7 +92,7 @@ def parse(cfg: DictConfig) -> Typed:
             raise readable(exc) from None
         root = root if root is not None else holder
         typed.update({k: holder[k] for k in untyped})
-    fields.check(root, schema=Job, prefix="")
+    fields.check(root, schema=RootConfig, prefix="")
     for k, schema in wanted.items():
         if k in typed:
             fields.check(typed[k], schema=schema, prefix=k)

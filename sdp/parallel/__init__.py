@@ -12,11 +12,11 @@ import pkgutil
 
 from sdp.parallel.base import StepResult, Strategy
 from sdp.core.distctx import DistContext
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import STRATEGIES, Coverage, StrategySpec, register
 
 for _info in pkgutil.iter_modules(__path__):
     if _info.name not in ("base", "job", "spec") and not _info.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_info.name}")
 
-__all__ = ["STRATEGIES", "Coverage", "DistContext", "Job", "StepResult", "Strategy", "StrategySpec", "register"]
+__all__ = ["STRATEGIES", "Coverage", "DistContext", "JobFacts", "StepResult", "Strategy", "StrategySpec", "register"]

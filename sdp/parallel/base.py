@@ -35,7 +35,7 @@ from sdp.parallel.ac import apply_checkpointing
 from sdp.core.precision import autocast
 
 if TYPE_CHECKING:
-    from sdp.parallel.job import Job
+    from sdp.parallel.job import JobFacts
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -57,7 +57,7 @@ class Strategy(ABC):
     """Base class of what a rank runs: subclasses implement ``setup``; ``train_step`` is one template with
     protected hooks (a strategy whose step is another shape overrides it); the rest has defaults.
 
-    ``cfg``: the strategy's ``parallelism`` node; ``job``: the job's facts (:class:`sdp.parallel.spec.Job`: seed,
+    ``cfg``: the strategy's ``parallelism`` node; ``job``: the job's facts (:class:`sdp.parallel.spec.JobFacts`: seed,
     batch size, precision, ...), the only other part of the job a strategy reads; ``prepared``: what the driver
     built once for the ranks (:meth:`sdp.parallel.spec.StrategySpec.prepare`, SDP's plan), None for strategies
     that need nothing or when constructed outside the driver (tests)."""
@@ -71,7 +71,7 @@ class Strategy(ABC):
     # (local SGD, DiLoCo, gossip), so every rank writes and reads its own copy (n times the bytes, never wrong).
     replicas_identical: bool = False
 
-    def __init__(self, *, cfg: DictConfig, job: Job, ctx: DistContext, prepared: Any = None) -> None:
+    def __init__(self, *, cfg: DictConfig, job: JobFacts, ctx: DistContext, prepared: Any = None) -> None:
         self.name = str(cfg.get("name") or type(self).__name__) if hasattr(cfg, "get") else type(self).__name__
         self.prepared = prepared
         self.cfg = cfg

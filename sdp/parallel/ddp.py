@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Overlap, StrategySpec, register
 from sdp.parallel.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.parallel.plan_peaks import rehearse
@@ -110,7 +110,7 @@ class DDPStrategy(Strategy):
         super().load_checkpoint_state(state)
 
 
-def ddp_peaks(*, job: Job, model: SDPModel, eval_batch: int, prepare: Callable[[SDPModel], Any]) -> list[dict[str, int]]:
+def ddp_peaks(*, job: JobFacts, model: SDPModel, eval_batch: int, prepare: Callable[[SDPModel], Any]) -> list[dict[str, int]]:
     """The DDP family's peak rehearsal: the replica's (``prepare``: what the strategy's ``setup`` does to
     the model before wrapping it, e.g. activation checkpointing); the reducer's buckets from the start."""
     mine = copy.deepcopy(model)
@@ -138,7 +138,7 @@ class DDPSpec(StrategySpec):
         (``cfg``: the parallelism node). Plain DDP: nothing."""
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
         """DDP family: full replica on every rank; one all-reduce of every gradient per step."""
         cls.prepare_for_plan(model=model, cfg=cfg)
@@ -153,6 +153,6 @@ class DDPSpec(StrategySpec):
         return [rank_entry(rank=r, params=total, grads=total, optim=optim, acts=acts, records=records) for r in range(world)]
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int, steps: int,
+    def predict_peaks(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, eval_batch: int, steps: int,
                       eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         return ddp_peaks(job=job, model=model, eval_batch=eval_batch, prepare=lambda m: cls.prepare_for_plan(model=m, cfg=cfg))

@@ -13,19 +13,19 @@ from omegaconf import DictConfig
 from sdp.driver.fields import conform
 from sdp.driver.schema_parallel import DDPAC
 from sdp.parallel.ddp import DDPSpec, DDPStrategy
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import register
 
 
 @register("ddp_ac")
 class DDPActivationCheckpointSpec(DDPSpec):
-    """DDP+AC in the driver: DDP's runtime and prediction; the checkpointing comes from the job (``Job.ac_every``)."""
+    """DDP+AC in the driver: DDP's runtime and prediction; the checkpointing comes from the job (``JobFacts.ac_every``)."""
 
     label = "DDP+AC"
     runtime = DDPStrategy
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
+    def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
         """Each key's own rule (``ac_every`` >= 1, DDP's keys) is its schema's:
         :class:`sdp.driver.schema_parallel.DDPAC`; no rule here involves several keys."""
         conform(cfg, schema=DDPAC, prefix="parallelism")

@@ -32,7 +32,7 @@ from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult
 from sdp.parallel.ddp import DDPSpec, DDPStrategy
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Coverage, register
 
 
@@ -121,7 +121,7 @@ class _DropSpec(DDPSpec):
     plan_note = "stochastic depth / LayerDrop predicted with every block kept"
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
+    def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
         """Every key is one key's rule (p in (0, 1], the decays a preset allows, booleans): its :attr:`schema`'s."""
         conform(cfg, schema=cls.schema, prefix="parallelism")
 

@@ -44,7 +44,7 @@ from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.core.precision import DTYPES, fsdp_policies
 from sdp.parallel.base import OptimizerFactory, Strategy
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Overlap, StrategySpec, register
 from sdp.parallel.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.parallel.plan_peaks import rehearse
@@ -193,7 +193,7 @@ def compute_replica(model: SDPModel, *, precision: str) -> SDPModel:
     return replica
 
 
-def fsdp_peaks(*, job: Job, model: SDPModel, eval_batch: int, state: list[dict[str, Any]]) -> list[dict[str, int]]:
+def fsdp_peaks(*, job: JobFacts, model: SDPModel, eval_batch: int, state: list[dict[str, Any]]) -> list[dict[str, int]]:
     """FSDP2 on top of the compute replica's rehearsal (:func:`compute_replica`: parameters in the policy's
     ``param_dtype``): the model is sharded on the meta device and each rank materialises its shards only
     (set-up: the shards, the unsharded buffers and one module's full tensors in flight,
@@ -234,7 +234,7 @@ class FSDPSpec(StrategySpec):
     overlap = Overlap(kinds=("all_gather", "reduce_scatter", "all_reduce"), window="step", tail=2)
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
+    def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
         """Its keys held to :class:`sdp.driver.schema_parallel.FSDP` (``replicate`` >= 1, a boolean reshard), then
         the mesh: ``replicate`` divides the world."""
         conform(cfg, schema=FSDP, prefix="parallelism")
@@ -243,7 +243,7 @@ class FSDPSpec(StrategySpec):
                 f"must divide cluster.world_size={job.world_size} (HSDP mesh = replicate x shard)")
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
         """FSDP2: each block and the root (stem + head) is a unit; per step every unit is all-gathered in
         ``param_dtype`` (bf16 under ``train.precision=bf16``, BatchNorm's float32; blocks twice when resharded
@@ -280,6 +280,6 @@ class FSDPSpec(StrategySpec):
         return out
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int, steps: int,
+    def predict_peaks(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, eval_batch: int, steps: int,
                       eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         return fsdp_peaks(job=job, model=model, eval_batch=eval_batch, state=state)

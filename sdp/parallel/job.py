@@ -15,14 +15,14 @@ from sdp.errors import ConfigError, one_of, positive_int
 
 
 @dataclass(frozen=True)
-class Job:
+class JobFacts:
     """The facts of the job a strategy may read besides its own ``parallelism`` node, read from the composed
     config once by the driver (and by each rank from the config the driver wrote) with :meth:`of`.
 
     Why a short list rather than the config: a strategy that read any key of the job would depend on keys
     no one could see from its signature (SDP's rescale rule on ``eval.bn``, the pipeline's cut on the batch);
     here every such dependency is a field. The defaults are those of a job that sets nothing (tests build
-    a ``Job`` directly)."""
+    a ``JobFacts`` directly)."""
 
     world_size: int = 1  # cluster.world_size
     batch_size: int = 1  # train.batch_size: the per-rank batch
@@ -35,7 +35,7 @@ class Job:
     ac_every: int = 0  # activation checkpointing: blocks 0, k, 2k, ... (0: none), from train.ac / train.ac_every
 
     @classmethod
-    def of(cls, cfg: DictConfig) -> Job:
+    def of(cls, cfg: DictConfig) -> JobFacts:
         """The facts of the whole job config ``cfg``. ``train.precision`` and ``eval.bn`` keep the defaults
         in a run's recorded config written before those keys existed (reports read such runs)."""
         sel = lambda key, default: OmegaConf.select(cfg, key, default=default)  # noqa: E731

@@ -42,7 +42,7 @@ from sdp.metrics.groups import mesh_process_groups
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import SDPModel, count_params
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import StrategySpec, register
 from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan
 from sdp.parallel.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
@@ -247,18 +247,18 @@ class PipelineSpec(StrategySpec):
     overlap = None  # its step is a schedule of microbatches (bubble, stage cut): no step-time prediction
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
+    def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
         if job.ac_every:  # its stages are cut from the blocks in setup: not rehearsed or tested with checkpointing
             raise ConfigError("train.ac=full is not supported with parallelism.name='pipeline': use train.ac=none")
         check_layout(cfg=cfg, world_size=job.world_size)
 
     @classmethod
-    def prepare(cls, *, cfg: DictConfig, job: Job, model: SDPModel) -> PipelinePlan:
+    def prepare(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel) -> PipelinePlan:
         """The cut of the real model's structure (meta) into stages, checked: what every rank runs."""
         return make_plan(cfg=cfg, world_size=job.world_size, model=model, batch_size=job.batch_size)
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
         """Stage parameters of each rank (the strategy's own cut); per microbatch a stage receives its
         input and sends its input's gradient, sends its output and receives that gradient; with dp > 1

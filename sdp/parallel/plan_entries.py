@@ -21,7 +21,7 @@ from sdp.metrics.comm import wire_bytes
 from sdp.parallel.device_forward import device_forward
 
 if TYPE_CHECKING:
-    from sdp.parallel.job import Job
+    from sdp.parallel.job import JobFacts
 
 Record = tuple[str, float, int]  # (kind, payload bytes, group size) per step
 Entry = tuple[dict, dict]  # one rank's (memory entry, comm entry)
@@ -44,7 +44,7 @@ def optim_bytes(*, held: int, tensors: int, optimizer: DictConfig) -> int:
     raise ValueError(f"optim.optimizer._target_={optimizer._target_!r}: sdp-plan knows SGD, Adam and AdamW")
 
 
-def activations(module: torch.nn.Module, inputs: torch.Tensor, *, job: Job | None, loss: bool = True) -> int:
+def activations(module: torch.nn.Module, inputs: torch.Tensor, *, job: JobFacts | None, loss: bool = True) -> int:
     """Bytes saved for backward by one forward (+ loss) on the meta device, parameters excluded, as the
     job's ranks save them: under ``train.precision``'s autocast and with ``cluster.device``'s attention
     kernel (:func:`sdp.parallel.device_forward.device_forward`). ``job=None``: a plain meta forward, the

@@ -33,7 +33,7 @@ from sdp.models import init
 from sdp.models.base import SDPModel
 from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
 from sdp.parallel import sdp_config, sdp_plan, sdp_redraw_plan
 from sdp.parallel.sdp_peaks import sdp_peaks
@@ -252,12 +252,12 @@ class SDPSpec(StrategySpec):
     overlap = Overlap(kinds=("all_reduce",), window="backward", tail=1, switch="overlap")  # as DDP's buckets; refresh exposed
 
     @classmethod
-    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
+    def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
         """Every SDP key (:func:`sdp.parallel.sdp_config.validate`); the plan itself is :meth:`prepare`'s."""
         sdp_config.validate(cfg=cfg, world_size=job.world_size)
 
     @classmethod
-    def prepare(cls, *, cfg: DictConfig, job: Job, model: SDPModel) -> Plan:
+    def prepare(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel) -> Plan:
         """The plan, drawn once in the driver and handed to every rank (:func:`sdp.parallel.sdp_config.prepare`)."""
         return sdp_config.prepare(cfg=cfg, job=job, model=model)
 
@@ -279,18 +279,18 @@ class SDPSpec(StrategySpec):
         return sdp_plan.plan_fraction(plan=prepared, shares=shares[str(cfg.level)], masking=str(cfg.masking))
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
         return sdp_plan.predict(cfg=cfg, job=job, model=model, plan=prepared, facts=facts)
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int, steps: int,
+    def predict_peaks(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, eval_batch: int, steps: int,
                       eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         return sdp_peaks(cfg=cfg, job=job, model=model, plan=prepared, eval_batch=eval_batch, steps=steps, eval_steps=eval_steps)
 
     # ---- SDP's own questions (sdp-plan asks them only of a strategy that has them) ----------------------
     @classmethod
-    def plan_frontier(cls, *, cfg: DictConfig, job: Job, model: SDPModel, prepared: Plan) -> dict[str, Any]:
+    def plan_frontier(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, prepared: Plan) -> dict[str, Any]:
         """``sdp-plan plan.frontier=true``: the floor and Pareto frontier of the plan (:func:`sdp_plan.plan_frontier`)."""
         return sdp_plan.plan_frontier(cfg=cfg, job=job, model=model, plan=prepared)
 

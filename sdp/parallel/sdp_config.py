@@ -17,7 +17,7 @@ from sdp.driver.fields import conform
 from sdp.driver.schema_parallel import SDP
 from sdp.errors import ConfigError, require
 from sdp.models.base import SDPModel
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.sdp_plan import BALANCE_KEYS, plan_for
 from sdp.subnet.plan import Plan, PlanError, num_holders, warn_degenerate
 
@@ -75,7 +75,7 @@ def holders(*, cfg: DictConfig, world_size: int) -> int:
         raise ConfigError(str(exc)) from None
 
 
-def prepare(*, cfg: DictConfig, job: Job, model: SDPModel) -> Plan:
+def prepare(*, cfg: DictConfig, job: JobFacts, model: SDPModel) -> Plan:
     """The body of :meth:`SDPSpec.prepare <sdp.parallel.sdp.SDPSpec.prepare>`: the plan of the ``parallelism``
     node ``cfg`` on ``job``'s workers for ``model`` (built on the meta device), drawn once in the driver; an
     impossible plan is a ConfigError in the plan's own words with the job's model name, and a degenerate one

@@ -23,7 +23,7 @@ from torch import nn
 from sdp.models.base import batch_norms
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.sdp_plan import draw_at, run_plans
 from sdp.parallel.sdp_redraw_plan import redraw_peaks
 from sdp.parallel.plan_entries import nbytes
@@ -36,7 +36,7 @@ from sdp.subnet.units import measure_block_costs
 from sdp.subnet.sync import OwnerSetSync
 
 
-def sdp_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, eval_batch: int, steps: int,
+def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, eval_batch: int, steps: int,
               eval_steps: frozenset[int]) -> list[dict[str, int]]:
     """Per rank, SDP's set-up, train and eval peaks over the plans a run of ``steps`` steps trains on: draw 0 (the
     driver's ``plan``), then with ``resample_every`` its re-draws (:func:`sdp.parallel.sdp_plan.run_plans`), each of
@@ -103,7 +103,7 @@ def sdp_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, eval_ba
     return out
 
 
-def _eval_extra(*, job: Job, model: SDPModel, flats: dict[str, int], eval_batch: int) -> int:
+def _eval_extra(*, job: JobFacts, model: SDPModel, flats: dict[str, int], eval_batch: int) -> int:
     """What evaluation adds to a rank's state: the model part by part (SDPStrategy.eval_module; ``flats``: each
     part's broadcast buffer, :func:`_part_flats`), re-estimated BatchNorm statistics kept per part, or a whole
     assembled copy for a model that cannot be cut."""
@@ -118,7 +118,7 @@ def _eval_extra(*, job: Job, model: SDPModel, flats: dict[str, int], eval_batch:
     return nbytes(list(model.parameters()) + list(model.buffers())) + full_eval["eval"] - full_eval["setup"]
 
 
-def _rank_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, pieces: list[Any], mode: str, eval_batch: int,
+def _rank_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, pieces: list[Any], mode: str, eval_batch: int,
                 rehearsed: dict[Any, dict[str, int]]) -> Iterator[tuple[int, dict[str, int]]]:
     """Per rank of ``plan``: its set-up and train peaks and its state after a step, rehearsed unless
     ``rehearsed`` already holds its :func:`_key` (filled here)."""

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import BlockShare, forward_fraction
 from sdp.models.base import SDPModel
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.registry import build
 from sdp.subnet import masking as M
@@ -111,7 +111,7 @@ def plan_lists(plan: Plan) -> dict[str, Any]:
             "holders": [list(h) for h in plan.holders]}
 
 
-def predict(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, facts: dict[str, Any]) -> list[Entry]:
+def predict(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, facts: dict[str, Any]) -> list[Entry]:
     """SDP: this rank's masked subnetwork (the driver's ``plan`` and the strategy's masking applied on meta),
     owner-set gradient buckets and refresh broadcasts from :class:`sdp.subnet.sync.OwnerSetSync`
     (``cfg``: the ``parallelism`` node)."""
@@ -140,7 +140,7 @@ def predict(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, facts: di
     return out
 
 
-def plan_frontier(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan) -> dict[str, Any]:
+def plan_frontier(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan) -> dict[str, Any]:
     """The floor and Pareto frontier of ``plan`` (the driver's) over every assignment (:mod:`sdp.subnet.frontier`;
     ``cfg``: the ``parallelism`` node)."""
     if str(cfg.masking) != "forward":

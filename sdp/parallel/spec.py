@@ -17,8 +17,8 @@ the budget and the report use both), and its ``sdp-plan`` prediction (:meth:`Str
 plan frontier) is that strategy's own method, not the base's.
 
 Every method receives the strategy's own ``parallelism`` node (``cfg``) and, where it needs more of the job,
-the :class:`Job` facts the driver reads from the composed config once (:meth:`Job.of`), never the whole
-config: what a strategy may depend on besides its own keys is the short list of :class:`Job`'s fields.
+the :class:`JobFacts` facts the driver reads from the composed config once (:meth:`JobFacts.of`), never the whole
+config: what a strategy may depend on besides its own keys is the short list of :class:`JobFacts`'s fields.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from sdp.metrics.flops import BlockShare
 from sdp.models.base import SDPModel
-from sdp.parallel.job import Job
+from sdp.parallel.job import JobFacts
 from sdp.parallel.plan_entries import Entry
 from sdp.registry import Registry
 
@@ -95,7 +95,7 @@ class StrategySpec:
 
     # ---- validation and what the driver builds once -----------------------------------------------
     @classmethod
-    def validate(cls, *, cfg: DictConfig, job: Job) -> None:
+    def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
         """Raise ``ValueError`` naming key, value and what is allowed for impossible settings of the keys.
 
         ``cfg`` is the ``parallelism`` node, ``job`` the job's facts (world size, batch size, ...), both
@@ -103,7 +103,7 @@ class StrategySpec:
         checked each key's type and choices; what needs the model is :meth:`prepare`'s."""
 
     @classmethod
-    def prepare(cls, *, cfg: DictConfig, job: Job, model: SDPModel) -> Any:
+    def prepare(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel) -> Any:
         """What the driver builds once from the ``parallelism`` node ``cfg``, the ``job`` and the model built
         on the meta device, checked (a :class:`~sdp.errors.ConfigError` naming the key otherwise), and hands to every
         rank (``Strategy.prepared``), to :meth:`coverage` and to the ``sdp-plan`` prediction: SDP's plan, so
@@ -143,7 +143,7 @@ class StrategySpec:
         return {"label": cls.method_label(cfg=cfg), "coverage": cov.summary() if cov else None}
 
     @classmethod
-    def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],
+    def predict(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, facts: dict[str, Any],
                 prepared: Any = None) -> list[Entry]:
         """``sdp-plan``: each rank's (memory, comm) entry (:mod:`sdp.parallel.plan_entries`) for the ``parallelism``
         node ``cfg`` of ``job`` and ``model`` built on the meta device; strategy facts for the plan's JSON go into
@@ -151,7 +151,7 @@ class StrategySpec:
         raise ValueError(f"parallelism.name={cls.name!r}: this strategy makes no sdp-plan prediction (StrategySpec.predict)")
 
     @classmethod
-    def predict_peaks(cls, *, cfg: DictConfig, job: Job, model: SDPModel, eval_batch: int, steps: int,
+    def predict_peaks(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, eval_batch: int, steps: int,
                       eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         """``sdp-plan``'s set-up, train and eval peaks per rank (the strategy's own rehearsal, next to it in
         ``sdp/parallel/``, on :mod:`sdp.parallel.plan_peaks`'s generic one); ``eval_batch``: a rank's evaluation

@@ -33,7 +33,7 @@ from sdp.driver.messages import config_errors
 from sdp.driver.preflight import Preflight, meta_model
 from sdp.errors import positive_int, require
 from sdp.models.base import SDPModel
-from sdp.parallel import STRATEGIES, Job, StrategySpec
+from sdp.parallel import STRATEGIES, JobFacts, StrategySpec
 from sdp.parallel.ac import apply_checkpointing
 from sdp.driver.budget import apply as apply_budget
 from sdp.parallel.plan_entries import Entry, communicators
@@ -96,7 +96,7 @@ def eval_batch(*, eval_batch_size: int, val_samples: int, world: int) -> int:
     return min(int(eval_batch_size), math.ceil(int(val_samples) / world))
 
 
-def predict_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, state: list[dict[str, Any]], spec: Any,
+def predict_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, state: list[dict[str, Any]], spec: Any,
                   val_samples: int, cadence: Cadence, prepared: Any = None) -> list[dict[str, int]] | None:
     """Per rank ``setup_peak_bytes``, ``train_peak_bytes``, ``eval_peak_bytes`` from ``spec``'s
     :meth:`~sdp.parallel.spec.StrategySpec.predict_peaks` (None: a strategy without a peak rehearsal:
@@ -109,7 +109,7 @@ def predict_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, state: list[dic
                               eval_steps=frozenset(cadence.eval_at), state=state, prepared=prepared)
 
 
-def add_peaks(*, cfg: DictConfig, job: Job, model: SDPModel, entries: list[Entry], spec: type[StrategySpec],
+def add_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, entries: list[Entry], spec: type[StrategySpec],
               prepared: Any, val_samples: int, cadence: Cadence) -> None:
     """Add the predicted set-up, train and eval peaks (:mod:`sdp.parallel.plan_peaks`) to each rank's memory entry
     (``val_samples``: the validation set's size; ``cadence``: the run's steps and evaluations, :func:`run_cadence`)."""

@@ -3,7 +3,7 @@
 - jobs (:mod:`tests.helpers.jobs`): ``run_job`` runs one job in this process through ``sdp.driver.train.run``
   (validation and preflight, budget, resume, config.yaml, the elastic launcher), ``run_train`` runs
   ``python -m sdp.driver.train`` (the whole Hydra app: multirun, callbacks, exit codes); ``compose`` and
-  ``config_dict`` give the config sdp-train composes; ``Job``, ``sdp_env``, ``survivors``, ``train_losses``.
+  ``config_dict`` give the config sdp-train composes; ``TrainProcess``, ``sdp_env``, ``survivors``, ``train_losses``.
 - ranks (:mod:`tests.helpers.ranks`): ``spawn`` runs a function on spawned gloo ranks (free port,
   timeouts) and returns each rank's value; ``make_strategy`` and ``batch`` build a rank's strategy and
   data as the worker does.
@@ -12,10 +12,10 @@
 """
 
 from tests.helpers.grads import CapturingSGD, global_batch, reference_grads, small_mlp
-from tests.helpers.jobs import REPO, Job, compose, config_dict, run_job, run_train, sdp_env, survivors, train_losses
+from tests.helpers.jobs import REPO, TrainProcess, compose, config_dict, run_job, run_train, sdp_env, survivors, train_losses
 from tests.helpers.marks import CORE, core_cases, run_if
 from tests.helpers.ranks import batch, free_port, make_strategy, rank_process_group, spawn
 
-__all__ = ["CORE", "REPO", "CapturingSGD", "Job", "batch", "compose", "config_dict", "core_cases", "free_port",
+__all__ = ["CORE", "REPO", "CapturingSGD", "TrainProcess", "batch", "compose", "config_dict", "core_cases", "free_port",
            "global_batch", "make_strategy", "rank_process_group", "reference_grads", "run_if", "run_job", "run_train",
            "sdp_env", "small_mlp", "spawn", "survivors", "train_losses"]

@@ -67,7 +67,7 @@ def train_losses(rows: list[dict[str, Any]]) -> list[float]:
 
 
 @dataclass
-class Job:
+class TrainProcess:
     """A finished ``python -m sdp.driver.train`` process and the directory its results went to."""
 
     proc: subprocess.CompletedProcess
@@ -102,7 +102,7 @@ def sdp_env(*, token: str | None = None) -> dict[str, str]:
     return env
 
 
-def run_train(run_dir: Path, *overrides: str, timeout: float = 240, check: bool = True, multirun: bool = False) -> Job:
+def run_train(run_dir: Path, *overrides: str, timeout: float = 240, check: bool = True, multirun: bool = False) -> TrainProcess:
     """``python -m sdp.driver.train`` with ``overrides`` writing into ``run_dir`` (the sweep dir for multirun);
     ``check``: raise, with the output's tail, unless it exits 0."""
     dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -112,7 +112,7 @@ def run_train(run_dir: Path, *overrides: str, timeout: float = 240, check: bool 
     ended = time.time()
     if check and proc.returncode != 0:
         raise AssertionError(f"sdp.driver.train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return Job(proc=proc, run_dir=Path(run_dir), token=token, ended=ended)
+    return TrainProcess(proc=proc, run_dir=Path(run_dir), token=token, ended=ended)
 
 
 def survivors(token: str) -> list[str]:

@@ -80,14 +80,14 @@ def spawn(fn: Callable[..., Any], *, world: int, args: tuple = (), timeout_s: fl
 
 def make_strategy(config: dict[str, Any], rank: int, world_size: int) -> tuple[Any, Any, DictConfig]:
     """(strategy after setup, data bundle, cfg) for this rank, built exactly as sdp.rank.worker does."""
-    from sdp.parallel import STRATEGIES, DistContext, Job
+    from sdp.parallel import STRATEGIES, DistContext, JobFacts
     from sdp.registry import build
     from sdp.rank.worker import build_model
 
     cfg = OmegaConf.create(config)
     data = build(cfg.dataset)
     ctx = DistContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    strategy = STRATEGIES.get(str(cfg.parallelism.name)).runtime(cfg=cfg.parallelism, job=Job.of(cfg), ctx=ctx)
+    strategy = STRATEGIES.get(str(cfg.parallelism.name)).runtime(cfg=cfg.parallelism, job=JobFacts.of(cfg), ctx=ctx)
     model = build_model(cfg, data, meta=strategy.materialises_held)
     strategy.setup(model=model, optimizer_factory=lambda params: build(cfg.optim.optimizer)(params))
     return strategy, data, cfg
