@@ -1,12 +1,13 @@
-"""The typed config (sdp/driver/schema.py, schema_parallel.py): every preset composes into its schema, a
-wrong type is refused by Hydra/OmegaConf while composing and a wrong choice or range by the driver's one
-parse, each naming the key; recorded run configs (written before some keys existed) still parse; the
-schemas' choices are the code's own. Single process, Hydra's compose API only."""
+"""The typed config (sdp/driver/schema*.py and each strategy's own schema, ``StrategySpec.schema``): every preset
+composes into its strategy's schema, a wrong type is refused by Hydra/OmegaConf while composing and a wrong choice
+or range by the driver's one parse, each naming the key; recorded run configs (written before some keys existed)
+still parse; each set of allowed values is written once in ``sdp/``. Single process, Hydra's compose API only."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import sys
 import typing
 from pathlib import Path
 
@@ -14,15 +15,18 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from sdp.driver import schema, schema_data, schema_models, schema_parallel
+from sdp.driver import schema, schema_data, schema_models
 from sdp.driver.schema import CLUSTERS, Eval, Optim, RootConfig, Train
-from sdp.driver.schema_parallel import PRESETS
 from sdp.driver.typed import parse
 from sdp.errors import ConfigError
+from sdp.parallel import STRATEGIES
+from sdp.parallel.spec import schemas
 from tests.hydra_cfg import compose_config
 
 REPO = Path(__file__).resolve().parent.parent
-SCHEMA_MODULES = (schema, schema_parallel, schema_models, schema_data)
+# the driver's schema modules and every module a strategy declares its schema in (read from the registry)
+SCHEMA_MODULES = tuple(dict.fromkeys([schema, schema_models, schema_data,
+                                      *(sys.modules[s.__module__] for s in schemas().values())]))
 PRESET_FILES = sorted(p.stem for p in (REPO / "conf" / "parallelism").glob("*.yaml"))
 
 
@@ -30,7 +34,7 @@ PRESET_FILES = sorted(p.stem for p in (REPO / "conf" / "parallelism").glob("*.ya
 def test_every_parallelism_preset_composes_into_its_schema(preset: str) -> None:
     cfg = compose_config(f"parallelism={preset}")
     kind = OmegaConf.get_type(cfg.parallelism)
-    assert kind is PRESETS[str(cfg.parallelism.name)], (preset, kind)
+    assert kind is STRATEGIES.get(str(cfg.parallelism.name)).schema, (preset, kind)
     assert OmegaConf.get_type(cfg.train) is Train and OmegaConf.get_type(cfg.eval) is Eval, preset
     assert OmegaConf.get_type(cfg.optim) is Optim and OmegaConf.get_type(cfg.cluster) is CLUSTERS["local"], preset
     assert OmegaConf.missing_keys(cfg) == set(), f"{preset}: keys the YAML does not set: {OmegaConf.missing_keys(cfg)}"
@@ -94,7 +98,7 @@ def test_an_untyped_preset_under_a_package_strategy_is_held_to_its_schema(
         monkeypatch: pytest.MonkeyPatch, preset: str, change: dict, expect: str) -> None:
     """A plugin's own YAML that extends no schema (docs/strategies.md), under a package strategy's spec: the parse
     leaves it untyped (no schema has its name), and the strategy's ``validate`` holds the keys it shares with the
-    package's preset to the same dataclass (sdp.driver.fields.conform); its own keys are its strategy's."""
+    package's preset to the same dataclass (sdp.core.fields.conform); its own keys are its strategy's."""
     from sdp.driver.config import validate
     from sdp.parallel import STRATEGIES
 
@@ -109,6 +113,35 @@ def test_an_untyped_preset_under_a_package_strategy_is_held_to_its_schema(
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     assert str(info.value) == expect, str(info.value)
+
+
+def test_a_plugins_own_schema_types_its_untyped_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin strategy that declares a schema of its own: its YAML cannot extend it (the schemas are stored before
+    the driver imports ``plugins``), so the driver's parse types the node by ``parallelism.name``, read from the
+    registry, with the same checks and one-line messages as a package preset's (before: no table named it, and
+    nothing checked its keys)."""
+    from sdp.core.fields import key
+    from sdp.driver.config import validate
+    from sdp.parallel.ddp import DDPConfig, DDPSpec
+
+    @dataclasses.dataclass
+    class OwnConfig(DDPConfig):
+        order: str = key(choices=("forward", "reverse"))
+        """A key of the plugin's own."""
+
+    plugin = type("OwnSchemaPlugin", (DDPSpec,), {"name": "own_schema_plugin_test", "schema": OwnConfig})
+    monkeypatch.setitem(STRATEGIES._items, plugin.name, plugin)
+    cfg = compose_config("experiment=smoke", "model=mlp", "parallelism=ddp")
+    node = {**OmegaConf.to_container(cfg.parallelism), "name": plugin.name, "order": "reverse"}
+    cfg.parallelism = OmegaConf.create(node)
+    assert OmegaConf.get_type(parse(cfg).parallelism) is OwnConfig, "the parse types the plugin's node by its name"
+    validate(cfg)
+    for change, expect in [({"order": "sideways"}, "parallelism.order='sideways' is invalid: allowed: forward, reverse"),
+                           ({"bucket_cap_mb": 0}, "parallelism.bucket_cap_mb=0 is invalid: must be a number > 0")]:
+        cfg.parallelism = OmegaConf.create({**node, **change})
+        with pytest.raises(ConfigError) as info:
+            validate(cfg)
+        assert str(info.value) == expect, str(info.value)
 
 
 def test_a_preset_of_another_family_refuses_keys_it_lacks() -> None:
@@ -151,34 +184,46 @@ def test_recorded_run_configs_parse() -> None:
         parse(cfg)
 
 
-def test_schema_choices_are_the_codes_own() -> None:
-    """The schema states each choice for the reader; the modules that act on a value keep their own tuple."""
-    from sdp.driver import budget
-    from sdp.rank import evaluation, faults, guards
-    from sdp.core import precision
-    from sdp.parallel import pipeline_plan, sdp_config, sdp_plan
-    from sdp.subnet import assign, rolling
-    from sdp.models import base, resnet, vit
+def string_literals(path: Path) -> list[tuple[frozenset[str], int]]:
+    """(values, line) of every tuple, list or set literal of two or more strings in ``path``, and of every dict
+    literal whose two or more keys are all strings (a mapping keyed by the allowed values declares them too)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
+        if len(items) >= 2 and all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in items):
+            out.append((frozenset(v.value for v in items), node.lineno))
+    return out
 
-    def choices(cls: type, name: str) -> tuple:
-        return next(f.metadata["choices"] for f in dataclasses.fields(cls) if f.name == name)
 
-    pairs = [((Train, "nan_policy"), guards.POLICIES), ((Train, "precision"), precision.PRECISIONS),
-             ((Train, "budget"), budget.BUDGETS), ((Train, "flops_ratio"), budget.FLOPS_RATIOS),
-             ((schema.Debug, "fault"), faults.FAULTS), ((Eval, "bn"), evaluation.BN_PROTOCOLS),
-             ((PRESETS["sdp"], "level"), base.LEVELS), ((PRESETS["sdp"], "masking"), sdp_plan.MASKINGS),
-             ((PRESETS["sdp"], "assignment"), assign.ASSIGNMENTS), ((PRESETS["sdp"], "redraw"), rolling.REDRAWS),
-             ((PRESETS["sdp"], "rescale"), sdp_config.RESCALES), ((PRESETS["pipeline"], "schedule"), pipeline_plan.SCHEDULES),
-             ((schema_models.ResNetArgs, "block"), resnet.BLOCKS), ((schema_models.ResNetArgs, "stem"), resnet.STEMS),
-             ((schema_models.ViTArgs, "pool"), vit.POOLS)]
-    for (cls, name), code in pairs:
-        assert set(choices(cls, name)) == set(code), (cls.__name__, name, choices(cls, name), code)
+def test_each_set_of_allowed_values_is_written_once() -> None:
+    """A choice field's values are written once in ``sdp/``: in the field (``key(choices=(...))``), read by the code
+    that acts on them with ``choices_of``, or, where that code sits below the schema's layer, in the code's tuple,
+    which the field names (not a copy that a test keeps equal)."""
+    choices = {}
+    for cls, f, _ in schema_fields():
+        values = f.metadata.get("choices")
+        if values is not None and len(values) >= 2:
+            choices.setdefault(frozenset(values), set()).add(f"{cls.__name__}.{f.name}")
+    assert len(choices) >= 20, f"only {len(choices)} choice sets found: the walk misses schemas"
+    written: dict[frozenset[str], list[str]] = {}
+    for path in sorted((REPO / "sdp").rglob("*.py")):
+        for values, line in string_literals(path):
+            if values in choices:
+                written.setdefault(values, []).append(f"{path.relative_to(REPO)}:{line}")
+    again = {", ".join(sorted(choices[v])): where for v, where in written.items() if len(where) > 1}
+    assert not again, f"allowed values written more than once (field: places): {again}"
+    assert len(written) >= 20, f"only {len(written)} choice sets found written in sdp/: the scan misses literals"
+
+
+def is_schema(obj: object) -> bool:
+    """A schema dataclass: fields declared with ``key()`` / ``flag()`` (not a strategy module's other dataclasses)."""
+    return dataclasses.is_dataclass(obj) and any("choices" in f.metadata for f in dataclasses.fields(obj))
 
 
 def test_every_field_has_a_type_and_a_docstring() -> None:
     for module in SCHEMA_MODULES:
         tree = ast.parse(Path(module.__file__).read_text())
-        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and is_schema(getattr(module, n.name))):
             body = cls.body
             for i, stmt in enumerate(body):
                 if isinstance(stmt, ast.AnnAssign):
@@ -193,7 +238,7 @@ def schema_fields() -> list[tuple[type, dataclasses.Field, object]]:
     out = []
     for module in SCHEMA_MODULES:
         for cls in vars(module).values():
-            if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == module.__name__:
+            if isinstance(cls, type) and is_schema(cls) and cls.__module__ == module.__name__:
                 hints = typing.get_type_hints(cls)
                 out += [(cls, f, hints[f.name]) for f in dataclasses.fields(cls)]
     return out
@@ -213,7 +258,7 @@ def test_a_boolean_key_takes_the_words_true_and_false(given: str, expect: bool) 
 @pytest.mark.parametrize("given", ["2", "0", "1", "yes", "no", "off", "on", "y", "'1'"])
 def test_a_boolean_key_refuses_anything_else(key: str, given: str) -> None:
     """OmegaConf's own bool node takes 2, yes, off, 0 ... as a bool without a word (``train.deterministic=2`` ran
-    deterministic); a ``bool`` field of the schema (sdp.driver.fields.StrictBool) refuses them, naming the key."""
+    deterministic); a ``bool`` field of the schema (sdp.core.fields.StrictBool) refuses them, naming the key."""
     with pytest.raises(ConfigCompositionException) as info:
         compose_config("parallelism=sdp", f"{key}={given}")
     message = f"{info.value} {info.value.__cause__}"
@@ -222,9 +267,9 @@ def test_a_boolean_key_refuses_anything_else(key: str, given: str) -> None:
 
 
 def test_every_boolean_field_is_strict() -> None:
-    """Every ``bool`` field of every schema is declared with :func:`sdp.driver.fields.flag` (a plain ``key()``
+    """Every ``bool`` field of every schema is declared with :func:`sdp.core.fields.flag` (a plain ``key()``
     would give OmegaConf's coercing node again), never null."""
-    from sdp.driver.fields import StrictBool
+    from sdp.core.fields import StrictBool
 
     bools = [(cls, f) for cls, f, hint in schema_fields() if hint is bool]
     assert len(bools) >= 25, f"only {len(bools)} bool fields found: the walk misses schemas"
@@ -234,7 +279,7 @@ def test_every_boolean_field_is_strict() -> None:
 
 
 def test_every_numeric_field_has_a_range() -> None:
-    from sdp.driver.schema import Number
+    from sdp.core.fields import Number
 
     numeric = {int, float, Number, typing.Optional[int], typing.Optional[Number], typing.List[int], typing.List[Number]}
     fields = [(cls, f) for cls, f, hint in schema_fields() if hint in numeric]

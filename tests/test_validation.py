@@ -121,7 +121,7 @@ CATALOGUE = [
         ["parallelism.replicate", "3"]),
     Bad("sdp-neuron-without-hidden-dims", ["parallelism=sdp_neuron_fwd", "model._target_=tests.opaque.OpaqueMLP"],
         ["parallelism.level='neuron'", "OpaqueMLP", "declares hidden dims", "allowed: block"]),
-    # One key's own rule in a parallelism preset: its schema's (sdp/driver/schema_parallel.py), refused by the parse
+    # One key's own rule in a parallelism preset: its strategy's schema (StrategySpec.schema), refused by the parse
     # (a choice or range) or by Hydra while composing (a type); each strategy's validate keeps the rules of several keys.
     Bad("sdp-level-unknown", ["parallelism=sdp", "parallelism.level=layer"], ["parallelism.level='layer'", "allowed: block, neuron"]),
     Bad("sdp-masking-unknown", ["parallelism=sdp", "parallelism.masking=sideways"], ["parallelism.masking='sideways'", "allowed: forward, backward"]),
@@ -160,7 +160,7 @@ CATALOGUE = [
     Bad("pipeline-stages-per-rank-zero", ["parallelism=pipeline", "parallelism.stages_per_rank=0"],
         ["parallelism.stages_per_rank=0", "integer >= 1"]),
     Bad("pipeline-microbatches-zero", ["parallelism=pipeline", "parallelism.microbatches=0"], ["parallelism.microbatches=0", "integer >= 1"]),
-    # A bool key takes true or false, nothing else (OmegaConf's own node took 2, yes, off silently; sdp.driver.fields.StrictBool).
+    # A bool key takes true or false, nothing else (OmegaConf's own node took 2, yes, off silently; sdp.core.fields.StrictBool).
     Bad("deterministic-int", ["train.deterministic=2"], ["full_key: train.deterministic", "'2'", "allowed: true, false"]),
     Bad("eval-ensemble-yes", ["eval.ensemble=yes"], ["full_key: eval.ensemble", "'yes'", "allowed: true, false"]),
     Bad("sdp-overlap-off", ["parallelism=sdp", "parallelism.overlap=off"], ["full_key: parallelism.overlap", "'off'", "allowed: true, false"]),

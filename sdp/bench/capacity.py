@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from sdp.bench.runs import ROOT, compose, parser, recorded, spawn_ranks
+from sdp.core.fields import choices_of
+from sdp.driver.schema import LocalCluster
 from sdp.report.compare import capacity_markdown
 from sdp.results.contract import provenance
 
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-depth", type=int, default=64)
     ap.add_argument("--max-width", type=int, default=512)
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--device", default="cpu", choices=choices_of(LocalCluster, "device"))
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "capacity")
     ap.add_argument("--render-only", action="store_true", help="table and plot again from --out/capacity.json")
     args = ap.parse_args(argv)

@@ -25,11 +25,12 @@ import torch
 from sdp.results import contract as results
 from sdp.bench.runs import compose as compose_job
 from sdp.bench.runs import parser, spawn_ranks
+from sdp.core.fields import choices_of
+from sdp.driver.schema import Eval
 
 COMMON = ["model=resnet18_cifar", "dataset=digits", "train.eval_every=0", "logger.wandb.mode=disabled",
           "logger.progress=false"]
 METHODS = {"DDP": ["parallelism=ddp"], "B-SDP C=0.5": ["parallelism=sdp"], "N-SDP C=0.5": ["parallelism=sdp_neuron_fwd"]}
-PROTOCOLS = ("reestimate", "average")
 
 
 def compose(overrides: list[str]) -> dict[str, Any]:
@@ -70,7 +71,7 @@ def _rank(rank: int, world: int, jobs: list[tuple[str, int, dict[str, Any]]]) ->
         for rescale in (("eval", "none") if sdp_fwd else (None,)):
             if rescale is not None:  # evaluation-time only: training is the same for eval and none
                 strategy.rescale = rescale  # type: ignore[attr-defined]
-            for bn in PROTOCOLS:
+            for bn in choices_of(Eval, "bn"):
                 cfg.eval.bn = bn
                 ev = trainer.evaluate()
                 rows.append({"method": label, "seed": seed, "bn": bn, "rescale": rescale, "steps": state.step,

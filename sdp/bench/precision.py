@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from sdp.bench.runs import ROOT, parser, run_one
+from sdp.core.fields import choices_of
+from sdp.driver.schema import Train
 from sdp.results.contract import provenance, read_metrics
 
 COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "cluster.world_size=2", "train.batch_size=16",
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for preset in args.presets:
         got = {}
-        for prec in ("fp32", "bf16"):
+        for prec in choices_of(Train, "precision"):
             s = run_one(label=f"{preset}-{prec}", spec=f"{preset},train.precision={prec}", common=args.common, out=args.out)
             assert s.precision == prec, f"{preset}: summary.json precision {s.precision!r}, asked {prec!r}"
             got[prec] = (losses(args.out / f"{preset}-{prec}"), s)

@@ -26,8 +26,8 @@ import torch
 
 from sdp.errors import one_of
 
-PRECISIONS = ("fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = tuple(DTYPES)  # train.precision's values (its schema field names this tuple)
 
 
 def check(precision: object) -> str:

@@ -1,7 +1,7 @@
 """Driver side, the first stage of a run's data flow: what runs once per job, before any rank starts.
 
 :mod:`sdp.driver.train` is ``sdp-train``: Hydra composes the config, typed by the schemas
-(:mod:`sdp.driver.schema`, :mod:`sdp.driver.schema_parallel`) and parsed once (:mod:`sdp.driver.typed`);
+(:mod:`sdp.driver.schema`; each strategy's own, beside it in :mod:`sdp.parallel`) and parsed once (:mod:`sdp.driver.typed`);
 :mod:`sdp.driver.config` keeps the cross-key rules and :mod:`sdp.driver.preflight` builds data, model (on meta,
 once) and the strategy's prepared plan; :mod:`sdp.driver.budget` turns ``train.budget`` into steps and
 :mod:`sdp.driver.checkpoint_resume` decides what ``train.resume`` continues; :mod:`sdp.driver.launch` then starts

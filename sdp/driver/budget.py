@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from sdp.core.fields import choices_of
+from sdp.driver.schema import Train
 from sdp.errors import ConfigError, one_of, positive_int, require
 from sdp.metrics.flops import BlockShare, unit_shares
 from sdp.models.base import forward_flop_counts
@@ -51,8 +53,6 @@ from sdp.parallel import STRATEGIES
 from sdp.parallel.job import JobFacts
 from sdp.registry import build
 
-BUDGETS = ("iterations", "flops", "tokens")
-FLOPS_RATIOS = ("coverage", "measured")
 SEQ_LEN_KEYS = ("dataset.seq_len", "model.seq_len", "model.max_seq_len")
 # Step-denominated schedule keys, scaled with the step count (0, "never" or "only at the end", stays 0).
 SCALED_KEYS = ("optim.warmup_steps", "train.eval_every", "train.checkpoint_every")
@@ -107,7 +107,7 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
     """
     tc = cfg.train
     budget = str(tc.budget)
-    one_of("train.budget", budget, BUDGETS)
+    one_of("train.budget", budget, choices_of(Train, "budget"))
     base = int(tc.steps)
     spec = STRATEGIES.get(str(cfg.parallelism.name))
     model, ready = _prepared(cfg, spec=spec, preflight=preflight)  # SDP: the plan (k, units, holders), shared with the ranks
@@ -130,7 +130,7 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
         steps, ratio = base, 1.0
     elif budget == "flops":
         mode = str(tc.flops_ratio)
-        one_of("train.flops_ratio", mode, FLOPS_RATIOS)
+        one_of("train.flops_ratio", mode, choices_of(Train, "flops_ratio"))
         if coverage is None:
             ratio = 1.0
         elif mode == "coverage":

@@ -109,13 +109,18 @@ def validate_determinism(cfg: DictConfig) -> None:
 
 def validate_strategy(cfg: DictConfig, *, model: Any, val_samples: int | None = None) -> Preflight:
     """The strategy's own checks, given its ``parallelism`` node and the job's facts (:class:`JobFacts`, read here
-    once), then what it builds once from ``model`` (the driver's meta build) for the ranks (SDP's plan,
+    once), after the node is held to the strategy's schema (:attr:`StrategySpec.schema`, :func:`sdp.core.fields.conform`:
+    also a plugin's own untyped YAML under a package strategy, so its shared keys obey the same fields), then what it
+    builds once from ``model`` (the driver's meta build) for the ranks (SDP's plan,
     checked): the :class:`Preflight` the budget, ``sdp-plan`` and the launch read (``val_samples``: the built
     validation set's size, None where the data was not built)."""
+    from sdp.core.fields import conform
     from sdp.driver.preflight import Preflight
     from sdp.parallel import STRATEGIES, JobFacts
 
     job, spec = JobFacts.of(cfg), STRATEGIES.get(str(cfg.parallelism.name))
+    if spec.schema is not None:
+        conform(cfg.parallelism, schema=spec.schema, prefix="parallelism")
     spec.validate(cfg=cfg.parallelism, job=job)
     return Preflight(job=job, model=model, prepared=spec.prepare(cfg=cfg.parallelism, job=job, model=model),
                      val_samples=val_samples)

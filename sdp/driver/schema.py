@@ -2,31 +2,40 @@
 
 Why: a wrong type (``train.steps=abc``, ``parallelism.coverage=high``) is refused by OmegaConf while
 Hydra composes the config, naming the key, before anything runs; a wrong choice or range is refused
-by :func:`sdp.driver.fields.check`, one pass over every field's metadata. Each YAML of ``conf/``
+by :func:`sdp.core.fields.check`, one pass over every field's metadata. Each YAML of ``conf/``
 extends its schema through its defaults list (``- /schema/...@_here_``, Hydra 1.3's documented way to
 validate a config file against a structured config), so the YAML keeps the values and their comments
 and the dataclass says what each key is: type, meaning, allowed values. Fields are declared in the
 YAML's key order (a typed node keeps its schema's order: ``config.yaml`` and ``--cfg job`` unchanged).
-The parallelism presets are in :mod:`sdp.driver.schema_parallel`; :mod:`sdp.driver.typed` registers
-both and parses a composed (or recorded) config once. Adding a key: docs/configs.md.
+Each ``parallelism`` schema is its strategy's own, declared in its module (:attr:`sdp.parallel.spec.StrategySpec.schema`);
+:mod:`sdp.driver.typed` registers all and parses a composed (or recorded) config once. Adding a key: docs/configs.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional
 
-from sdp.driver.fields import flag, key
+from sdp.core.fields import Number, flag, key
 from sdp.metrics.hardware import gpus, links
+from sdp.parallel.job import AC_MODES
+from sdp.parallel.device_forward import DEVICES
+from sdp.rank.guards import POLICIES
+from sdp.core.precision import PRECISIONS
+from sdp.rank.schedule import SCHEDULES
+from sdp.results.loggers import WANDB_MODES
 
-Number = Union[int, float]  # OmegaConf 2.3 keeps 25 as 25 and 0.5 as 0.5 (a float field would print 25.0)
+# A choice's values are written once. Where the code acting on them sits below the driver (the rank's guards, the
+# precision, the schedule, the loggers, the planner's devices) it declares the tuple and its field names it here;
+# code at or above the driver reads a field's values with sdp.core.fields.choices_of.
+BACKENDS = ("auto", "gloo", "nccl")  # cluster.backend, of both cluster schemas
 
 
 @dataclass
 class Debug:
     """``train.debug``: fault injection for the reliability tests (sdp/rank/faults.py)."""
 
-    fault: Optional[str] = key(choices=("kill", "hang", "nan_loss"))
+    fault: Optional[str] = key(choices=("kill", "hang", "nan_loss"))  # not "nan": Hydra reads that as a float
     """null: no fault | kill (SIGKILL itself) | hang (sleep forever) | nan_loss (that step's loss times NaN)."""
     fault_rank: int = key(at_least=0)
     """The rank the fault happens on (< cluster.world_size)."""
@@ -52,9 +61,9 @@ class Train:
     """A metrics.jsonl row every N steps."""
     warmup_steps: int = key(at_least=0)
     """First steps excluded from the time and comm medians."""
-    precision: str = key(choices=("fp32", "bf16"))
+    precision: str = key(choices=PRECISIONS)
     """fp32 | bf16 (forward and loss under torch.autocast(bf16); fp32 master weights)."""
-    ac: str = key(choices=("none", "full"))
+    ac: str = key(choices=AC_MODES)
     """Activation checkpointing, every strategy: none | full (blocks 0, ac_every, 2 ac_every, ... keep only their input)."""
     ac_every: int = key(at_least=1)
     """train.ac=full: checkpoint every k-th block (1: every block)."""
@@ -78,7 +87,7 @@ class Train:
     """A resume may raise train.steps above the checkpoint's."""
     skip_done: bool = flag()
     """Re-running a sweep skips complete jobs of the same config and resumes the others."""
-    nan_policy: str = key(choices=("stop", "skip"))
+    nan_policy: str = key(choices=POLICIES)
     """Non-finite loss or gradient norm: stop the run | skip that step's update."""
     deterministic: bool = flag()
     """torch.use_deterministic_algorithms(True)."""
@@ -130,7 +139,7 @@ class Plan:
 class Wandb:
     """``logger.wandb``: the Weights & Biases run of a job."""
 
-    mode: Optional[str] = key(choices=("online", "offline", "disabled"))
+    mode: Optional[str] = key(choices=WANDB_MODES)
     """null (WANDB_MODE from the environment, else offline) | online | offline (writes to <run_dir>/wandb) | disabled."""
     project: str = key()
     """W&B project."""
@@ -164,9 +173,9 @@ class LocalCluster:
     """Number of ranks."""
     nodes: Optional[int] = key(at_least=1)
     """null (not checked) or the number of nodes the ranks must span."""
-    device: str = key(choices=("cpu", "cuda"))
+    device: str = key(choices=DEVICES)
     """cpu | cuda (one GPU per rank)."""
-    backend: str = key(choices=("auto", "gloo", "nccl"))
+    backend: str = key(choices=BACKENDS)
     """auto (nccl on cuda, gloo on cpu) | gloo | nccl."""
     timeout_s: Number = key(above=0)
     """Process-group timeout in seconds."""
@@ -194,9 +203,9 @@ class SlurmCluster:
     """CPU cores per rank."""
     world_size: int = key(at_least=1)
     """Number of ranks (nodes x tasks_per_node)."""
-    device: str = key(choices=("cpu", "cuda"))
+    device: str = key(choices=DEVICES)
     """cpu | cuda (one GPU per task)."""
-    backend: str = key(choices=("auto", "gloo", "nccl"))
+    backend: str = key(choices=BACKENDS)
     """auto (nccl on cuda, gloo on cpu) | gloo | nccl."""
     timeout_s: Number = key(above=0)
     """Process-group timeout in seconds."""
@@ -218,7 +227,7 @@ class Optim:
     """The optimizer preset's name."""
     optimizer: Dict[str, Any] = key()
     """Called as optimizer(params) by the strategy: _target_, _partial_: true, and its arguments (lr, ...)."""
-    schedule: str = key(choices=("constant", "cosine", "linear"))
+    schedule: str = key(choices=SCHEDULES)
     """constant | cosine | linear decay after warm-up."""
     warmup_steps: int = key(at_least=0)
     """Linear LR warm-up steps."""

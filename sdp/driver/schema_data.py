@@ -11,8 +11,7 @@ builders' own checks (:func:`sdp.data.common.preflight`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from sdp.driver.fields import flag, key
-from sdp.driver.schema import Number
+from sdp.core.fields import Number, flag, key
 
 
 @dataclass

@@ -7,7 +7,7 @@ that cannot work then failed inside the build, as a symptom that does not name t
 "declares no SDP units"; ``model.width=0``: an ``IndexError``) or was taken (``model.hidden=0``,
 ``optim.optimizer.momentum=1``). Each dataclass here lists the keys its target reads with their type and range;
 :func:`sdp.driver.typed.check_built` holds a node to the schema of its ``_target_``
-(:func:`sdp.driver.fields.conform`: only the keys the schema declares, so every other argument still reaches the
+(:func:`sdp.core.fields.conform`: only the keys the schema declares, so every other argument still reaches the
 target, whose own error an unknown one remains). A target with no entry here (a plugin's) is checked by its
 build alone; an optimizer's ``lr`` is checked for every target (:class:`OptimizerArgs`).
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from sdp.driver.fields import flag, key
-from sdp.driver.schema import Number
+from sdp.core.fields import Number, flag, key
+from sdp.models import resnet, vit
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ResNetCIFARArgs:
     """Channels of the first stage; stage s has width x 2^s (x 4 for bottleneck blocks)."""
     blocks_per_stage: List[int] = key(at_least=1)
     """Blocks of each stage (a stage without blocks is no stage: give a shorter list)."""
-    block: str = key(choices=("basic", "bottleneck"))
+    block: str = key(choices=tuple(resnet.BLOCKS))
     """basic (two 3x3 convs) | bottleneck (1x1-3x3-1x1, x4 expansion)."""
 
 
@@ -59,7 +59,7 @@ class ResNetCIFARArgs:
 class ResNetArgs(ResNetCIFARArgs):
     """``sdp.models.resnet.ResNet`` (``model=resnet18``, ``resnet50``)."""
 
-    stem: str = key(choices=("imagenet", "cifar"))
+    stem: str = key(choices=resnet.STEMS)
     """imagenet (7x7/2 conv + max-pool) | cifar (3x3 conv, no pool)."""
 
 
@@ -109,7 +109,7 @@ class ViTArgs:
     """Attention heads."""
     mlp_ratio: Number = key(above=0)
     """MLP hidden = mlp_ratio x dim."""
-    pool: str = key(choices=("cls", "mean"))
+    pool: str = key(choices=vit.POOLS)
     """cls (class token) | mean (average over tokens)."""
 
 

@@ -6,8 +6,9 @@ in their defaults lists. :func:`parse` is what :func:`sdp.driver.config.validate
 composed from ``conf/`` is typed already (its nodes are returned as they are); a run's recorded
 ``config.yaml`` (``sdp-rerun`` composes it as it was written, without defaults lists) is merged into
 the schemas here, so the same types apply; a key it lacks (written before the key existed) stays
-absent, and the code that reads it keeps its fallback. Then :func:`sdp.driver.fields.check` refuses a
-choice or range outside a field's metadata.
+absent, and the code that reads it keeps its fallback. Then :func:`sdp.core.fields.check` refuses a
+choice or range outside a field's metadata. The ``parallelism`` schemas are the strategies' own
+(:attr:`sdp.parallel.spec.StrategySpec.schema`, :func:`sdp.parallel.spec.schemas`): no table here names one.
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sdp.driver import fields
-from sdp.driver.fields import readable
+from sdp.core import fields
+from sdp.core.fields import readable
 from sdp.driver.schema import CLUSTERS, Optim, RootConfig, Train
 from sdp.driver.schema_data import DATASETS
 from sdp.driver.schema_models import MODELS, OPTIMIZERS, OptimizerArgs
-from sdp.driver.schema_parallel import FAMILIES, PRESETS
+from sdp.parallel.spec import schemas
 
-# ConfigStore names (group schema/...) that conf/*.yaml extend, e.g. `- /schema/parallelism/sdp@_here_`.
-STORED: dict[str, Any] = {"schema/optim": Optim, **{f"schema/cluster/{name}": node for name, node in CLUSTERS.items()},
-                          **{f"schema/parallelism/{name}": node for name, node in FAMILIES.items()}}
+
+def stored() -> dict[str, Any]:
+    """ConfigStore names (group schema/...) that conf/*.yaml extend, e.g. `- /schema/parallelism/sdp@_here_`:
+    the driver's nodes and every registered strategy's schema (:func:`sdp.parallel.spec.schemas`)."""
+    return {"schema/optim": Optim, **{f"schema/cluster/{name}": node for name, node in CLUSTERS.items()},
+            **{f"schema/parallelism/{name}": node for name, node in schemas().items()}}
 
 
 def open_node(schema: type) -> DictConfig:
@@ -44,7 +48,7 @@ def open_node(schema: type) -> DictConfig:
 def register() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent: a second call stores the same nodes again)."""
     store = ConfigStore.instance()
-    for path, node in {"schema/job": open_node(RootConfig), **STORED}.items():
+    for path, node in {"schema/job": open_node(RootConfig), **stored()}.items():
         group, _, name = path.rpartition("/")
         store.store(group=group, name=name, node=node, provider="sdp")
 
@@ -75,7 +79,7 @@ def parse(cfg: DictConfig) -> Typed:
     wanted: dict[str, type | None] = {
         "cluster": schema_of(cfg.cluster) or CLUSTERS.get(str(cfg.cluster.get("name"))),
         "optim": schema_of(cfg.optim) or Optim,
-        "parallelism": schema_of(cfg.parallelism) or PRESETS.get(str(cfg.parallelism.get("name")))}
+        "parallelism": schema_of(cfg.parallelism) or schemas().get(str(cfg.parallelism.get("name")))}
     typed = {k: cfg[k] for k, schema in wanted.items() if schema is not None and schema_of(cfg[k]) is schema}
     root = cfg if schema_of(cfg.get("train")) is Train else None
     untyped = [k for k, schema in wanted.items() if schema is not None and k not in typed]

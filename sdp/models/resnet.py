@@ -117,7 +117,7 @@ class Bottleneck(ShortcutBlock):
 
 
 BLOCKS: dict[str, type[ShortcutBlock]] = {"basic": BasicBlock, "bottleneck": Bottleneck}
-STEMS = ("cifar", "imagenet")
+STEMS = ("imagenet", "cifar")
 
 
 class ResNet(SDPModel):

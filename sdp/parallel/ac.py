@@ -28,8 +28,6 @@ from torch.utils.checkpoint import checkpoint
 
 from sdp.metrics.activations import note_retained
 
-MODES = ("none", "full")  # train.ac's values
-
 
 @contextmanager
 def restored_buffers(module: nn.Module) -> Iterator[None]:

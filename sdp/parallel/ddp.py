@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -14,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from omegaconf import DictConfig
 
+from sdp.core.fields import Number, flag, key
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy
@@ -122,12 +124,27 @@ def ddp_peaks(*, job: JobFacts, model: SDPModel, eval_batch: int, prepare: Calla
     return [dict(one) for _ in range(job.world_size)]
 
 
+@dataclass
+class DDPConfig:
+    """``parallelism=ddp``: DistributedDataParallel, every rank holds the whole model."""
+
+    name: str = key()
+    """The strategy, looked up in sdp.parallel.STRATEGIES."""
+    bucket_cap_mb: Number = key(above=0)
+    """Gradient bucket size in MiB."""
+    broadcast_buffers: bool = flag()
+    """Broadcast BatchNorm buffers from rank 0 every forward (false: ranks keep their own)."""
+    find_unused_parameters: bool = flag()
+    """Only for models with parameters unused in some steps."""
+
+
 @register("ddp")
 class DDPSpec(StrategySpec):
     """The DDP family in the driver: a full replica on every rank."""
 
     label = "DDP"
     runtime = DDPStrategy
+    schema = DDPConfig
     # its reducer all-reduces each bucket as backward fills it; the last bucket (the first layers) is ready
     # only when backward ends
     overlap = Overlap(kinds=("all_reduce",), window="backward", tail=1)

@@ -8,13 +8,27 @@ row and runs recorded with ``parallelism.name=ddp_ac`` still load and report as 
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from dataclasses import dataclass
 
-from sdp.driver.fields import conform
-from sdp.driver.schema_parallel import DDPAC
+from sdp.core.fields import Number, flag, key
 from sdp.parallel.ddp import DDPSpec, DDPStrategy
-from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import register
+
+
+@dataclass
+class DDPACConfig:
+    """``parallelism=ddp_ac``: a preset, DDP with ``train.ac=full`` at its own ``ac_every`` (sdp.parallel.job.ac_every)."""
+
+    name: str = key()
+    """The strategy, looked up in sdp.parallel.STRATEGIES."""
+    ac_every: int = key(at_least=1)
+    """Checkpoint blocks 0, k, 2k, ... (1: every block); read as train.ac_every."""
+    bucket_cap_mb: Number = key(above=0)
+    """Gradient bucket size in MiB."""
+    broadcast_buffers: bool = flag()
+    """As in parallelism=ddp."""
+    find_unused_parameters: bool = flag()
+    """As in parallelism=ddp."""
 
 
 @register("ddp_ac")
@@ -23,9 +37,4 @@ class DDPActivationCheckpointSpec(DDPSpec):
 
     label = "DDP+AC"
     runtime = DDPStrategy
-
-    @classmethod
-    def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
-        """Each key's own rule (``ac_every`` >= 1, DDP's keys) is its schema's:
-        :class:`sdp.driver.schema_parallel.DDPAC`; no rule here involves several keys."""
-        conform(cfg, schema=DDPAC, prefix="parallelism")
+    schema = DDPACConfig  # every key's rule is its own (``ac_every`` >= 1, DDP's keys): no validate of several keys

@@ -19,20 +19,19 @@ usual semantics of stochastic depth under data parallelism. Draws come from a ge
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdp.driver.fields import conform
-from sdp.driver.schema_parallel import Drop, LayerDrop
+from sdp.core.fields import Number, flag, key
 from sdp.errors import require
 from sdp.metrics.flops import BlockShare, forward_fraction
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult
 from sdp.parallel.ddp import DDPSpec, DDPStrategy
-from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Coverage, register
 
 
@@ -111,19 +110,40 @@ class _DropStrategy(DDPStrategy):
         }
 
 
+@dataclass
+class DropConfig:
+    """``parallelism=ddp_stochastic_depth`` (and :class:`LayerDropConfig`'s keys): DDP whose ranks skip residual branches."""
+
+    name: str = key()
+    """The strategy, looked up in sdp.parallel.STRATEGIES."""
+    survival_prob: Number = key(above=0, at_most=1)
+    """p in (0, 1]: a block's survival probability (the last block's under linear decay)."""
+    decay: str = key(choices=("uniform", "linear"))
+    """uniform: p for every block | linear: block l of n survives with 1 - (l+1)/n (1 - p) (stochastic depth only)."""
+    rescale: bool = flag()
+    """Scale a kept branch by 1 / its survival probability."""
+    bucket_cap_mb: Number = key(above=0)
+    """Gradient bucket size in MiB."""
+    broadcast_buffers: bool = flag()
+    """As in parallelism=ddp."""
+
+
+@dataclass
+class LayerDropConfig(DropConfig):
+    """``parallelism=ddp_layerdrop``: DropConfig's keys, the same survival probability for every block."""
+
+    decay: str = key(choices=("uniform",))
+    """uniform only: every block survives with p (the linear decay is ddp_stochastic_depth's)."""
+
+
 class _DropSpec(DDPSpec):
     """The drop baselines in the driver: DDP's prediction (every block kept), a coverage of the mean
     survival probability and FLOP matching like SDP's forward masking at that coverage."""
 
     runtime = _DropStrategy
 
-    schema: type = Drop  # its keys' types, choices and ranges (sdp/driver/schema_parallel.py)
+    schema: type = DropConfig  # every key is one key's rule (p in (0, 1], the decays, booleans): no validate of its own
     plan_note = "stochastic depth / LayerDrop predicted with every block kept"
-
-    @classmethod
-    def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
-        """Every key is one key's rule (p in (0, 1], the decays a preset allows, booleans): its :attr:`schema`'s."""
-        conform(cfg, schema=cls.schema, prefix="parallelism")
 
     @classmethod
     def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None, prepared: Any = None) -> Coverage | None:
@@ -159,4 +179,4 @@ class DDPLayerDropSpec(_DropSpec):
     """LayerDrop (Fan et al. 2019): the same drop rate for every block."""
 
     label = "DDP+LayerDrop"
-    schema = LayerDrop  # decay: uniform only
+    schema = LayerDropConfig  # decay: uniform only

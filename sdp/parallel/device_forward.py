@@ -41,12 +41,12 @@ from torch.overrides import TorchFunctionMode
 
 from sdp.core.precision import DTYPES, meta_region
 
-DEVICES = ("cpu", "cuda")
 _LOWER = (F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm,
           Tensor.bmm, torch.mm, Tensor.mm, torch.addmm, torch.baddbmm, F.scaled_dot_product_attention)
 _FP32 = {"cpu": (F.cross_entropy, F.nll_loss, F.mse_loss),
          "cuda": (F.cross_entropy, F.nll_loss, F.mse_loss, F.log_softmax, F.softmax, Tensor.softmax,
                   Tensor.log_softmax, F.layer_norm, F.group_norm, torch.logsumexp)}
+DEVICES = tuple(_FP32)  # cluster.device's values (its schema field names this tuple)
 
 
 def _cast(value: Any, *, to: torch.dtype, frm: torch.dtype, cache: dict[int, tuple[weakref.ref, Tensor]] | None) -> Any:

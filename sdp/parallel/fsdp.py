@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from omegaconf import DictConfig
@@ -35,8 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from sdp.core.distctx import average_buffers, mesh_overrides
-from sdp.driver.fields import conform
-from sdp.driver.schema_parallel import FSDP
+from sdp.core.fields import flag, key
 from sdp.errors import require
 from sdp.metrics.collectives import count_collectives
 from sdp.metrics.groups import mesh_process_groups
@@ -223,21 +223,32 @@ def fsdp_peaks(*, job: JobFacts, model: SDPModel, eval_batch: int, state: list[d
     return out
 
 
+@dataclass
+class FSDPConfig:
+    """``parallelism=fsdp``: FSDP2, parameters, gradients and optimizer state sharded over ranks."""
+
+    name: str = key()
+    """The strategy, looked up in sdp.parallel.STRATEGIES."""
+    reshard_after_forward: bool = flag()
+    """Free each block's gathered parameters after its forward (ZeRO-3) | keep them until backward."""
+    replicate: int = key(at_least=1)
+    """> 1: HSDP, shard within groups of world_size / replicate ranks (must divide cluster.world_size)."""
+
+
 @register("fsdp")
 class FSDPSpec(StrategySpec):
     """FSDP2 in the driver: the mesh's validation, its traffic and sharded state, its peak rule."""
 
     label = "FSDP"
     runtime = FSDPStrategy
+    schema = FSDPConfig
     # FSDP2 prefetches the next unit's all-gather during forward and backward and reduce-scatters (HSDP:
     # all-reduces) behind backward; the root's all-gather (before any compute) and last reduce-scatter are not
     overlap = Overlap(kinds=("all_gather", "reduce_scatter", "all_reduce"), window="step", tail=2)
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
-        """Its keys held to :class:`sdp.driver.schema_parallel.FSDP` (``replicate`` >= 1, a boolean reshard), then
-        the mesh: ``replicate`` divides the world."""
-        conform(cfg, schema=FSDP, prefix="parallelism")
+        """The mesh (each key's own rule is :class:`FSDPConfig`'s): ``replicate`` divides the world."""
         replicate = cfg.replicate
         require(job.world_size % replicate == 0, "parallelism.replicate", replicate,
                 f"must divide cluster.world_size={job.world_size} (HSDP mesh = replicate x shard)")

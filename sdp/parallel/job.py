@@ -13,6 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdp.errors import ConfigError, one_of, positive_int
 
+AC_MODES = ("none", "full")  # train.ac's values (its schema field names this tuple)
+
 
 @dataclass(frozen=True)
 class JobFacts:
@@ -54,7 +56,7 @@ def ac_every(cfg: DictConfig) -> int:
     ``train.ac=full`` with a stride other than the preset's."""
     sel = lambda key, default: OmegaConf.select(cfg, key, default=default)  # noqa: E731
     mode, every, preset = sel("train.ac", "none"), sel("train.ac_every", 1), sel("parallelism.ac_every", None)
-    one_of("train.ac", mode, ("none", "full"))
+    one_of("train.ac", mode, AC_MODES)
     for name, value in (("train.ac_every", every), ("parallelism.ac_every", preset)):
         if value is not None:
             positive_int(name, value)

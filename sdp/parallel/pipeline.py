@@ -44,7 +44,7 @@ from sdp.models.base import SDPModel, count_params
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult, Strategy
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import StrategySpec, register
-from sdp.parallel.pipeline_plan import PipelinePlan, check_layout, make_plan
+from sdp.parallel.pipeline_plan import PipelineConfig, PipelinePlan, check_layout, make_plan
 from sdp.parallel.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
 
 
@@ -242,6 +242,7 @@ class PipelineSpec(StrategySpec):
 
     label = "Pipeline"
     runtime = PipelineStrategy
+    schema = PipelineConfig
     gloo_cuda_refusal = ("its stages send activations and gradients point to point (torch.distributed.pipelining), "
                          "which gloo does not do for CUDA tensors")
     overlap = None  # its step is a schedule of microbatches (bubble, stage cut): no step-time prediction

@@ -10,15 +10,31 @@ head to the last, so their parameters count there when balancing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, List, Optional, Sequence
 
-from sdp.driver.fields import conform
-from sdp.driver.schema_parallel import Pipeline
+from sdp.core.fields import key
 from sdp.errors import ConfigError, fail, require
 from sdp.models.base import SDPModel, count_params
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # the schema's choices (a test keeps them equal)
-SINGLE_STAGE = ("gpipe", "1f1b")
+SINGLE_STAGE = ("gpipe", "1f1b")  # the schedules of PipelineConfig.schedule that run one stage per rank
+
+
+@dataclass
+class PipelineConfig:
+    """``parallelism=pipeline``: the model cut into stages at block boundaries, microbatches streamed."""
+
+    name: str = key()
+    """The strategy, looked up in sdp.parallel.STRATEGIES."""
+    schedule: str = key(choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    """gpipe | 1f1b | interleaved_1f1b (several stages per rank)."""
+    microbatches: int = key(at_least=1)
+    """Microbatches per step and pipeline replica."""
+    stages_per_rank: int = key(at_least=1)
+    """1 for gpipe / 1f1b; >= 2 for interleaved_1f1b."""
+    dp: int = key(at_least=1)
+    """Data-parallel pipeline replicas; the pipeline degree is cluster.world_size / dp."""
+    split_points: Optional[List[int]] = key()
+    """null (most even parameter counts) or the increasing block indices at which stages 1, 2, ... start."""
 
 
 @dataclass(frozen=True)
@@ -76,11 +92,9 @@ def balanced_bounds(*, weights: Sequence[int], allowed: Sequence[int], stages: i
 
 
 def check_layout(*, cfg: Any, world_size: int) -> tuple[int, int, int, int]:
-    """The body of :meth:`PipelineSpec.validate <sdp.parallel.pipeline.PipelineSpec.validate>`: the ``parallelism``
-    node held to its schema (:class:`sdp.driver.schema_parallel.Pipeline`: the schedule's choices, each degree
-    >= 1; :func:`sdp.driver.fields.conform`), then the layout's rules of several keys and ``world_size``;
-    returns (pp, dp, stages_per_rank, microbatches)."""
-    conform(cfg, schema=Pipeline, prefix="parallelism")
+    """The body of :meth:`PipelineSpec.validate <sdp.parallel.pipeline.PipelineSpec.validate>`: the layout's rules
+    of several keys and ``world_size`` (each key's own rule, the schedule's choices and each degree >= 1, is
+    :class:`PipelineConfig`'s, checked before); returns (pp, dp, stages_per_rank, microbatches)."""
     dp, spr, mb = cfg.dp, cfg.stages_per_rank, cfg.microbatches
     require(world_size % dp == 0, "parallelism.dp", dp, f"must divide cluster.world_size={world_size} (pp x dp = world)")
     pp = world_size // dp

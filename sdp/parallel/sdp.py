@@ -247,8 +247,8 @@ class SDPStrategy(Strategy):
 class SDPSpec(StrategySpec):
     """SDP in the driver: its keys, its plan drawn once (:meth:`prepare`), label, coverage k / n, FLOP fraction,
     ``sdp-plan`` prediction (bodies: :mod:`~sdp.parallel.sdp_config`, ``sdp_plan``, ``sdp_peaks``)."""
-
-    runtime, label_keys = SDPStrategy, ("level", "masking")  # labels: B-SDP, B_β-SDP, N-SDP, N_β-SDP
+    runtime, schema = SDPStrategy, sdp_config.SDPConfig
+    label_keys = ("level", "masking")  # labels: B-SDP, B_β-SDP, N-SDP, N_β-SDP
     overlap = Overlap(kinds=("all_reduce",), window="backward", tail=1, switch="overlap")  # as DDP's buckets; refresh exposed
 
     @classmethod

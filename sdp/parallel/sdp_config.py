@@ -6,23 +6,78 @@ and the driver's meta model: :meth:`SDPSpec.validate <sdp.parallel.sdp.SDPSpec.v
 :func:`validate` on the keys, :meth:`SDPSpec.prepare <sdp.parallel.sdp.SDPSpec.prepare>` runs :func:`prepare`
 (the plan, from the model built once on the meta device, so an impossible plan is refused before any rank
 starts and every rank trains the very plan the driver checked and predicted), and :func:`resolve_rescale`
-turns ``parallelism.rescale=auto`` into the rule the ranks apply.
+turns ``parallelism.rescale=auto`` into the rule the ranks apply. Its schema, :class:`SDPConfig`, is here too:
+each key's type, choices and range, the choices SDP's plans act on (``sdp/subnet``, below this package) named
+from the tuples there.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 from omegaconf import DictConfig
 
-from sdp.driver.fields import conform
-from sdp.driver.schema_parallel import SDP
+from sdp.core.fields import Number, flag, key
 from sdp.errors import ConfigError, require
 from sdp.models.base import SDPModel
 from sdp.parallel.job import JobFacts
-from sdp.parallel.sdp_plan import BALANCE_KEYS, plan_for
+from sdp.parallel.sdp_plan import BALANCE_KEYS, MASKINGS, plan_for
+from sdp.subnet.assign import ASSIGNMENTS
 from sdp.subnet.plan import Plan, PlanError, num_holders, warn_degenerate
+from sdp.subnet.rolling import REDRAWS
+from sdp.subnet.units import LEVELS
 
 
-RESCALES = ("auto", "none", "eval", "train")  # what resolve_rescale acts on (the schema's choices: a test keeps them equal)
+@dataclass
+class Balance:
+    """``parallelism.balance``: weights of each resource in the balanced assignment's minimax objective."""
+
+    params: Number = key(at_least=0)
+    """Weight of the per-worker parameter load."""
+    flops: Number = key(at_least=0)
+    """Weight of the per-worker FLOP load."""
+    activations: Number = key(at_least=0)
+    """Weight of the per-worker activation bytes."""
+
+
+@dataclass
+class SDPConfig:
+    """``parallelism=sdp`` and its variants: each worker trains a subnetwork; a unit's gradients are averaged
+    over its holders only (conf/parallelism/sdp.yaml says what every value does)."""
+
+    name: str = key()
+    """The strategy, looked up in sdp.parallel.STRATEGIES."""
+    level: str = key(choices=LEVELS)
+    """block: each residual block is a unit | neuron: (block, group) units."""
+    masking: str = key(choices=MASKINGS)
+    """forward: a worker runs only its subnetwork | backward: full forward, grads only for held parameters."""
+    coverage: Number = key(above=0, at_most=1)
+    """C in (0, 1]: each unit is held by round(C x world_size) workers."""
+    assignment: str = key(choices=ASSIGNMENTS)
+    """How units are placed on workers."""
+    balance: Balance = field(default_factory=Balance)
+    """assignment=balanced: resource weights."""
+    groups: int = key(at_least=1)
+    """Neuron level: every hidden width is split into this many groups."""
+    resample_every: Optional[int] = key(at_least=1)
+    """null: fixed plan | R: re-draw the plan every R steps."""
+    redraw: str = key(choices=REDRAWS)
+    """How a re-draw chooses the new plan."""
+    refresh: str = key(choices=("holders", "global"))
+    """Backward masking: broadcast from a holder | all-reduce over the world."""
+    rescale: str = key(choices=("auto", "none", "eval", "train"))
+    """How the branch magnitude of partly trained units is corrected (auto: resolved per model and protocol)."""
+    drop_downsample: bool = flag()
+    """A downsampling block is a unit (false: stays whole and shared)."""
+    bucket_cap_mb: Number = key(above=0)
+    """Gradient bucket size in MiB."""
+    overlap: bool = flag()
+    """All-reduce each holder-set bucket during backward (false: after backward)."""
+    max_holder_sets: Optional[int] = key(at_least=1)
+    """null: no cap | M: at most M process groups for holder sets (balanced assignment only)."""
+    plan_seed: int = key(at_least=0)
+    """Seed of random assignment and of plan re-draws."""
 
 
 def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
@@ -43,11 +98,10 @@ def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
 
 def validate(*, cfg: DictConfig, world_size: int) -> None:
     """The body of :meth:`SDPSpec.validate <sdp.parallel.sdp.SDPSpec.validate>`: the ``parallelism`` node ``cfg``
-    held to its schema (:class:`sdp.driver.schema_parallel.SDP`: every key's type, choice and range, one place;
-    :func:`sdp.driver.fields.conform`), then the rules of several keys or of the world: k >= 1 holders of
+    (each key's own type, choice and range: :class:`SDPConfig`'s, checked before), the rules of several keys or
+    of the world: k >= 1 holders of
     ``parallelism.coverage`` on ``world_size`` workers (:func:`holders`), the re-draw, refresh and rescale rules
     of each masking, the cap's assignment and the balance weights; the plan itself is :func:`prepare`'s."""
-    conform(cfg, schema=SDP, prefix="parallelism")
     holders(cfg=cfg, world_size=world_size)
     require(cfg.get("redraw") != "rolling" or cfg.get("max_holder_sets") is None, "parallelism.max_holder_sets",
             cfg.get("max_holder_sets"), "null with parallelism.redraw=rolling (its windows fix the holder sets)")

@@ -85,6 +85,10 @@ class StrategySpec:
     label_keys: tuple[str, ...] = ()  # parallelism keys the label already says (no table column of their own)
     plan_note: str = ""  # a caveat of this strategy's ``sdp-plan`` prediction, listed in the plan's notes
     runtime: type[Strategy]  # what each rank instantiates: ``runtime(cfg=..., job=..., ctx=..., prepared=...)``
+    # Its ``parallelism`` node's dataclass (sdp.core.fields: one field per key, its type, choices, range), declared
+    # beside the spec; the driver holds the node to it before :meth:`validate`, and :func:`schemas` stores it for
+    # the YAML's defaults list (``- /schema/parallelism/<name>@_here_``). A subclass inherits it; None: untyped.
+    schema: type | None = None
     # Why the ranks cannot exchange CUDA tensors over gloo (``cluster.device=cuda cluster.backend=gloo``, several
     # ranks sharing a GPU), "" (default) where they can: the driver refuses that combination naming this reason,
     # and does not recommend gloo to share a GPU (:func:`sdp.driver.config.validate`).
@@ -99,8 +103,8 @@ class StrategySpec:
         """Raise ``ValueError`` naming key, value and what is allowed for impossible settings of the keys.
 
         ``cfg`` is the ``parallelism`` node, ``job`` the job's facts (world size, batch size, ...), both
-        passed by :func:`sdp.driver.config.validate` before any rank starts, after the typed schema has
-        checked each key's type and choices; what needs the model is :meth:`prepare`'s."""
+        passed by :func:`sdp.driver.config.validate` before any rank starts, after :attr:`schema` has
+        checked each key's type, choices and range; what needs the model is :meth:`prepare`'s."""
 
     @classmethod
     def prepare(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel) -> Any:
@@ -171,6 +175,21 @@ class StrategySpec:
 
 
 STRATEGIES: Registry[type[StrategySpec]] = Registry(kind="strategy", key="parallelism.name")
+
+
+def schemas() -> dict[str, type]:
+    """Every registered strategy's :attr:`StrategySpec.schema`, under the name of the strategy that brings it: the
+    registered spec highest in its class tree with that same schema (a subclass that inherits the schema, a plugin
+    under ``SDPSpec``, is of that family: ``sdp``). Stored by the driver as ``schema/parallelism/<name>`` (what the
+    YAML extends) and used to type a recorded, untyped ``config.yaml`` by its ``parallelism.name``. Read when
+    asked, so a plugin imported later is found."""
+    out: dict[str, type] = {}
+    for name in STRATEGIES.names():
+        spec = STRATEGIES.get(name)
+        if spec.schema is not None:
+            top = [c for c in spec.__mro__ if vars(c).get("name") and getattr(c, "schema", None) is spec.schema][-1]
+            out[top.name] = spec.schema
+    return out
 
 
 def register(name: str) -> Callable[[type[StrategySpec]], type[StrategySpec]]:

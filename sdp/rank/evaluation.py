@@ -65,8 +65,6 @@ from sdp.rank.eval_ops import bn_pass, gathered, ordered_mean, ordered_sum, stat
 from sdp.rank.eval_parts import Partwise, partwise_totals
 from sdp.results.evalresult import EvalResult
 
-BN_PROTOCOLS = ("reestimate", "average")  # eval.bn (its choices in sdp/driver/schema.py)
-
 
 def part_batches(cfg: DictConfig) -> Any:
     """``eval.part_batches``; 1 for configs written before the key (a re-run of a recorded run)."""

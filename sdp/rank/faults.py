@@ -23,8 +23,6 @@ from typing import Any, Callable
 
 import torch
 
-FAULTS = ("kill", "hang", "nan_loss")  # not "nan": Hydra parses that as a float
-
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

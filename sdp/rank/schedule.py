@@ -14,12 +14,13 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+SCHEDULES = ("constant", "cosine", "linear")  # optim.schedule's values (its schema field names this tuple)
+
 
 def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
     """Multiplier on the base LR at each step: linear warm-up then constant, cosine or linear decay."""
-    allowed = ("constant", "cosine", "linear")
-    if schedule not in allowed:
-        raise ValueError(f"optim.schedule={schedule!r} not in {allowed}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule={schedule!r} not in {SCHEDULES}")
 
     def f(step: int) -> float:
         if warmup_steps > 0 and step < warmup_steps:

@@ -9,14 +9,18 @@ is allowed). Types (int, float, ``Optional``) are OmegaConf's own: ``train.steps
 gets here, it is refused while Hydra composes the config; a ``bool`` field (:func:`flag`) has a node of its own,
 :class:`StrictBool`, since OmegaConf's takes ``2`` or ``off`` as a bool. :func:`conform` is the same check for a node
 whether or not a schema typed it: what a strategy's ``validate`` runs on its ``parallelism`` node, so a
-plugin's own untyped YAML under a package strategy is held to the very same fields.
+plugin's own untyped YAML under a package strategy is held to the very same fields. :func:`choices_of` is how
+code that acts on a choice reads the allowed values from the field, so each set is written once.
+
+Here, in the bottom layer, because every schema uses it: the driver's (``sdp/driver/schema*.py``) and each
+strategy's own, declared in its module in ``sdp/parallel/`` (which must not import the driver).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Iterable, List, Optional
+from typing import Any, Iterable, List, Optional, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
@@ -25,6 +29,7 @@ from omegaconf.nodes import BooleanNode
 from sdp.errors import ConfigError, fail
 
 MISSING = "???"  # omegaconf.MISSING: the value comes from the YAML preset (conf/), never from the schema
+Number = Union[int, float]  # OmegaConf 2.3 keeps 25 as 25 and 0.5 as 0.5 (a float field would print 25.0)
 
 
 def key(*, choices: Iterable[str] | None = None, at_least: float | None = None, above: float | None = None,
@@ -35,6 +40,15 @@ def key(*, choices: Iterable[str] | None = None, at_least: float | None = None, 
     meta = {"choices": tuple(choices) if choices is not None else None, "at_least": at_least, "above": above,
             "at_most": at_most, "below": below}
     return dataclasses.field(default=MISSING, metadata=meta)
+
+
+def choices_of(schema: type, name: str) -> tuple[str, ...]:
+    """The values field ``name`` of ``schema`` allows: what code that acts on the key compares with, read from the
+    one declaration (the field's ``choices``) rather than written again beside the code."""
+    found = [f for f in dataclasses.fields(schema) if f.name == name]
+    assert found and found[0].metadata.get("choices") is not None, \
+        f"{schema.__name__}.{name} is not a choice field of {[f.name for f in dataclasses.fields(schema)]}"
+    return found[0].metadata["choices"]
 
 
 class StrictBool(BooleanNode):
