@@ -19,7 +19,7 @@ from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import Job
 from sdp.parallel.spec import Overlap, StrategySpec, register
-from sdp.planning.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.planning.plan_entries import MIB, Entry, EvalTraffic, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.planning.plan_peaks import rehearse
 from sdp.subnet.holder_groups import predicted_process_groups
 
@@ -136,6 +136,15 @@ class DDPSpec(StrategySpec):
     def prepare_for_plan(cls, *, model: SDPModel, cfg: DictConfig) -> None:
         """What ``setup`` does to the model before wrapping it, applied to the planner's meta model
         (``cfg``: the parallelism node). Plain DDP: nothing."""
+
+    @classmethod
+    def eval_traffic(cls, *, cfg: DictConfig, job: Job, model: SDPModel, step: int,
+                     prepared: Any = None) -> EvalTraffic | None:
+        """The default ``eval_module``'s: every floating-point buffer averaged over the world in one all-reduce
+        (:func:`sdp.rank.distctx.average_buffers`); no workers' own models."""
+        floats = [b for b in model.buffers() if b.is_floating_point()]
+        build = [("all_reduce", nbytes(floats), job.world_size)] if floats and job.world_size > 1 else []
+        return EvalTraffic(build=[list(build) for _ in range(job.world_size)], partwise=False, own=None)
 
     @classmethod
     def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],

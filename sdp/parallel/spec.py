@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from sdp.metrics.flops import BlockShare
 from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
-from sdp.planning.plan_entries import Entry
+from sdp.planning.plan_entries import Entry, EvalTraffic, Record
 from sdp.registry import Registry
 
 if TYPE_CHECKING:
@@ -160,6 +160,21 @@ class StrategySpec:
         re-draws, predicts the largest over it; ``state``: the memory entries of :meth:`predict`. None
         (default): no peak rehearsal."""
         return None
+
+    @classmethod
+    def eval_traffic(cls, *, cfg: DictConfig, job: Job, model: SDPModel, step: int,
+                     prepared: Any = None) -> EvalTraffic | None:
+        """``sdp-plan``: what building this strategy's evaluated models moves in the evaluation after 1-based step
+        ``step`` (its ``eval_module`` and ``subnetwork_module``; the protocol's own traffic is
+        :mod:`sdp.planning.plan_traffic`'s). None (default): not predicted, and ``sdp-plan`` says so."""
+        return None
+
+    @classmethod
+    def phase_traffic(cls, *, cfg: DictConfig, job: Job, model: SDPModel, steps: int,
+                      prepared: Any = None) -> dict[str, list[list[Record]]]:
+        """``sdp-plan``: per comm phase other than "train" and "eval" that a run of ``steps`` steps makes (SDP's
+        "resample"), every rank's records over the whole run. Default: none."""
+        return {}
 
     @classmethod
     def comm_overlap(cls, *, cfg: DictConfig) -> Overlap | None:

@@ -10,6 +10,7 @@ prediction and measurement compare field by field). It imports no strategy, so s
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,19 @@ if TYPE_CHECKING:
 Record = tuple[str, float, int]  # (kind, payload bytes, group size) per step
 Entry = tuple[dict, dict]  # one rank's (memory entry, comm entry)
 MIB = 2**20
+
+
+@dataclass(frozen=True)
+class EvalTraffic:
+    """What a strategy's evaluated models move in one evaluation (comm phase "eval"), per rank, besides what the
+    protocol moves (:mod:`sdp.planning.plan_traffic`): ``build``, making the evaluated model once (its
+    ``eval_module``: DDP's buffer average, SDP's assembly); ``partwise``, it is built once per evaluation pass
+    (:mod:`sdp.rank.eval_parts`) rather than once; ``own``, making each worker's own model (its
+    ``subnetwork_module``), None where workers have none (no workers' or ensemble evaluation)."""
+
+    build: list[list[Record]]
+    partwise: bool
+    own: list[list[Record]] | None
 
 
 def nbytes(tensors: Any) -> int:
