@@ -21,6 +21,7 @@ from sdp.parallel.job import Job
 from sdp.parallel.spec import Overlap, StrategySpec, register
 from sdp.planning.plan_entries import MIB, Entry, EvalTraffic, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.planning.plan_peaks import rehearse
+from sdp.planning.plan_checkpoint import replica_parts
 from sdp.subnet.holder_groups import predicted_process_groups
 
 
@@ -145,6 +146,14 @@ class DDPSpec(StrategySpec):
         floats = [b for b in model.buffers() if b.is_floating_point()]
         build = [("all_reduce", nbytes(floats), job.world_size)] if floats and job.world_size > 1 else []
         return EvalTraffic(build=[list(build) for _ in range(job.world_size)], partwise=False, own=None)
+
+    @classmethod
+    def checkpoint_tensors(cls, *, cfg: DictConfig, job: Job, model: SDPModel, step: int,
+                           prepared: Any = None) -> list[dict[str, list[torch.Tensor]]] | None:
+        """Every rank a whole replica, laid out by :meth:`Strategy.checkpoint_state` (parameters and optimizer state in
+        rank 0's ``shared.pt`` where the runtime declares its replicas identical; buffers in each rank's file)."""
+        parts = replica_parts(model=model, optimizer=job.optimizer, replicas_identical=cls.runtime.replicas_identical)
+        return [parts] * job.world_size
 
     @classmethod
     def predict(cls, *, cfg: DictConfig, job: Job, model: SDPModel, facts: dict[str, Any],

@@ -126,6 +126,13 @@ class _DropSpec(DDPSpec):
         conform(cfg, schema=cls.schema, prefix="parallelism")
 
     @classmethod
+    def checkpoint_tensors(cls, *, cfg: DictConfig, job: Job, model: SDPModel, step: int,
+                           prepared: Any = None) -> list[dict[str, list[torch.Tensor]]] | None:
+        """DDP's, plus each rank's draw generator state in its own file (:meth:`_DropStrategy.checkpoint_state`)."""
+        parts = super().checkpoint_tensors(cfg=cfg, job=job, model=model, step=step, prepared=prepared)
+        return [{**p, "local": [*p["local"], torch.Generator().get_state()]} for p in parts or []]
+
+    @classmethod
     def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None, prepared: Any = None) -> Coverage | None:
         """The mean of :func:`survival_probs`: ``p`` under ``decay=uniform``; the linear decay's mean needs
         the block count ``n_units`` (fraction None without it)."""

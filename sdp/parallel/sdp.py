@@ -286,7 +286,7 @@ class SDPSpec(StrategySpec):
                       eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         return sdp_peaks(cfg=cfg, job=job, model=model, plan=prepared, eval_batch=eval_batch, steps=steps, eval_steps=eval_steps)
 
-    eval_traffic, phase_traffic = classmethod(sdp_traffic.eval_traffic), classmethod(sdp_traffic.phase_traffic)  # sdp-plan
+    eval_traffic, phase_traffic, checkpoint_tensors = map(classmethod, sdp_traffic.PLAN_HOOKS)  # sdp-plan (sdp_traffic)
 
     # ---- SDP's own questions (sdp-plan asks them only of a strategy that has them) ----------------------
     @classmethod

@@ -1,5 +1,6 @@
 """SDP's traffic outside the training step, as ``sdp-plan`` predicts it: evaluating the assembled model and the
-workers' own subnetworks (comm phase "eval") and re-drawing the plan ("resample").
+workers' own subnetworks (comm phase "eval") and re-drawing the plan ("resample"); and what each rank writes in a
+checkpoint (:func:`checkpoint_tensors`).
 
 Why a module of its own: the numbers come from the code the ranks run, asked dry, not from a second formula.
 Assembly and the ``eval.bn=average`` statistics call :func:`sdp.subnet.assemble.average_statistics` (the very
@@ -21,12 +22,14 @@ from sdp.models.base import SDPModel
 from sdp.parallel.job import Job
 from sdp.parallel.sdp_plan import draw_at, run_plans
 from sdp.parallel.sdp_redraw_plan import rehearse_redraw, state_template
+from sdp.planning.plan_checkpoint import optimizer_state
 from sdp.planning.plan_entries import EvalTraffic, Record
 from sdp.registry import build
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import average_statistics, partwise_names, tensor_map
 from sdp.subnet.masking import Piece
 from sdp.subnet.plan import Plan
+from sdp.subnet.redraw import masked_on_meta
 
 
 def _statistics(*, pieces: list[Piece], full: dict[str, torch.Tensor], masking: str, rank: int,
@@ -87,6 +90,23 @@ def eval_traffic(spec: type, *, cfg: DictConfig, job: Job, model: SDPModel, prep
     return EvalTraffic(build=build_records, partwise=bool(names), own=own)
 
 
+def checkpoint_tensors(spec: type, *, cfg: DictConfig, job: Job, model: SDPModel, step: int,
+                       prepared: Plan) -> list[dict[str, list[torch.Tensor]]]:
+    """``SDPSpec.checkpoint_tensors``: every rank's own file (:meth:`SDPStrategy.checkpoint_state`, all ``"local"``)
+    holds its module's state dict, its subnetwork under the plan the checkpoint's step trained on masked as set-up
+    and re-draws mask it (:func:`sdp.subnet.redraw.masked_on_meta`), and the optimizer state of what it trains."""
+    draw = draw_at(step=step - 1, every=cfg.get("resample_every"))
+    plan = next(run_plans(model=model, cfg=cfg, first=prepared, draws=[draw]))
+    mode = M.masking_mode(masking=str(cfg.masking), refresh=str(cfg.refresh))
+    out = []
+    for rank in range(plan.world_size):
+        module, pieces, layout = masked_on_meta(skeleton=model, plan=plan, rank=rank, mode=mode)
+        trained = list(module.parameters()) if mode == "global" else list(M.held_parameters(layout, pieces, rank))
+        out.append({"local": [*module.state_dict(keep_vars=True).values(),
+                              *optimizer_state(optimizer=job.optimizer, params=trained)]})
+    return out
+
+
 def phase_traffic(spec: type, *, cfg: DictConfig, job: Job, model: SDPModel, steps: int,
                   prepared: Plan) -> dict[str, list[list[Record]]]:
     """``SDPSpec.phase_traffic``: the comm phase "resample", every re-draw of the run (:func:`redraw_traffic`)."""
@@ -115,3 +135,6 @@ def redraw_traffic(*, cfg: DictConfig, job: Job, model: SDPModel, plan: Plan, st
             if e["described_bytes"] is not None:  # every rank gathers, or none (the same moving pieces)
                 out[r].append(("all_gather", sum(g or 0 for g in gathered), world))
     return out
+
+
+PLAN_HOOKS = (eval_traffic, phase_traffic, checkpoint_tensors)  # SDPSpec's, in this order

@@ -35,6 +35,8 @@ from sdp.planning.plan_entries import Entry, EvalTraffic, Record
 from sdp.registry import Registry
 
 if TYPE_CHECKING:
+    import torch
+
     from sdp.parallel.base import Strategy
 
 
@@ -175,6 +177,15 @@ class StrategySpec:
         """``sdp-plan``: per comm phase other than "train" and "eval" that a run of ``steps`` steps makes (SDP's
         "resample"), every rank's records over the whole run. Default: none."""
         return {}
+
+    @classmethod
+    def checkpoint_tensors(cls, *, cfg: DictConfig, job: Job, model: SDPModel, step: int,
+                           prepared: Any = None) -> list[dict[str, list[torch.Tensor]]] | None:
+        """``sdp-plan``: per rank, the tensors of the checkpoint after 1-based ``step`` by part, as the runtime's
+        ``checkpoint_state`` lays them out (``"shared"``: rank 0's ``shared.pt``; ``"local"``: each rank's own file;
+        on the meta device; :mod:`sdp.planning.plan_checkpoint` adds the RNG streams and counts the bytes). None
+        (default): not predicted, and ``sdp-plan`` says so."""
+        return None
 
     @classmethod
     def comm_overlap(cls, *, cfg: DictConfig) -> Overlap | None:

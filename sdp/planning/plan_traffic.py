@@ -18,9 +18,10 @@ are what a user reads before booking a cluster. Phases:
 - the strategy's other phases (:meth:`~sdp.parallel.spec.StrategySpec.phase_traffic`: SDP's ``resample``, every
   re-draw of the run rehearsed).
 
-Not predicted: phase ``checkpoint``, which a run records only when it resumes (DDP's bucket priming); checkpoint
+Not predicted: comm phase ``checkpoint``, which a run records only when it resumes (DDP's bucket priming); checkpoint
 writes move no tensor between ranks (each rank writes its own files; their records meet in one small gather on a
-group of their own, :mod:`sdp.rank.checkpoint_io`, not counted as traffic), and the bytes written are not predicted.
+group of their own, :mod:`sdp.rank.checkpoint_io`, not counted as traffic): the bytes each rank writes are
+:mod:`sdp.planning.plan_checkpoint`'s, a column of :func:`format_phases`' table.
 """
 
 from __future__ import annotations
@@ -116,17 +117,23 @@ def predict_outside(*, cfg: DictConfig, job: Job, spec: type[StrategySpec], mode
              for phase, recs in mine.items() if recs} for mine in phases], notes
 
 
-def format_outside(plan: dict[str, Any]) -> str:
-    """The printed per-phase table: each rank's bytes and collectives over the run outside the training step."""
-    comm = plan["comm"]["per_rank"]
+def format_phases(plan: dict[str, Any]) -> str:
+    """The printed per-phase table: each rank's bytes over the whole run by phase: training (the step's bytes times
+    the run's steps), every phase outside it (``comm.per_rank[r].outside_training``: eval, resample) with its
+    collectives, and what it writes to checkpoints (:mod:`sdp.planning.plan_checkpoint`, tensor payload)."""
+    comm, steps, ckpt = plan["comm"]["per_rank"], int(plan["steps"]), plan.get("checkpoint")
     phases = sorted({phase for c in comm for phase in c.get("outside_training", {})})
-    if not phases:
-        return "outside training: no traffic predicted (one rank, or no evaluation and no re-draw)"
-    header = ["rank", *(f"{phase} MiB / collectives" for phase in phases)]
-    lines = ["outside training, the whole run (comm phases as summary.json's comm.per_rank[r].outside_training):",
+    header = ["rank", "train MiB / collectives", *(f"{phase} MiB / collectives" for phase in phases)]
+    if ckpt is not None:
+        header.append(f"checkpoint MiB written / checkpoints (steps {', '.join(map(str, ckpt['steps']))})")
+    lines = [f"per phase, the whole run ({steps} steps; comm as summary.json's comm.per_rank[r]: train = bytes_per_step x "
+             "steps, the others its outside_training; checkpoint: each rank's files, tensor payload):",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in comm:
         mine = c.get("outside_training", {})
-        cells = [f"{mine[p]['bytes'] / 2**20:.3f} / {mine[p]['collectives']}" if p in mine else "0 / 0" for p in phases]
+        cells = [f"{c['bytes_per_step'] * steps / 2**20:.3f} / {c['collectives_per_step'] * steps:.0f}",
+                 *(f"{mine[p]['bytes'] / 2**20:.3f} / {mine[p]['collectives']}" if p in mine else "0 / 0" for p in phases)]
+        if ckpt is not None:
+            cells.append(f"{ckpt['per_rank'][c['rank']]['bytes'] / 2**20:.3f} / {len(ckpt['steps'])}")
         lines.append("| " + " | ".join([str(c["rank"]), *cells]) + " |")
     return "\n".join(lines)
