@@ -59,12 +59,16 @@ def test_sdp_plan_command_prints_and_writes_the_prediction_and_frontier(tmp_path
 
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "sdp.planning.planner", "parallelism=sdp", "cluster.world_size=4",
-                           "plan.frontier=true", f"plan.output={out}"], capture_output=True, text=True, timeout=300,
+                           "plan.frontier=true", "train.checkpoint_every=100", f"plan.output={out}"],
+                          capture_output=True, text=True, timeout=300,
                           cwd=REPO, env=sdp_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| rank | params MiB" in proc.stdout and "| floor (mean over workers" in proc.stdout, proc.stdout
     assert "overlap graph connected" in proc.stdout and "PlanWarning" not in proc.stderr, (proc.stdout, proc.stderr)
+    phases = "| rank | train MiB / collectives | eval MiB / collectives | checkpoint MiB written / checkpoints (steps 100, 200) |"
+    assert phases in proc.stdout, proc.stdout  # the per-phase table: the run's 200 steps, its evaluations and checkpoints
     plan = json.loads(out.read_text())
+    assert plan["checkpoint"]["steps"] == [100, 200] and all(r["bytes"] > 0 for r in plan["checkpoint"]["per_rank"])
     assert len(plan["memory"]["per_rank"]) == len(plan["comm"]["per_rank"]) == 4
     assert plan["frontier"]["floor"]["state"] <= plan["frontier"]["plan"]["state"] and "text" not in plan["frontier"]
     sdp = plan["plan"]  # as summary.json["strategy_info"]["plan"]

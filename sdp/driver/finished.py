@@ -29,7 +29,7 @@ from sdp.driver.sweep import complete_summary
 from sdp.errors import ConfigError
 from sdp.rank.checkpoint import TRAIN, read_meta
 from sdp.rank.worker import run_facts
-from sdp.results.rundir import RunDir, run_of_checkpoint
+from sdp.results.rundir import SHARED_FILE, RunDir, run_of_checkpoint
 from sdp.results.summary import Summary
 
 REBUILT = ("rebuilt by the driver from the final checkpoint ({ckpt}) and config.yaml: the run ended after its "
@@ -73,7 +73,7 @@ def train_state(ckpt: Path) -> dict[str, Any]:
     meta = read_meta(ckpt)
     if TRAIN in meta:
         return meta[TRAIN]
-    return torch.load(ckpt / "shared.pt", map_location="cpu", weights_only=True, mmap=True)[TRAIN]
+    return torch.load(ckpt / SHARED_FILE, map_location="cpu", weights_only=True, mmap=True)[TRAIN]
 
 
 def rebuilt(*, cfg: DictConfig, run_dir: Path, ckpt: Path, budget: dict[str, Any] | None, prepared: Any) -> Summary:

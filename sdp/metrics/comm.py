@@ -65,6 +65,10 @@ class CommCounter:
         finally:
             self.phase = prev
 
+    def phase_records(self, name: str) -> list[tuple[str, int, int]]:
+        """The (kind, payload, group size) records made so far under phase ``name`` (not "train")."""
+        return list(self._other.get(name, []))
+
     def end_step(self) -> None:
         if self.measuring:
             self._steps.append(self._step)

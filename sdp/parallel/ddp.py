@@ -21,8 +21,9 @@ from sdp.models.base import SDPModel
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Overlap, StrategySpec, register
-from sdp.parallel.plan_entries import MIB, Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.parallel.plan_entries import MIB, Entry, EvalTraffic, Record, activations, nbytes, optim_bytes, rank_entry
 from sdp.parallel.plan_peaks import rehearse
+from sdp.parallel.plan_entries import replica_parts
 from sdp.subnet.holder_groups import predicted_process_groups
 
 
@@ -153,6 +154,23 @@ class DDPSpec(StrategySpec):
     def prepare_for_plan(cls, *, model: SDPModel, cfg: DictConfig) -> None:
         """What ``setup`` does to the model before wrapping it, applied to the planner's meta model
         (``cfg``: the parallelism node). Plain DDP: nothing."""
+
+    @classmethod
+    def eval_traffic(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, step: int,
+                     prepared: Any = None) -> EvalTraffic | None:
+        """The default ``eval_module``'s: every floating-point buffer averaged over the world in one all-reduce
+        (:func:`sdp.core.distctx.average_buffers`); no workers' own models."""
+        floats = [b for b in model.buffers() if b.is_floating_point()]
+        build = [("all_reduce", nbytes(floats), job.world_size)] if floats and job.world_size > 1 else []
+        return EvalTraffic(build=[list(build) for _ in range(job.world_size)], partwise=False, own=None)
+
+    @classmethod
+    def checkpoint_tensors(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, step: int,
+                           prepared: Any = None) -> list[dict[str, list[torch.Tensor]]] | None:
+        """Every rank a whole replica, laid out by :meth:`Strategy.checkpoint_state` (parameters and optimizer state in
+        rank 0's ``shared.pt`` where the runtime declares its replicas identical; buffers in each rank's file)."""
+        parts = replica_parts(model=model, optimizer=job.optimizer, replicas_identical=cls.runtime.replicas_identical)
+        return [parts] * job.world_size
 
     @classmethod
     def predict(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, facts: dict[str, Any],

@@ -33,6 +33,7 @@ from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult
 from sdp.parallel.ddp import DDPSpec, DDPStrategy
 from sdp.parallel.spec import Coverage, register
+from sdp.parallel.job import JobFacts
 
 
 def survival_probs(*, n: int, p: float, decay: str) -> list[float]:
@@ -144,6 +145,13 @@ class _DropSpec(DDPSpec):
 
     schema: type = DropConfig  # every key is one key's rule (p in (0, 1], the decays, booleans): no validate of its own
     plan_note = "stochastic depth / LayerDrop predicted with every block kept"
+
+    @classmethod
+    def checkpoint_tensors(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, step: int,
+                           prepared: Any = None) -> list[dict[str, list[torch.Tensor]]] | None:
+        """DDP's, plus each rank's draw generator state in its own file (:meth:`_DropStrategy.checkpoint_state`)."""
+        parts = super().checkpoint_tensors(cfg=cfg, job=job, model=model, step=step, prepared=prepared)
+        return [{**p, "local": [*p["local"], torch.Generator().get_state()]} for p in parts or []]
 
     @classmethod
     def coverage(cls, *, cfg: DictConfig, world_size: int, n_units: int | None, prepared: Any = None) -> Coverage | None:

@@ -10,7 +10,8 @@ prediction and measurement compare field by field). It imports no strategy, so s
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from omegaconf import DictConfig
@@ -19,6 +20,7 @@ from sdp.core.loss import loss_fn
 from sdp.metrics.activations import forward_saved_bytes
 from sdp.metrics.comm import wire_bytes
 from sdp.parallel.device_forward import device_forward
+from sdp.registry import build
 
 if TYPE_CHECKING:
     from sdp.parallel.job import JobFacts
@@ -26,6 +28,19 @@ if TYPE_CHECKING:
 Record = tuple[str, float, int]  # (kind, payload bytes, group size) per step
 Entry = tuple[dict, dict]  # one rank's (memory entry, comm entry)
 MIB = 2**20
+
+
+@dataclass(frozen=True)
+class EvalTraffic:
+    """What a strategy's evaluated models move in one evaluation (comm phase "eval"), per rank, besides what the
+    protocol moves (:mod:`sdp.planning.plan_traffic`): ``build``, making the evaluated model once (its
+    ``eval_module``: DDP's buffer average, SDP's assembly); ``partwise``, it is built once per evaluation pass
+    (:mod:`sdp.rank.eval_parts`) rather than once; ``own``, making each worker's own model (its
+    ``subnetwork_module``), None where workers have none (no workers' or ensemble evaluation)."""
+
+    build: list[list[Record]]
+    partwise: bool
+    own: list[list[Record]] | None
 
 
 def nbytes(tensors: Any) -> int:
@@ -90,3 +105,47 @@ def communicators(*, per_group: int, groups: dict[str, Any] | None, world: int) 
 def rank_entry(*, rank: int, params: int, grads: int, optim: int, acts: int, records: list[Record]) -> Entry:
     mem = {"rank": rank, "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim, "activation_bytes": acts}
     return mem, {"rank": rank, **comm_entry(records)}
+
+
+# ---- checkpoint payloads: what each strategy's checkpoint_tensors hands sdp-plan (sdp.planning.plan_checkpoint) ----
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes ``torch.save`` writes for ``tensors``' data: each storage once (tied and viewed tensors share one),
+    whole (a view saves its base's storage); meta tensors alike."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen.setdefault(storage._cdata, storage.nbytes())
+    return sum(seen.values())
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts, lists and tuples (a ``checkpoint_state`` or ``state_dict``)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_of(v)]
+    return []
+
+
+def optimizer_state(*, optimizer: DictConfig, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The tensors of ``optimizer.state_dict()`` after a step on ``params`` (the ``optim.optimizer`` node's optimizer;
+    meta parameters give meta moments, Adam's step counters stay on the CPU as in a run), as a checkpoint saves it."""
+    opt = build(optimizer)(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in params:
+        p.grad = None
+    return tensors_of(opt.state_dict()["state"])
+
+
+def replica_parts(*, model: torch.nn.Module, optimizer: DictConfig, replicas_identical: bool) -> dict[str, list[torch.Tensor]]:
+    """:meth:`sdp.parallel.base.Strategy.checkpoint_state`'s layout of a rank that holds ``model`` whole: parameters
+    and optimizer state ``"shared"`` where the replicas are identical, else ``"local"``; buffers ``"local"``."""
+    buffers = {id(b) for b in model.buffers()}
+    state = list(model.state_dict(keep_vars=True).values())
+    replica = [t for t in state if id(t) not in buffers] + optimizer_state(optimizer=optimizer, params=list(model.parameters()))
+    local = [t for t in state if id(t) in buffers]
+    return {"shared": replica, "local": local} if replicas_identical else {"local": replica + local}

@@ -1,17 +1,16 @@
 """Subnetwork Data Parallelism (arXiv 2507.09029): each worker trains a subnetwork of the model.
 
-Wiring: :mod:`sdp.subnet.plan` says who holds which unit, :mod:`sdp.subnet.masking` turns the
-full model into this worker's subnetwork, :mod:`sdp.subnet.sync` averages gradients over holder
-sets, :mod:`sdp.subnet.assemble` rebuilds the full model for evaluation, :mod:`sdp.subnet.redraw`
-moves the pieces that change hands at a re-draw (values, and optimizer state: :mod:`sdp.subnet.carry`).
+Wiring: :mod:`sdp.subnet.plan` says who holds which unit, :mod:`sdp.subnet.masking` turns the full model into this
+worker's subnetwork, :mod:`sdp.subnet.sync` averages gradients over holder sets, :mod:`sdp.subnet.assemble` rebuilds
+the full model for evaluation, :mod:`sdp.subnet.redraw` moves the pieces that change hands at a re-draw (values, and
+optimizer state: :mod:`sdp.subnet.carry`).
 
-The worker builds the model on the meta device and passes it to ``setup``: under forward masking,
-masking materialises (on the CPU, seeded per module, :mod:`sdp.models.init`) only the tensors this
-rank holds, narrowing neuron-level tensors as it goes, so no rank ever holds the full model and the
-device never sees a non-held parameter; backward masking materialises everything (it keeps all
-values by definition). The values equal those of the full build, so C = 1 equals DDP bit for bit.
-Evaluation assembles the model one part at a time (stem, each block, head: built from its holders, run,
-dropped), so it never holds the full model either (traffic: ``comm.phase = "eval"``, largest part:
+The worker builds the model on the meta device and passes it to ``setup``: under forward masking, masking materialises
+(on the CPU, seeded per module, :mod:`sdp.models.init`) only the tensors this rank holds, narrowing neuron-level
+tensors as it goes, so no rank ever holds the full model and the device never sees a non-held parameter; backward
+masking materialises everything (it keeps all values by definition). The values equal those of the full build, so C =
+1 equals DDP bit for bit. Evaluation assembles the model one part at a time (stem, each block, head: built from its
+holders, run, dropped), so it never holds the full model either (traffic: ``comm.phase = "eval"``, largest part:
 ``eval_assembled_bytes``). What the driver asks is :class:`SDPSpec`, whose plan every rank receives.
 """
 
@@ -35,7 +34,7 @@ from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
-from sdp.parallel import sdp_config, sdp_plan, sdp_redraw_plan
+from sdp.parallel import sdp_config, sdp_plan, sdp_redraw_plan, sdp_traffic
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
 from sdp.parallel.plan_entries import Entry
@@ -106,8 +105,7 @@ class SDPStrategy(Strategy):
         assert self.module is not None
         return list(self.module.parameters() if self.mode == "global" else M.held_parameters(self.layout, self.pieces, self.ctx.rank))
 
-    # ---- one step ---------------------------------------------------------------------------------
-    # train_step: the base template with these hooks.
+    # ---- one step (train_step: the base template with these hooks) -------------------------------
     def _before_step(self, *, step: int, timer: PhaseTimer) -> None:
         every = self.cfg.resample_every
         if every and step > 0 and step % int(every) == 0:
@@ -287,6 +285,8 @@ class SDPSpec(StrategySpec):
     def predict_peaks(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, eval_batch: int, steps: int,
                       eval_steps: frozenset[int], state: list[dict[str, Any]], prepared: Any = None) -> list[dict[str, int]] | None:
         return sdp_peaks(cfg=cfg, job=job, model=model, plan=prepared, eval_batch=eval_batch, steps=steps, eval_steps=eval_steps)
+
+    eval_traffic, phase_traffic, checkpoint_tensors = map(classmethod, sdp_traffic.PLAN_HOOKS)  # sdp-plan (sdp_traffic)
 
     # ---- SDP's own questions (sdp-plan asks them only of a strategy that has them) ----------------------
     @classmethod

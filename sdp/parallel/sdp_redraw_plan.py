@@ -8,12 +8,14 @@ the peaks of a run's re-draws (:func:`redraw_peaks`) are asked by :mod:`sdp.para
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from sdp.metrics.comm import CommCounter
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
 from sdp.registry import build
@@ -26,19 +28,26 @@ from sdp.subnet.plan import Plan
 
 class DryWire(R.Wire):
     """``sdp-plan``'s stand-in on the meta device: the same buffers, nothing sent; every moving piece's
-    state described by ``template`` (the optimizer's state of one parameter, :func:`state_template`)."""
+    state described by ``template`` (the optimizer's state of one parameter, :func:`state_template`). Its
+    sends, receives and reductions are recorded by the ranks' own :class:`~sdp.subnet.redraw.Wire` code into
+    ``comm`` (phase "resample"); the all-gather of the state descriptions moves every rank's pickled
+    descriptions, so the wire keeps this rank's (``described_bytes``, None when it gathers nothing) and the
+    caller, who rehearses every rank, records their sum (:func:`redraw_records`)."""
 
     def __init__(self, *, template: Described, moving: list[int]) -> None:
         self.template, self.moving = template, moving
         self.sent = self.received = 0
+        self.comm = CommCounter(phase="resample")
+        self.described_bytes: int | None = None
 
     def _post(self, ops: list[tuple[bool, int, torch.Tensor]]) -> None:
         pass
 
-    def reduce(self, flat: torch.Tensor, ranks: tuple[int, ...]) -> None:
+    def _reduce(self, flat: torch.Tensor, ranks: tuple[int, ...]) -> None:
         pass
 
     def gather(self, mine: dict[int, Described]) -> list[dict[int, Described]]:
+        self.described_bytes = len(pickle.dumps(mine))  # what gather_descriptions pickles of this rank's
         return [{i: dict(self.template) for i in self.moving}]
 
 
@@ -58,7 +67,8 @@ def rehearse_redraw(*, skeleton: nn.Module, old_plan: Plan, new_plan: Plan, rank
     """``sdp-plan``'s prediction of this rank's re-draw from ``old_plan`` to ``new_plan``:
     :func:`sdp.subnet.redraw.redraw` run on the meta device under the live-tensor tracker, from the rank's state after a
     training step (parameters, gradients, optimizer state, as a run has it), with a :class:`DryWire`.
-    Returns ``peak_bytes`` (the tracker's peak), ``sent_bytes`` and ``received_bytes``."""
+    Returns ``peak_bytes`` (the tracker's peak), ``sent_bytes``, ``received_bytes``, ``records`` (the (kind, payload,
+    group size) the wire recorded) and ``described_bytes`` (:class:`DryWire`)."""
     # built untracked (a deep copy on meta leaves storages the tracker would count), then the old one labelled
     new_model, new, new_layout = R.masked_on_meta(skeleton=skeleton, plan=new_plan, rank=rank, mode=mode)
     module, old, old_layout = R.masked_on_meta(skeleton=skeleton, plan=old_plan, rank=rank, mode=mode)
@@ -76,7 +86,9 @@ def rehearse_redraw(*, skeleton: nn.Module, old_plan: Plan, new_plan: Plan, rank
         full = {k: t for k, t in list(skeleton.named_parameters()) + list(skeleton.named_buffers())}
         R.redraw(module=module, optimizer=optimizer, old=old, old_layout=old_layout, new_model=new_model, new=new,
                  new_layout=new_layout, rank=rank, world=old_plan.world_size, mode=mode, device="meta", full=full, wire=wire)
-        return {"peak_bytes": tracker.peak, "sent_bytes": wire.sent, "received_bytes": wire.received}
+        return {"peak_bytes": tracker.peak, "sent_bytes": wire.sent, "received_bytes": wire.received,
+                "records": wire.comm.phase_records("resample"),
+                "described_bytes": wire.described_bytes}
 
 
 def redraw_peaks(*, cfg: DictConfig, optimizer: DictConfig, model: SDPModel, plans: list[Plan],

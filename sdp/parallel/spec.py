@@ -31,10 +31,12 @@ from omegaconf import DictConfig
 from sdp.metrics.flops import BlockShare
 from sdp.models.base import SDPModel
 from sdp.parallel.job import JobFacts
-from sdp.parallel.plan_entries import Entry
+from sdp.parallel.plan_entries import Entry, EvalTraffic, Record
 from sdp.registry import Registry
 
 if TYPE_CHECKING:
+    import torch
+
     from sdp.parallel.base import Strategy
 
 
@@ -163,6 +165,30 @@ class StrategySpec:
         resolved, :class:`sdp.rank.schedule.Cadence`): a strategy whose state changes over the run, SDP's
         re-draws, predicts the largest over it; ``state``: the memory entries of :meth:`predict`. None
         (default): no peak rehearsal."""
+        return None
+
+    @classmethod
+    def eval_traffic(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, step: int,
+                     prepared: Any = None) -> EvalTraffic | None:
+        """``sdp-plan``: what building this strategy's evaluated models moves in the evaluation after 1-based step
+        ``step`` (its ``eval_module`` and ``subnetwork_module``; the protocol's own traffic is
+        :mod:`sdp.planning.plan_traffic`'s). None (default): not predicted, and ``sdp-plan`` says so."""
+        return None
+
+    @classmethod
+    def phase_traffic(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, steps: int,
+                      prepared: Any = None) -> dict[str, list[list[Record]]]:
+        """``sdp-plan``: per comm phase other than "train" and "eval" that a run of ``steps`` steps makes (SDP's
+        "resample"), every rank's records over the whole run. Default: none."""
+        return {}
+
+    @classmethod
+    def checkpoint_tensors(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, step: int,
+                           prepared: Any = None) -> list[dict[str, list[torch.Tensor]]] | None:
+        """``sdp-plan``: per rank, the tensors of the checkpoint after 1-based ``step`` by part, as the runtime's
+        ``checkpoint_state`` lays them out (``"shared"``: rank 0's ``shared.pt``; ``"local"``: each rank's own file;
+        on the meta device; :mod:`sdp.planning.plan_checkpoint` adds the RNG streams and counts the bytes). None
+        (default): not predicted, and ``sdp-plan`` says so."""
         return None
 
     @classmethod

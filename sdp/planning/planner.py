@@ -37,6 +37,8 @@ from sdp.parallel import STRATEGIES, JobFacts, StrategySpec
 from sdp.parallel.ac import apply_checkpointing
 from sdp.driver.budget import apply as apply_budget
 from sdp.parallel.plan_entries import Entry, communicators
+from sdp.planning.plan_checkpoint import predict_checkpoints
+from sdp.planning.plan_traffic import format_phases, predict_outside
 from sdp.planning.throughput import format_throughput, predict as predict_throughput
 from sdp.rank.schedule import Cadence
 from sdp.driver.train import CONF_DIR  # also registers the ${sdp_uid:} resolver the config uses
@@ -66,16 +68,25 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
     facts: dict[str, Any] = {}  # strategy-specific facts for the plan (e.g. its unit plan)
     entries = spec.predict(cfg=cfg.parallelism, job=job, model=model, facts=facts, prepared=ready)
     assert built.val_samples is not None, "sdp-plan's evaluation peak needs the validation set's size: validate(cfg) builds it"
+    cadence = run_cadence(cfg, built=built)
     add_peaks(cfg=cfg, job=job, model=model, entries=entries, spec=spec, prepared=ready, val_samples=built.val_samples,
-              cadence=run_cadence(cfg, built=built))
+              cadence=cadence)
+    outside, traffic_notes = predict_outside(cfg=cfg, job=job, spec=spec, model=model, prepared=ready, cadence=cadence,
+                                             val_samples=built.val_samples)
+    for (_, comm), phases in zip(entries, outside):
+        comm["outside_training"] = phases  # as summary.json's: the whole run's bytes and collectives per phase
+    checkpoint, checkpoint_notes = predict_checkpoints(cfg=cfg, job=job, spec=spec, model=model, prepared=ready,
+                                                       cadence=cadence)
     per_group = cfg.cluster.comm_bytes_per_group  # read by sdp-plan only: checked here
     positive_int("cluster.comm_bytes_per_group", per_group, minimum=0)
     for (mem, _), comms in zip(entries, communicators(per_group=per_group, groups=facts.get("process_groups"), world=world)):
         mem.update(comms)
     return {**facts, "strategy": name, "model": str(cfg.model.get("name", "")), "world_size": world,
             "batch_size": int(cfg.train.batch_size), "optimizer": str(cfg.optim.optimizer._target_),
-            "memory": {"per_rank": [m for m, _ in entries]}, "comm": {"per_rank": [c for _, c in entries]},
-            "notes": ["; ".join([BASE_NOTE, *([spec.plan_note] if spec.plan_note else [])])],  # this strategy's caveat
+            "steps": cadence.steps, "memory": {"per_rank": [m for m, _ in entries]},
+            "comm": {"per_rank": [c for _, c in entries]}, "checkpoint": checkpoint,
+            "notes": ["; ".join([BASE_NOTE, *([spec.plan_note] if spec.plan_note else [])]), *traffic_notes,
+                      *checkpoint_notes],
             "throughput": predict_throughput(cfg=cfg, built=built, spec=spec, comm=[c for _, c in entries])}
 
 
@@ -168,6 +179,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         plan = predict(cfg, built=built)
     print(format_plan(plan), flush=True)
     print(format_throughput(plan["throughput"]), flush=True)
+    print(format_phases(plan), flush=True)
     for line in getattr(STRATEGIES.get(plan["strategy"]), "format_facts", lambda _facts: [])(plan):
         print(line, flush=True)  # the strategy's own facts (SDP: its plan), where it has any
     if with_frontier:

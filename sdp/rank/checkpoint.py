@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdp.errors import ConfigError
 from sdp.parallel.base import Strategy
-from sdp.results.rundir import CHECKPOINT_PREFIX as PREFIX, RunDir, checkpoint_meta
+from sdp.results.rundir import CHECKPOINT_PREFIX as PREFIX, SHARED_FILE, RunDir, checkpoint_meta, rank_file
 
 # What a resume must share with the checkpoint it continues, each with why: recorded in meta.json
 # (resume_key) and compared by the driver before any rank starts (sdp.driver.checkpoint_resume.check_resume), which
@@ -137,10 +137,10 @@ def save(
             dcp.save(state["sharded"], checkpoint_id=str(tmp / "sharded"), process_group=waits.group)
     written: dict[str, dict[str, Any]] = {}
     if ctx.rank == 0:
-        written["shared.pt"] = checkpoint_io.save_hashed(
+        written[SHARED_FILE] = checkpoint_io.save_hashed(
             obj={"shared": state.get("shared", {}), "scheduler": scheduler.state_dict(), "train": train_state,
-                 "data_key": data_key}, path=tmp / "shared.pt")
-    mine = f"rank{ctx.rank:05d}.pt"
+                 "data_key": data_key}, path=tmp / SHARED_FILE)
+    mine = rank_file(ctx.rank)
     written[mine] = checkpoint_io.save_hashed(
         obj={"local": state.get("local", {}), "rng": rng.capture(device=ctx.device), "record": record}, path=tmp / mine)
     written = waits.gather(mine=written)  # rank 0 gets every rank's hashes; the others wait here for rank 0's write
@@ -173,8 +173,8 @@ def load(*, path: Path, strategy: Strategy, scheduler: Any,
         if meta["data_key"].get(key) != now:
             raise ConfigError(f"{key}={now!r} is invalid for resuming {path}: the data order was "
                               f"{meta['data_key'].get(key)!r} when it was written (resume needs the same)")
-    shared = torch.load(path / "shared.pt", map_location="cpu", weights_only=True)
-    mine = torch.load(path / f"rank{ctx.rank:05d}.pt", map_location="cpu", weights_only=True)
+    shared = torch.load(path / SHARED_FILE, map_location="cpu", weights_only=True)
+    mine = torch.load(path / rank_file(ctx.rank), map_location="cpu", weights_only=True)
     state: dict[str, Any] = {"shared": shared["shared"], "local": mine["local"]}
     if (path / "sharded").exists():
         import torch.distributed.checkpoint as dcp

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from sdp.rank.guards import StepFailure
 
-from sdp.results.rundir import checkpoint_meta
+from sdp.results.rundir import SHARED_FILE, checkpoint_meta, rank_file
 
 CHUNK = 1 << 20  # bytes read per hash update
 FILES = "files"  # meta.json: {path relative to the checkpoint: {"bytes": size, "sha256": hex digest}}
@@ -104,7 +104,7 @@ def damage(ckpt: Path) -> str | None:
     if lacking:
         return f"{meta_path} lacks {', '.join(lacking)} (holds {sorted(meta) if isinstance(meta, dict) else type(meta).__name__})"
     if not checksummed(meta):
-        for name in ["shared.pt", *(f"rank{r:05d}.pt" for r in range(int(meta["world_size"])))]:
+        for name in [SHARED_FILE, *(rank_file(r) for r in range(int(meta["world_size"])))]:
             if not (ckpt / name).is_file():
                 return f"{ckpt / name} is missing"
         return None

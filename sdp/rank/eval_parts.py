@@ -91,7 +91,7 @@ def _add_pass(out: torch.Tensor, *, model: Partwise, chunk: list[tuple[torch.Ten
         del part
 
 
-def _by_samples(batches: Iterable[torch.Tensor], *, limit: int) -> Iterator[list[torch.Tensor]]:
+def by_samples(batches: Iterable[torch.Tensor], *, limit: int) -> Iterator[list[torch.Tensor]]:
     """Consecutive ``batches`` in lists of at most ``limit`` samples (at least one batch each)."""
     chunk: list[torch.Tensor] = []
     held = 0
@@ -112,7 +112,7 @@ def _reestimated(model: Partwise, *, batches: Iterable[torch.Tensor], ctx: DistC
     gathered mean over the world ({} for a part without BatchNorm, which keeps what it was built with)."""
     stats: list[dict[str, torch.Tensor] | None] = [None] * len(model)
     seen = 0
-    for xs in _by_samples(batches, limit=limit):
+    for xs in by_samples(batches, limit=limit):
         seen += len(xs)
         outs: list[Any] = list(xs)
         xs.clear()  # the generator's own reference would keep this pass's inputs alive to its end

@@ -33,6 +33,7 @@ PLAN = "plan.json"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_PREFIX = "step_"
 CHECKPOINT_META = "meta.json"  # inside each checkpoint directory
+SHARED_FILE = "shared.pt"  # inside each checkpoint directory, rank 0's: the "shared" state, scheduler, counters
 FAILURE = "failure.json"
 RANK_LOGS = "rank_logs"
 WANDB_RUN_ID = "wandb_run_id"
@@ -105,6 +106,11 @@ class RunDir:
 
     def __str__(self) -> str:
         return str(self.root)
+
+
+def rank_file(rank: int) -> str:
+    """Each rank's own file inside a checkpoint directory: its "local" state, RNG streams and record."""
+    return f"rank{rank:05d}.pt"
 
 
 def checkpoint_meta(ckpt: Path) -> Path:

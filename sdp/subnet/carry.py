@@ -19,6 +19,7 @@ parameter or be a scalar (SGD, Adam(W), RMSprop, Adagrad, ...); other state is r
 from __future__ import annotations
 
 import pickle
+import sys
 from typing import Any, Callable
 
 import torch
@@ -64,14 +65,20 @@ def descriptions(*, state: dict[Any, dict[str, Any]], old: list[Piece], old_layo
     the old plan (from ``state``, keyed by the old tensors of ``old_layout``), and every piece in
     ``moving`` (some new trainer lacks it), described by its lowest old trainer and shared through
     ``gather`` (one small all-gather on the ranks, skipped when nothing moves: every rank derives
-    ``moving`` from the same two plans)."""
+    ``moving`` from the same two plans).
+
+    The keys are interned. A piece received at an earlier re-draw keeps the key strings its description was
+    unpickled with: equal to the optimizer's own, but other objects, which pickle writes out in full again
+    where it would refer back to the first (16 bytes more for SGD's key, 24 for Adam's three, per such set).
+    Interned, the all-gather's payload is a function of the plans and the optimizer alone, not of the state's
+    history, and ``sdp-plan`` predicts it byte for byte (:func:`sdp.parallel.sdp_traffic.redraw_traffic`)."""
     out: dict[int, Described] = {}
     for i, p in enumerate(old):
         if p.is_param and rank in trainers(p):
             spec = locate(p, old_layout)
             assert spec is not None, f"rank {rank} trained {p.name} but has no storage for it"
             t = spec[0]
-            out[i] = {key: describe(key=key, value=v, param=t) for key, v in state.get(t, {}).items()}
+            out[i] = {sys.intern(key): describe(key=key, value=v, param=t) for key, v in state.get(t, {}).items()}
     if moving:
         for got in gather({i: out[i] for i in moving if min(trainers(old[i])) == rank}):
             for i, d in got.items():

@@ -52,7 +52,7 @@ class Wire:
     device (NCCL: the worker's ``init_world``), rather than making a communicator per pair of ranks."""
 
     def __init__(self, *, ctx: DistContext, groups: GroupSet) -> None:
-        self.ctx, self.groups = ctx, groups
+        self.ctx, self.groups, self.comm = ctx, groups, ctx.comm
         self.sent = self.received = 0
 
     def exchange(self, *, sends: list[tuple[tuple[int, ...], torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
@@ -69,6 +69,7 @@ class Wire:
         for send, _, buf in ops:
             nbytes = buf.numel() * buf.element_size()
             self.sent, self.received = self.sent + nbytes * send, self.received + nbytes * (not send)
+            self.comm.record(kind="send" if send else "recv", payload=nbytes, group_size=2)
         self._post(ops)
         for t, buf in later:
             t.copy_(buf)
@@ -77,8 +78,6 @@ class Wire:
         """Send and receive ``ops`` (send?, peer, contiguous buffer) as one batch; a buffer gloo cannot move
         point to point (:func:`~sdp.core.distctx.staged_through_host`: CUDA) goes through a host copy, a
         received one copied back after the wait, so the device holds no more than without staging."""
-        for send, peer, buf in ops:
-            self.ctx.comm.record(kind="send" if send else "recv", payload=buf.numel() * buf.element_size(), group_size=2)
         if not ops:
             return
         staged = [(s, p, b, staged_through_host(backend=self.ctx.backend, device=b.device)) for s, p, b in ops]
@@ -91,7 +90,11 @@ class Wire:
                 buf.copy_(got)
 
     def reduce(self, flat: torch.Tensor, ranks: tuple[int, ...]) -> None:
-        self.ctx.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(ranks))
+        """Sum ``flat`` over ``ranks`` in place (recorded here, so ``sdp-plan``'s dry wire records it alike)."""
+        self.comm.record(kind="all_reduce", payload=flat.numel() * flat.element_size(), group_size=len(ranks))
+        self._reduce(flat, ranks)
+
+    def _reduce(self, flat: torch.Tensor, ranks: tuple[int, ...]) -> None:
         dist.all_reduce(flat, group=self.groups.get(ranks))
 
     def gather(self, mine: dict[int, Described]) -> list[dict[int, Described]]:

@@ -1,0 +1,140 @@
+"""SDP's traffic outside the training step, as ``sdp-plan`` predicts it: evaluating the assembled model and the
+workers' own subnetworks (comm phase "eval") and re-drawing the plan ("resample"); and what each rank writes in a
+checkpoint (:func:`checkpoint_tensors`).
+
+Why a module of its own: the numbers come from the code the ranks run, asked dry, not from a second formula.
+Assembly and the ``eval.bn=average`` statistics call :func:`sdp.subnet.assemble.average_statistics` (the very
+function :func:`~sdp.subnet.assemble.fill` and :func:`~sdp.subnet.assemble.own_evaluated` call) with a reduce
+that records and moves nothing; the broadcasts follow :func:`~sdp.subnet.assemble.fill`'s rule on the same
+pieces (:func:`sdp.subnet.masking.pieces`); a re-draw is :func:`sdp.subnet.redraw.redraw` itself, rehearsed on the
+meta device per rank with :class:`sdp.parallel.sdp_redraw_plan.DryWire`, which records through the ranks'
+own wire code. ``tests/test_traffic_plan.py`` holds the predictions to what 4-rank runs measure, byte for byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from sdp.models.base import SDPModel
+from sdp.parallel.job import JobFacts
+from sdp.parallel.sdp_plan import draw_at, run_plans
+from sdp.parallel.sdp_redraw_plan import rehearse_redraw, state_template
+from sdp.parallel.plan_entries import optimizer_state
+from sdp.parallel.plan_entries import EvalTraffic, Record
+from sdp.registry import build
+from sdp.subnet import masking as M
+from sdp.subnet.assemble import average_statistics, partwise_names, tensor_map
+from sdp.subnet.masking import Piece
+from sdp.subnet.plan import Plan
+from sdp.subnet.redraw import masked_on_meta
+
+
+def _statistics(*, pieces: list[Piece], full: dict[str, torch.Tensor], masking: str, rank: int,
+                world: int) -> list[Record]:
+    """The records of :func:`average_statistics` on ``pieces`` (their floating-point buffers) for ``rank``, run dry."""
+    records: list[Record] = []
+
+    def target(p: Piece) -> torch.Tensor:
+        t = full[p.name]
+        return torch.empty(p.nbytes // t.element_size(), dtype=t.dtype, device="meta")
+
+    def reduce(flat: torch.Tensor, h: tuple[int, ...]) -> None:
+        records.append(("all_reduce", flat.numel() * flat.element_size(), len(h)))
+
+    stats = [p for p in pieces if not p.is_param and full[p.name].is_floating_point()]
+    average_statistics(pieces=stats, target=target, masking=masking, rank=rank, world_size=world, reduce=reduce)
+    return records
+
+
+def _fill(*, pieces: list[Piece], full: dict[str, torch.Tensor], masking: str, rank: int, world: int,
+          in_place: bool) -> list[Record]:
+    """The records of :func:`sdp.subnet.assemble.fill` of ``pieces`` on ``rank``: the statistics' holder-set sums,
+    then under forward masking the broadcasts of what some rank lacks from its lowest holder (one per source rank,
+    or with ``in_place`` one per piece; a receiver records payload 0, as the ranks do)."""
+    out = _statistics(pieces=pieces, full=full, masking=masking, rank=rank, world=world)
+    if masking != "forward":
+        return out
+    for src in range(world):
+        items = [p for p in pieces if len(p.holders) < world and min(p.holders) == src]
+        sizes = [p.nbytes for p in items] if in_place else ([sum(p.nbytes for p in items)] if items else [])
+        out += [("broadcast", size if rank == src else 0, world) for size in sizes]
+    return out
+
+
+def eval_traffic(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel, prepared: Plan, step: int) -> EvalTraffic:
+    """``SDPSpec.eval_traffic``: what the evaluation after 1-based step ``step`` moves, under the plan that step trained
+    on (``prepared``: the driver's, draw 0; later draws :func:`draw_at`) besides the protocol's own traffic: building the assembled
+    model (:class:`sdp.subnet.assemble.PartwiseAssembly`, every part once per pass, or :func:`assemble` whole) and,
+    under forward masking, the workers' own subnetworks (``eval.bn=average``: their statistics averaged,
+    :func:`~sdp.subnet.assemble.own_evaluated`). ``cfg``: the ``parallelism`` node."""
+    draw = draw_at(step=step - 1, every=cfg.get("resample_every"))
+    plan = next(run_plans(model=model, cfg=cfg, first=prepared, draws=[draw]))
+    world, mode = plan.world_size, M.masking_mode(masking=str(cfg.masking), refresh=str(cfg.refresh))
+    pieces, full = M.pieces(model, plan), tensor_map(model)
+    if world == 1:
+        return EvalTraffic(build=[[]], partwise=False, own=[[]] if mode == "forward" else None)
+    names = partwise_names(model)
+    parts = [[p for p in pieces if p.name.startswith(f"{name}.")] for name in names]
+    build_records = [[r for part in parts for r in _fill(pieces=part, full=full, masking=mode, rank=rank, world=world,
+                                                          in_place=True)] if names else
+                     _fill(pieces=pieces, full=full, masking=mode, rank=rank, world=world, in_place=False)
+                     for rank in range(world)]
+    own = None
+    if mode == "forward":
+        average = job.eval_bn == "average"
+        own = [_statistics(pieces=[p for p in pieces if rank in p.holders], full=full, masking=mode, rank=rank,
+                           world=world) if average else [] for rank in range(world)]
+    return EvalTraffic(build=build_records, partwise=bool(names), own=own)
+
+
+def checkpoint_tensors(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel, step: int,
+                       prepared: Plan) -> list[dict[str, list[torch.Tensor]]]:
+    """``SDPSpec.checkpoint_tensors``: every rank's own file (:meth:`SDPStrategy.checkpoint_state`, all ``"local"``)
+    holds its module's state dict, its subnetwork under the plan the checkpoint's step trained on masked as set-up
+    and re-draws mask it (:func:`sdp.subnet.redraw.masked_on_meta`), and the optimizer state of what it trains."""
+    draw = draw_at(step=step - 1, every=cfg.get("resample_every"))
+    plan = next(run_plans(model=model, cfg=cfg, first=prepared, draws=[draw]))
+    mode = M.masking_mode(masking=str(cfg.masking), refresh=str(cfg.refresh))
+    out = []
+    for rank in range(plan.world_size):
+        module, pieces, layout = masked_on_meta(skeleton=model, plan=plan, rank=rank, mode=mode)
+        trained = list(module.parameters()) if mode == "global" else list(M.held_parameters(layout, pieces, rank))
+        out.append({"local": [*module.state_dict(keep_vars=True).values(),
+                              *optimizer_state(optimizer=job.optimizer, params=trained)]})
+    return out
+
+
+def phase_traffic(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel, steps: int,
+                  prepared: Plan) -> dict[str, list[list[Record]]]:
+    """``SDPSpec.phase_traffic``: the comm phase "resample", every re-draw of the run (:func:`redraw_traffic`)."""
+    return {"resample": redraw_traffic(cfg=cfg, job=job, model=model, plan=prepared, steps=steps)}
+
+
+def redraw_traffic(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, steps: int) -> list[list[Record]]:
+    """Per rank, the records of every re-draw a run of ``steps`` steps makes (``parallelism.resample_every``; none
+    without), each rehearsed for every rank (:func:`rehearse_redraw`). The state descriptions' all-gather moves
+    every rank's pickled descriptions: its payload is their sum, the same on every rank."""
+    world = plan.world_size
+    out: list[list[Record]] = [[] for _ in range(world)]
+    if not cfg.get("resample_every") or world == 1:
+        return out
+    mode = M.masking_mode(masking=str(cfg.masking), refresh=str(cfg.refresh))
+    factory = build(job.optimizer)
+    template = state_template(optimizer_factory=factory, dtype=next(model.parameters()).dtype)
+    draws = sorted({draw_at(step=s, every=int(cfg.resample_every)) for s in range(steps)})
+    plans = list(run_plans(model=model, cfg=cfg, first=plan, draws=draws))
+    for old, new in zip(plans, plans[1:]):
+        each: list[dict[str, Any]] = [rehearse_redraw(skeleton=model, old_plan=old, new_plan=new, rank=r, mode=mode,
+                                                      optimizer_factory=factory, template=template) for r in range(world)]
+        gathered = [e["described_bytes"] for e in each]
+        for r, e in enumerate(each):
+            out[r] += e["records"]
+            if e["described_bytes"] is not None:  # every rank gathers, or none (the same moving pieces)
+                out[r].append(("all_gather", sum(g or 0 for g in gathered), world))
+    return out
+
+
+PLAN_HOOKS = (eval_traffic, phase_traffic, checkpoint_tensors)  # SDPSpec's, in this order
