@@ -38,6 +38,10 @@ def row_name(run: Run) -> str:
     name = label
     if cov is not None:
         name += f" {cov['symbol']}={cov['value']:g}"  # C = coverage, p = a drop baseline's survival probability
+    ref = {k[len("train.flops_reference."):]: v for k, v in f.items() if k.startswith("train.flops_reference.")}
+    if ref:  # a smaller (or other) model matched to a reference model's FLOPs: not the DDP row
+        own = ", ".join(f"{k}={f.get(f'model.{k}')}" for k in ref)
+        name += f" {own} (FLOP-matched to {', '.join(f'{k}={v}' for k, v in ref.items())})"
     rescale = f.get("parallelism.rescale")
     if f.get("parallelism.masking") == "forward" and rescale not in (None, "auto"):  # backward: always none
         name += f" rescale={rescale}"

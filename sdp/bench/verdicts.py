@@ -14,6 +14,7 @@ from pathlib import Path
 from scipy.stats import t as student_t
 
 from sdp.report.runs import Run, run_figures
+from sdp.bench.gate import gate_section
 from sdp.bench.remedies import remedies_section
 from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, paired_difference
 from sdp.bench.study_report import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, mean_interval,
@@ -235,7 +236,7 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
     ddp = st.ddp.runs[min(st.ddp.runs)].summary
     every = [r for rows in (st.rows, st.peaks, st.timing) for row in rows.values() for r in row.runs.values()]
     every += [r for rows in st.depth.values() for row in rows.values() for r in row.runs.values()]
-    md = [f"# CPU study: {study}", "", header,
+    md = [f"# CPU study: {study}", "", *gate_section(study_dir=st.dir, study=study), header,
           f"{len(st.runs)} runs ({sum(len(r.runs) for r in st.rows.values())} with results), DDP {ddp.steps} steps, "
           f"{ddp.world_size} ranks, model {ddp.model}; code at commit(s) {commits_by_stage(every, root=st.dir / 'runs')}. Every method of one seed shares the initial weights and the "
           f"data order; Δ columns are per-seed differences to DDP with the 95 % Student t interval (n − 1 d.f.); "
