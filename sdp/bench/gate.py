@@ -202,3 +202,15 @@ def gate_section(*, study_dir: Path, study: str) -> list[str]:
                  "–" if g.seed_s is None else f"{g.seed_s:.0f}", g.verdict]
         lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]
+
+
+def no_gate_lines(*, study: str, ddp_accuracy: float | None) -> list[str]:
+    """A study without a gate (:data:`GATES`) whose DDP accuracy is measured: why it has none, from that figure."""
+    if study in GATES or ddp_accuracy is None:
+        return []
+    return ["## Depth gate: not run for this study", "",
+            f"DDP reaches {ddp_accuracy:.2f} % evaluation accuracy (mean over its seeds), {100 - ddp_accuracy:.2f} "
+            f"points from 100 %: on this task a deeper ResNet has almost nothing left to gain, so a gate of DDP at "
+            f"several depths could only tie, and the verdicts below say nothing about depth. A gate for the image "
+            f"study needs a task that is not saturated (e.g. CIFAR-10 through `dataset=cifar10`, a download this "
+            f"CPU study avoids); the LM study carries the depth question.", ""]

@@ -7,7 +7,8 @@ Layout read: ``<study>/runs/main`` (the FLOP-matched and same-iteration rows, se
 C = 0.5 at other depths: the assembly gap against depth), ``<study>/runs/peaks`` (one short run per method
 with the live-tensor tracker: the training peak). Written: ``<study>/REPORT.md``, ``table.csv``,
 ``curves.png`` (evaluation loss against the fraction of DDP's FLOPs, mean and a band of +- one sample
-std over seeds), ``peak_vs_loss.png``.
+std over seeds), ``frontier.png`` (quality against each resource: :mod:`sdp.bench.frontier`); with ``runs/gate``
+(LM), the depth gate first (:mod:`sdp.bench.gate`).
 
 What is measured and what follows by construction is kept apart: the training peak, comm bytes, time
 and losses are measured; the model-state ratio follows from the plan and is labelled so.
