@@ -58,7 +58,7 @@ def test_gate_from_run_dirs(tmp_path: Path) -> None:
     assert deep.seeds == [0, 1, 2, 3, 4] and deep.deep.mean == pytest.approx(-0.104) and deep.deep.resolved, deep.deep
     assert deep.verdict == "PASS", (deep.deep, deep.mid)
     assert flat.verdict.startswith("FAIL (DDP-8 − DDP-4 interval above −0.05)"), (flat.deep, flat.verdict)
-    assert deep.settings == {"corpus": "text, 4.5 MB", "seq_len": 64, "tokens/step": 4096, "width": "32/88", "DDP-8 steps": 100}
+    assert deep.settings == {"corpus": "text, 4.5 MB", "seq_len": 64, "tokens/step": 4096, "width": "32/88", "peak lr": None, "DDP-8 steps": 100}
     assert deep.seed_s == pytest.approx(sum(0.1 * 100 * 8 // d for d in DEPTHS)), deep.train_s  # step_s x steps
 
 

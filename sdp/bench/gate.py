@@ -37,7 +37,7 @@ DEPTHS = (2, 4, 8)  # blocks; the last is the reference every depth is FLOP-matc
 # study -> its main experiment (whose depth-8 DDP runs are its main sweep's) and the tasks tried, each with the
 # seeds its gate runs (the screening seeds; 5 for a task that is to pass)
 GATES: dict[str, dict[str, Any]] = {
-    "lm": {"main": "cpu_study_lm", "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2}},
+    "lm": {"main": "cpu_study_lm", "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2, "cpu_gate_lr3": 2}},
 }
 
 
@@ -69,6 +69,7 @@ class Gate:
     losses: dict[int, dict[int, float | None]]  # blocks -> seed -> final eval loss
     settings: dict[str, Any]
     train_s: dict[int, list[float]]  # blocks -> each run's training seconds (steps x its median step time)
+    commits: tuple[str, ...] = ()  # the code the runs were made at (a reference taken from the main sweep: its own)
 
     @property
     def deep(self) -> Paired:
@@ -125,6 +126,7 @@ def _settings(run: Run) -> dict[str, Any]:
         corpus = f"{corpus}, {int(f['dataset.text_bytes']) / 1e6:g} MB"
     budget = (run.summary.budget or {}) if run.summary else {}
     return {"corpus": corpus, "seq_len": seq, "tokens/step": tokens, "width": f"{f.get('model.dim')}/{f.get('model.hidden')}",
+            "peak lr": f.get("optim.optimizer.lr"),
             "DDP-8 steps": budget.get("base_steps", f.get("train.steps"))}
 
 
@@ -153,8 +155,10 @@ def collect_gates(*, study_dir: Path, study: str) -> list[Gate]:
             losses.setdefault(blocks, {})[int(r.seed)] = fig["eval_loss"]
             if fig["step_s"] is not None and fig["steps"]:
                 train_s.setdefault(blocks, []).append(fig["step_s"] * fig["steps"])
-        if runs:
-            gates.append(Gate(task=task, losses=losses, settings=_settings(runs[0]), train_s=train_s))
+        if runs:  # the settings of a reference-depth run where there is one (its steps are the budget's base)
+            ref = next((r for r in runs if int(r.flat["model.n_layers"]) == DEPTHS[-1]), runs[0])
+            commits = tuple(sorted({str(r.summary.versions.get("git_commit"))[:12] for r in runs}))
+            gates.append(Gate(task=task, losses=losses, settings=_settings(ref), train_s=train_s, commits=commits))
     return gates
 
 
@@ -191,15 +195,15 @@ def gate_section(*, study_dir: Path, study: str) -> list[str]:
             lines += [f"**The study's task (`{main}`, the table below): {g.verdict}** — DDP-{DEPTHS[2]} − "
                       f"DDP-{DEPTHS[1]} {_pm(g.deep)} nats, DDP-{DEPTHS[1]} − DDP-{DEPTHS[0]} {_pm(g.mid)} nats "
                       f"(n = {len(g.seeds)}; its DDP-{DEPTHS[-1]} runs are the main sweep's DDP rows).", ""]
-    head = ["task", "corpus", "seq_len", "tokens/step", "width (dim/hidden)", "DDP-8 steps", "seeds",
-            *(f"DDP-{d} loss" for d in sorted(DEPTHS, reverse=True)), "DDP-8 − DDP-4", "DDP-4 − DDP-2", "train s per seed", "verdict"]
+    head = ["task", "corpus", "seq_len", "tokens/step", "width (dim/hidden)", "peak lr", "DDP-8 steps", "seeds",
+            *(f"DDP-{d} loss" for d in sorted(DEPTHS, reverse=True)), "DDP-8 − DDP-4", "DDP-4 − DDP-2", "train s per seed", "verdict", "commits"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in gates:
         s = g.settings
         cells = [f"`{g.task}`", str(s["corpus"]), str(s["seq_len"]), f"{s['tokens/step']:,}" if s["tokens/step"] else "–",
-                 s["width"], str(s["DDP-8 steps"]), ",".join(map(str, g.seeds)) or "–",
+                 s["width"], f"{s['peak lr']:g}" if s["peak lr"] is not None else "–", str(s["DDP-8 steps"]), ",".join(map(str, g.seeds)) or "–",
                  *(_loss(g, d) for d in sorted(DEPTHS, reverse=True)), _pm(g.deep), _pm(g.mid),
-                 "–" if g.seed_s is None else f"{g.seed_s:.0f}", g.verdict]
+                 "–" if g.seed_s is None else f"{g.seed_s:.0f}", g.verdict, " ".join(g.commits)]
         lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]
 
