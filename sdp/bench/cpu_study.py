@@ -17,7 +17,8 @@ finished job and resumes a checkpointed one when the command is run again):
   target; a separate sweep directory so that the first sweep's job numbers, and ``train.skip_done``, stay valid;
   the image study runs them for DDP and B-SDP C = 0.5 only, the pair its target is about);
 - ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
-  rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``);
+  rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``) and
+  the small dense model (``variant=ddp_small_c50``, seeds 0-2: DDP at one worker's depth, FLOP-matched);
 - ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth (the
   main sweep gives 8 blocks);
 - ``runs/remedies`` (LM, issue 28; the image study: the LM's best two rules, seeds 0-2): B-SDP C = 0.5 with plan re-draws (``parallelism.redraw=shuffle|rolling``,
@@ -53,7 +54,9 @@ from sdp.bench.verdicts import write_index, write_report
 STUDIES = {
     "lm": {"experiment": "cpu_study_lm",
            "extras": [["variant=fsdp", "seed=0"],
-                      ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"]],
+                      ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
+                      # issue 38: the small dense model, DDP on one B-SDP C = 0.5 worker's 4 of 8 blocks, FLOP-matched
+                      ["variant=ddp_small_c50", "seed=0,1,2"]],
            "depth": ["variant=b_sdp_c50", "seed=0,1,2", "model.n_layers=4,12"],
            # issue 28: B-SDP C = 0.5 with plan re-draws (shuffled and rolling, every 50 and 200 steps) and the
            # fixed plan once more (its ensemble column); one sweep per seed and period

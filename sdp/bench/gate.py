@@ -187,7 +187,7 @@ def gate_section(*, study_dir: Path, study: str) -> list[str]:
              f"proportionally more steps), paired by seed. PASS: DDP-{DEPTHS[2]} − DDP-{DEPTHS[1]} ≤ −{MARGIN} nats "
              f"with its 95 % t interval below 0, and DDP-{DEPTHS[1]} − DDP-{DEPTHS[0]} below 0, resolved, on at least "
              f"{SEEDS_FOR_PASS} seeds (on fewer: a screening pass); FAIL: the first interval lies above −{MARGIN} or "
-             f"the second above 0. Differences: mean ± 95 % t half-width over the seeds with every depth; losses: "
+             f"the second above 0. Differences: mean ± 95 % t half-width over the seeds run at both depths; losses: "
              f"mean ± sample std. Train s per seed: one seed at every depth, each run's steps x its median step time "
              f"(training only, on this shared machine: what one more seed costs).", ""]
     for g in gates:
