@@ -99,3 +99,14 @@ def test_a_study_without_a_gate_says_why_from_its_ddp_accuracy() -> None:
     text = "\n".join(no_gate_lines(study="image", ddp_accuracy=99.1))
     assert "DDP reaches 99.10 % evaluation accuracy" in text and "0.90 points from 100 %" in text, text
     assert no_gate_lines(study="lm", ddp_accuracy=99.1) == [] and no_gate_lines(study="image", ddp_accuracy=None) == []
+
+
+def test_small_dense_model_has_its_own_row(tmp_path: Path) -> None:
+    """A DDP run FLOP-matched to another model (the small dense model, a gate depth) is not the DDP row."""
+    from sdp.bench.study_report import row_name
+    from sdp.report.runs import load_run
+
+    gate_run(tmp_path / "small", seed=0, blocks=4, loss=1.0)
+    gate_run(tmp_path / "ddp", seed=0, blocks=8, loss=1.0, reference=False)
+    assert row_name(load_run(tmp_path / "small" / "0")) == "DDP n_layers=4 (FLOP-matched to n_layers=8)"
+    assert row_name(load_run(tmp_path / "ddp" / "0")) == "DDP"
