@@ -124,10 +124,12 @@ def plot_frontier(study: Any, *, path: Path) -> Path:
               *((f"time_{link}", f"predicted training time, s ({GPU}, {link})") for link in LINKS)]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 5), sharey=True)
     for ax, (key, xlabel) in zip(axes, panels):
-        for name, p in sorted(points.items()):
+        for i, (name, p) in enumerate(sorted(points.items(), key=lambda kv: _order(kv[0]))):
             if p[key] is None:
                 continue
-            ax.errorbar([p[key]], [p["quality"]], yerr=[p["half_width"] or 0.0], fmt="o", capsize=3, label=name)
+            color, marker = f"C{i % 10}", "osD^v<>pX*h"[i % 11]  # (colour, marker) differs for up to 110 methods
+            ax.errorbar([p[key]], [p["quality"]], yerr=[p["half_width"] or 0.0], fmt=marker, color=color, capsize=3,
+                        label=name)
         ax.set_xlabel(xlabel)
         if key.startswith("time_"):
             ax.set_xscale("log")
