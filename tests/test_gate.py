@@ -21,7 +21,10 @@ MAIN = GATES["lm"]["main"]
     (Paired(-0.08, 0.02, 5), Paired(-0.05, 0.01, 5), 5, "PASS"),
     (Paired(-0.08, 0.02, 3), Paired(-0.05, 0.01, 3), 3, "screening pass (3 seeds; 5 needed for PASS)"),
     (Paired(-0.01, 0.02, 5), Paired(-0.05, 0.01, 5), 5, "FAIL (DDP-8 − DDP-4 interval above −0.05)"),
-    (Paired(-0.08, 0.02, 3), Paired(0.03, 0.01, 3), 3, "FAIL (DDP-4 − DDP-2 interval above 0) (3 seeds: screening)"),
+    (Paired(-0.08, 0.02, 3), Paired(0.03, 0.01, 3), 3,
+     "FAIL (DDP-4 − DDP-2 interval above 0) (screening: 3 of 5 seeds at every depth)"),
+    (Paired(0.12, 0.096, 2), Paired(-0.003, None, 1), 1,  # a resolved miss with a depth still at one seed
+     "FAIL (DDP-8 − DDP-4 interval above −0.05) (screening: 1 of 5 seeds at every depth)"),
     (Paired(-0.04, 0.03, 5), Paired(-0.05, 0.01, 5), 5, "not resolved"),  # gain may reach the margin, below it on average
     (Paired(-0.08, 0.10, 5), Paired(-0.05, 0.01, 5), 5, "not resolved"),  # interval contains 0
     (Paired(-0.08, None, 1), Paired(-0.05, None, 1), 1, "not resolved (fewer than 2 paired seeds)"),

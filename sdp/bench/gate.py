@@ -102,16 +102,16 @@ class Gate:
 def gate_verdict(*, deep: Paired, mid: Paired, n: int, margin: float = MARGIN, seeds_for_pass: int = SEEDS_FOR_PASS) -> str:
     """PASS, ``FAIL (why)``, ``screening pass (n seeds; ... needed)`` or ``not resolved``: the rule of this module's
     docstring; ``n``: the seeds with every depth."""
-    if deep.mean is None or mid.mean is None or deep.half_width is None or mid.half_width is None:
-        return "not resolved (fewer than 2 paired seeds)"
-    why = []
-    if deep.mean - deep.half_width > -margin:
+    why = []  # a FAIL needs only the interval that fails: a resolved miss is not undone by a depth still missing
+    if deep.half_width is not None and deep.mean - deep.half_width > -margin:
         why.append(f"DDP-8 − DDP-4 interval above −{margin}")
-    if mid.mean - mid.half_width > 0:
+    if mid.half_width is not None and mid.mean - mid.half_width > 0:
         why.append("DDP-4 − DDP-2 interval above 0")
-    screening = "" if n >= seeds_for_pass else f" ({n} seeds: screening)"
+    screening = "" if n >= seeds_for_pass else f" (screening: {n} of {seeds_for_pass} seeds at every depth)"
     if why:
         return f"FAIL ({'; '.join(why)}){screening}"
+    if deep.half_width is None or mid.half_width is None:
+        return "not resolved (fewer than 2 paired seeds)"
     if deep.mean <= -margin and deep.resolved and mid.mean < 0 and mid.resolved:
         return "PASS" if not screening else f"screening pass ({n} seeds; {seeds_for_pass} needed for PASS)"
     return f"not resolved{screening}"
