@@ -163,6 +163,11 @@ def test_variant_sets_method_and_coverage(variant: str):
     survival probability); the other rows name their strategy."""
     cfg = compose_with(f"variant={variant}", "scale=cpu")
     m = _FRACTION.search(variant)
+    if m is not None and "_small_" in variant:  # DDP at one SDP worker's depth: C x the reference model's blocks
+        ref = cfg.train.flops_reference
+        assert cfg.parallelism.name == "ddp" and cfg.train.budget == "flops", (variant, cfg.parallelism.name, cfg.train.budget)
+        assert cfg.model.n_layers == int(m.group(1)) / 100 * ref.n_layers, (variant, cfg.model.n_layers, ref)
+        return
     if m is None:
         assert cfg.parallelism.name == variant, (variant, cfg.parallelism.name)
         assert "coverage" not in cfg.parallelism and "survival_prob" not in cfg.parallelism
@@ -234,3 +239,44 @@ def test_flops_budget_uses_the_realised_k_over_n(world: int, coverage: float, k:
     assert measured["fraction_computed"] == pytest.approx(1 - masked + k / world * masked), measured
     with pytest.raises(ConfigError, match=r"coverage=0.1 with world_size=4 gives k=round\(0.4\)=0"):
         resolve_steps(with_coverage(compose_with("train.budget=flops", "cluster.world_size=4"), 0.1))
+
+
+# ---- train.flops_reference: FLOP matching to another model (issue 38: the depth gate, the small dense model) ----
+LM = ("experiment=cpu_study_lm", "seed=0", "variant=ddp")
+
+
+@pytest.mark.parametrize("n_layers", [2, 4, 8])
+def test_flops_reference_runs_the_reference_models_flops(n_layers: int):
+    """DDP at ``n_layers`` matched to the 8-block model runs (8-block FLOPs / its own) x the steps, each counted
+    from the model itself (:func:`model_flops`), so every depth trains the 8-block DDP's total FLOPs (to a step)."""
+    own = compose_with(*LM, f"model.n_layers={n_layers}")
+    ref_per_sample = model_flops(compose_with(*LM, "model.n_layers=8"))[0]
+    own_per_sample = model_flops(own)[0]
+    steps, info = resolve_steps(compose_with(*LM, f"model.n_layers={n_layers}", "train.flops_reference={n_layers:8}"))
+    base = own.train.steps
+    assert steps == round(base * ref_per_sample / own_per_sample), (steps, base, ref_per_sample, own_per_sample)
+    assert info["flops_reference"] == {"model": {"n_layers": 8}, "flops_per_sample": ref_per_sample}, info
+    reference_total = base * info["global_batch"] * ref_per_sample
+    assert abs(info["total_flops"] - reference_total) <= info["flops_per_step"] / 2, (info["total_flops"], reference_total)
+    if n_layers < 8:
+        assert steps > base, f"a shallower model must run more steps than the reference's {base}: {steps}"
+    else:
+        assert steps == base, (steps, base)
+
+
+def test_small_dense_model_runs_b_sdp_c50_steps():
+    """``variant=ddp_small_c50`` (4 of 8 blocks) computes what one B-SDP C = 0.5 worker computes (the shared embedding
+    and head in full, half the blocks), so the measured FLOP budget gives both the same step count."""
+    small, info = resolve_steps(compose_with("experiment=cpu_study_lm", "seed=0", "variant=ddp_small_c50"))
+    sdp, _ = resolve_steps(compose_with("experiment=cpu_study_lm", "seed=0", "variant=b_sdp_c50"))
+    assert small == sdp and small > 1000, (small, sdp, info)
+
+
+@pytest.mark.parametrize("overrides,why", [
+    (("train.flops_reference=8",), "node of model keys"),
+    (("train.flops_reference={n_layer:8}",), "keys not in model"),
+    (("train.budget=iterations", "train.flops_reference={n_layers:8}"), "needs train.budget=flops"),
+])
+def test_bad_flops_reference_names_the_key(overrides: tuple[str, ...], why: str):
+    with pytest.raises(ConfigError, match=rf"train\.flops_reference=.*{why}"):
+        resolve_steps(compose_with(*LM, *overrides))

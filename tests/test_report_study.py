@@ -104,7 +104,7 @@ def test_verdicts_and_files(study: Path) -> None:
     assert "NOT met" in text and "about 4 seeds would meet it" in text  # half-width 0.025 > 0.02
     files = write_report(study_dir=study, study="lm")
     assert all(f.exists() and f.stat().st_size > 0 for f in files)
-    assert {f.name for f in files} == {"REPORT.md", "table.csv", "curves.png", "peak_vs_loss.png"}
+    assert {f.name for f in files} == {"REPORT.md", "table.csv", "curves.png", "frontier.png"}
 
 
 def test_row_names_from_configs(tmp_path: Path) -> None:

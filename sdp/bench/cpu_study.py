@@ -9,12 +9,16 @@
 Each study is a few Hydra multiruns of the real ``sdp-train``, one per stage below (resumable: ``train.skip_done=true`` skips a
 finished job and resumes a checkpointed one when the command is run again):
 
+- ``runs/gate`` (LM, issue 38): the depth gate, run first: DDP at 2, 4 and 8 blocks FLOP-matched to the 8-block
+  model, on the study's task and each candidate task (:mod:`sdp.bench.gate`: the tasks, the rule, the report's
+  first section); one run per sweep (``gate-<task>-s<seed>-L<blocks>``, each can be run alone with ``--only``);
 - ``runs/main``: the experiment's own sweep (every method x seeds 0-2, FLOP-matched, plus the same-iteration rows);
   ``runs/main/seeds-3-4``: the same sweep for seeds 3 and 4 (issue 17: 5 seeds where 3 do not meet the interval
   target; a separate sweep directory so that the first sweep's job numbers, and ``train.skip_done``, stay valid;
   the image study runs them for DDP and B-SDP C = 0.5 only, the pair its target is about);
 - ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
-  rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``);
+  rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``) and
+  the small dense model (``variant=ddp_small_c50``, seeds 0-2: DDP at one worker's depth, FLOP-matched);
 - ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth (the
   main sweep gives 8 blocks);
 - ``runs/remedies`` (LM, issue 28; the image study: the LM's best two rules, seeds 0-2): B-SDP C = 0.5 with plan re-draws (``parallelism.redraw=shuffle|rolling``,
@@ -41,6 +45,7 @@ from pathlib import Path
 
 import yaml
 
+from sdp.bench.gate import gate_stages
 from sdp.bench.runs import ROOT, parser, sdp_train
 from sdp.bench.verdicts import write_index, write_report
 
@@ -49,7 +54,9 @@ from sdp.bench.verdicts import write_index, write_report
 STUDIES = {
     "lm": {"experiment": "cpu_study_lm",
            "extras": [["variant=fsdp", "seed=0"],
-                      ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"]],
+                      ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
+                      # issue 38: the small dense model, DDP on one B-SDP C = 0.5 worker's 4 of 8 blocks, FLOP-matched
+                      ["variant=ddp_small_c50", "seed=0,1,2"]],
            "depth": ["variant=b_sdp_c50", "seed=0,1,2", "model.n_layers=4,12"],
            # issue 28: B-SDP C = 0.5 with plan re-draws (shuffled and rolling, every 50 and 200 steps) and the
            # fixed plan once more (its ensemble column); one sweep per seed and period
@@ -84,7 +91,8 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     peak_variants = [v for v in sweep_variants(exp) if not v.endswith("_iters")] + ["fsdp"]
     common = [f"experiment={exp}", "train.skip_done=true"]
     out_runs = out / study / "runs"
-    result = [("main", [*common, f"hydra.sweep.dir={out_runs / 'main'}"]),
+    result = gate_stages(study=study, out_runs=out_runs, common=common[1:])
+    result += [("main", [*common, f"hydra.sweep.dir={out_runs / 'main'}"]),
               ("seeds", [*common, *spec.get("seeds", []), f"seed={','.join(map(str, MORE_SEEDS))}",
                          f"hydra.sweep.dir={out_runs / 'main' / 'seeds-3-4'}"])]
     result += [(f"extras-{i}", [*common, *extra, f"hydra.sweep.dir={out_runs / 'extras' / str(i)}"])
@@ -128,7 +136,7 @@ def run_study(*, study: str, out: Path, only: list[str] | None) -> float:
     """Run every stage (or those named in ``only``) one after another; returns the wall seconds."""
     start = time.time()
     for name, args in stages(study=study, out=out):
-        if only and name.split("-")[0] not in only:
+        if only and name.split("-")[0] not in only and name not in only:
             continue
         t0 = time.time()
         print(f"[{study}] {name}: sdp-train {' '.join(args)}", flush=True)
@@ -141,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser(suite="cpu-study", doc=__doc__)
     ap.add_argument("--study", choices=sorted(STUDIES), required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-study")
-    ap.add_argument("--only", default=None, help="comma-separated stages to run: main,seeds,extras,depth,remedies,remedytiming,remedypeaks,peaks,timing (default all)")
+    ap.add_argument("--only", default=None, help="comma-separated stages to run: gate,main,seeds,extras,depth,remedies,remedytiming,remedypeaks,peaks,"
+                    "timing (default all), or one stage by its full name (e.g. gate-cpu_study_lm-s0-L4)")
     ap.add_argument("--render-only", action="store_true", help="write the report from existing runs")
     args = ap.parse_args(argv)
     if not args.render_only:

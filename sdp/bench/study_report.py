@@ -7,7 +7,8 @@ Layout read: ``<study>/runs/main`` (the FLOP-matched and same-iteration rows, se
 C = 0.5 at other depths: the assembly gap against depth), ``<study>/runs/peaks`` (one short run per method
 with the live-tensor tracker: the training peak). Written: ``<study>/REPORT.md``, ``table.csv``,
 ``curves.png`` (evaluation loss against the fraction of DDP's FLOPs, mean and a band of +- one sample
-std over seeds), ``peak_vs_loss.png``.
+std over seeds), ``frontier.png`` (quality against each resource: :mod:`sdp.bench.frontier`); with ``runs/gate``
+(LM), the depth gate first (:mod:`sdp.bench.gate`).
 
 What is measured and what follows by construction is kept apart: the training peak, comm bytes, time
 and losses are measured; the model-state ratio follows from the plan and is labelled so.
@@ -38,6 +39,10 @@ def row_name(run: Run) -> str:
     name = label
     if cov is not None:
         name += f" {cov['symbol']}={cov['value']:g}"  # C = coverage, p = a drop baseline's survival probability
+    ref = {k[len("train.flops_reference."):]: v for k, v in f.items() if k.startswith("train.flops_reference.")}
+    if ref:  # a smaller (or other) model matched to a reference model's FLOPs: not the DDP row
+        own = ", ".join(f"{k}={f.get(f'model.{k}')}" for k in ref)
+        name += f" {own} (FLOP-matched to {', '.join(f'{k}={v}' for k, v in ref.items())})"
     rescale = f.get("parallelism.rescale")
     if f.get("parallelism.masking") == "forward" and rescale not in (None, "auto"):  # backward: always none
         name += f" rescale={rescale}"

@@ -14,6 +14,8 @@ from pathlib import Path
 from scipy.stats import t as student_t
 
 from sdp.report.runs import Run, run_figures
+from sdp.bench.frontier import GPU, LINKS, frontier_lines, plot_frontier
+from sdp.bench.gate import gate_section, no_gate_lines
 from sdp.bench.remedies import remedies_section
 from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, paired_difference
 from sdp.bench.study_report import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, mean_interval,
@@ -193,15 +195,21 @@ def plot(st: Study) -> list[Path]:
     save(fig, ax, xlabel="fraction of DDP's total training FLOPs", ylabel="evaluation loss (mean ± sample std over seeds)",
          title=f"CPU study: {st.study}", name="curves.png")
 
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for name, row in st.rows.items():
-        peak = st.ratio(name, "train_peak_bytes", source="peaks")
-        mean, std = row.mean_std("eval_loss")
-        if peak is not None and mean is not None:
-            ax.errorbar([peak], [mean], yerr=[std or 0.0], fmt="o", capsize=3, label=name)
-    save(fig, ax, xlabel="training peak / DDP's (measured, fullest rank)", ylabel="final evaluation loss",
-         title=f"Peak memory vs final loss: {st.study}", name="peak_vs_loss.png")
+    files.append(plot_frontier(st, path=st.dir / "frontier.png"))
     return files
+
+
+def frontier_section(st: Study) -> list[str]:
+    """Quality against each resource (:mod:`sdp.bench.frontier`): the figure and the figures behind it."""
+    return ["## Frontier: quality per resource", "",
+            f"Every method as a point with its 95 % t interval over seeds, against the measured training peak, the "
+            f"wire bytes per trained token, and the predicted training time (its steps x `sdp-plan`'s step-time "
+            f"model, sdp/planning/throughput.py) on {GPU} with each of the links {', '.join(LINKS)} of "
+            f"conf/hardware.yaml, at the study's own shape: the runs' counted FLOPs and measured wire bytes, so that "
+            f"each point's cost comes from the runs its quality comes from (at this tiny shape a step is "
+            f"microseconds on a GPU: read the order and the ratios, not the seconds; a whole run, not a step, since "
+            f"FLOP matching gives some methods more steps).", "",
+            "![frontier](frontier.png)", "", *frontier_lines(st), ""]
 
 
 def commits_by_stage(runs: list[Run], *, root: Path) -> str:
@@ -235,7 +243,9 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
     ddp = st.ddp.runs[min(st.ddp.runs)].summary
     every = [r for rows in (st.rows, st.peaks, st.timing) for row in rows.values() for r in row.runs.values()]
     every += [r for rows in st.depth.values() for row in rows.values() for r in row.runs.values()]
-    md = [f"# CPU study: {study}", "", header,
+    gate = gate_section(study_dir=st.dir, study=study) or no_gate_lines(study=study,
+                                                                        ddp_accuracy=st.ddp.mean_std("eval_accuracy")[0])
+    md = [f"# CPU study: {study}", "", *gate, header,
           f"{len(st.runs)} runs ({sum(len(r.runs) for r in st.rows.values())} with results), DDP {ddp.steps} steps, "
           f"{ddp.world_size} ranks, model {ddp.model}; code at commit(s) {commits_by_stage(every, root=st.dir / 'runs')}. Every method of one seed shares the initial weights and the "
           f"data order; Δ columns are per-seed differences to DDP with the 95 % Student t interval (n − 1 d.f.); "
@@ -245,7 +255,7 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
           f"Training peak and model state come from runs/peaks (20 steps, seed 0, live-tensor tracker); step time "
           f"from runs/timing (60 steps, seed 0, median after warm-up, run with nothing else on the machine); comm "
           f"bytes from the main runs.", "",
-          markdown_table(records), "", "![curves](curves.png) ![peak vs loss](peak_vs_loss.png)", "",
+          markdown_table(records), "", "![curves](curves.png)", "", *frontier_section(st),
           "## Verdicts, claim by claim", "", *claims(st), "", *remedies_section(study=st)]
     (st.dir / "REPORT.md").write_text("\n".join(md))
     return [st.dir / "REPORT.md", st.dir / "table.csv", *plot(st)]

@@ -7,7 +7,11 @@ the result and recorded in ``config.yaml``, the details in ``summary.json["budge
 - ``flops``: ``train.steps`` is the DDP step count; a method that computes a fraction ``r`` of the full
   model's FLOPs per step runs ``round(train.steps / r)`` steps, as the paper's FLOP matching extends
   training by 1/C. ``train.flops_ratio=coverage`` takes ``r = C`` (the paper's rule); ``measured``
-  takes ``r`` from the model's FLOP count. Both come from the strategy
+  takes ``r`` from the model's FLOP count. ``train.flops_reference`` (null: the run's own model) names
+  another model, as overrides of ``model`` (``{n_layers: 8}``), whose DDP step count ``train.steps`` is:
+  ``r`` is then multiplied by (the run's model's FLOPs per sample / the reference's), so a 2-block DDP
+  matched to an 8-block reference runs about 4x the steps (:func:`reference_flops`; why: a depth
+  comparison, or a small dense model against SDP, must spend the reference model's FLOPs, not its own). Both come from the strategy
   (:meth:`sdp.parallel.spec.StrategySpec.coverage`: ``C`` is the realised fraction of the model's units a
   worker computes per step, e.g. the driver's SDP plan's k / n, a mean survival probability for a drop
   baseline; :meth:`~sdp.parallel.spec.StrategySpec.flops_fraction`: the measured ``r``). A strategy without a
@@ -82,6 +86,28 @@ def model_flops(cfg: DictConfig, *, model: Any = None) -> tuple[int | None, dict
     return per_sample, shares, n_units, None
 
 
+def reference_flops(cfg: DictConfig, *, own: int | None) -> tuple[float, dict[str, Any] | None]:
+    """(the run's model's FLOPs per sample / the reference model's, what ``summary.json["budget"]`` records of it)
+    for ``train.flops_reference`` (:mod:`this module's docstring <sdp.planning.budget>`): (1.0, None) when it is null.
+    The reference is ``cfg.model`` with the node's keys replaced, built on the meta device and counted as the run's
+    own model is (:func:`model_flops`); a key ``cfg.model`` does not have, or a reference that cannot be counted, is
+    refused naming the key."""
+    ref = OmegaConf.select(cfg, "train.flops_reference")
+    if ref is None:
+        return 1.0, None
+    overrides = OmegaConf.to_container(ref, resolve=True) if isinstance(ref, DictConfig) else ref
+    require(isinstance(overrides, dict) and bool(overrides), "train.flops_reference", overrides,
+            "a non-empty node of model keys to change, e.g. {n_layers: 8} (null: the run's own model)")
+    require(str(cfg.train.budget) == "flops", "train.flops_reference", overrides, "needs train.budget=flops")
+    unknown = sorted(k for k in overrides if k not in cfg.model)
+    require(not unknown, "train.flops_reference", overrides, f"keys not in model ({unknown}); allowed: {sorted(cfg.model)}")
+    ref_cfg = OmegaConf.merge(cfg, {"model": overrides})
+    ref_per_sample, _, _, why = model_flops(ref_cfg)
+    require(ref_per_sample is not None and own is not None, "train.flops_reference", overrides,
+            f"the FLOPs of the run's model ({own}) and of the reference ({ref_per_sample}) must be countable ({why})")
+    return own / ref_per_sample, {"model": overrides, "flops_per_sample": ref_per_sample}
+
+
 def _prepared(cfg: DictConfig, *, spec: Any, preflight: Any) -> tuple[Any, Any]:
     """(model, what the strategy builds once for its ranks): the driver's (``preflight``), or asked outside the
     driver, a meta build of ``cfg.model`` and the strategy's own :meth:`~sdp.parallel.spec.StrategySpec.prepare`
@@ -126,6 +152,8 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
                             "coverage": coverage, "coverage_key": cov.key if cov else None,
                             "coverage_nominal": cov.value if cov else None,
                             "flops_per_sample": per_sample, "fraction_computed": fraction}
+    if budget != "flops":
+        reference_flops(cfg, own=per_sample)  # refuses a reference under another budget
     if budget == "iterations":
         steps, ratio = base, 1.0
     elif budget == "flops":
@@ -139,6 +167,8 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
             require(fraction is not None, "train.flops_ratio", mode,
                     f"the model's FLOPs could not be counted ({flops_error}); use train.flops_ratio=coverage")
             ratio = float(fraction)
+        to_reference, info["flops_reference"] = reference_flops(cfg, own=per_sample)
+        ratio *= to_reference
         steps = max(1, round(base / ratio))
         info["flops_ratio"] = mode
     else:

@@ -73,6 +73,9 @@ class Train:
     """What train.steps means: iterations | flops (DDP's steps, scaled by 1/r) | tokens (from train.tokens)."""
     flops_ratio: str = key(choices=("coverage", "measured"))
     """budget=flops: r from the coverage rule or from the model's measured FLOP count."""
+    flops_reference: Any = key()
+    """budget=flops: null (train.steps is DDP's steps on the run's own model) | model keys changed to give the
+    reference model train.steps is DDP's steps on, e.g. {n_layers: 8}: r x (own FLOPs / the reference's)."""
     tokens: Optional[int] = key(at_least=1)
     """budget=tokens: tokens to train on."""
     checkpoint_every: int = key(at_least=0)

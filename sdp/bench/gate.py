@@ -1,0 +1,220 @@
+"""The depth gate of the CPU LM study (issue 38, item 1): does the task reward depth at equal FLOPs?
+
+Why a gate: the study's verdicts compare methods that compute fewer blocks per step (SDP, the drop
+baselines) with DDP on all of them; on a task where a shallower model given more steps is as good as a deeper
+one, such verdicts say nothing about depth. So before its table the study runs DDP at 2, 4 and 8 blocks (same
+width, embedding and head), each FLOP-matched to the 8-block model (``train.flops_reference={n_layers: 8}``,
+:mod:`sdp.planning.budget`: the shallower ones run proportionally more steps), over seeds, paired by seed (one
+seed fixes the data order of every depth).
+
+The rule (:func:`gate_verdict`), on the paired differences of final eval loss with their 95 % Student t intervals
+(:func:`sdp.report.stats.paired_difference`):
+
+- PASS: DDP-8 − DDP-4 at most −:data:`MARGIN` nats with its interval below 0, and DDP-4 − DDP-2 below 0 with its
+  interval below 0, on at least :data:`SEEDS_FOR_PASS` seeds; the same on fewer seeds is a *screening pass*;
+- FAIL: the interval of DDP-8 − DDP-4 lies above −MARGIN (the deep model's gain is resolved to be smaller than
+  the margin, or a loss), or that of DDP-4 − DDP-2 lies above 0;
+- not resolved: anything else (fewer than 2 seeds included).
+
+Tasks are experiment YAMLs (``conf/experiment/``, :data:`GATES`); each task's runs are
+``<study>/runs/gate/<task>/seed-<s>/blocks-<n>`` (one run per sweep, so that each can be run alone, e.g. under
+a lock). The study's own task reuses its main sweep's DDP runs at its own depth (the same job).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdp.report.runs import Run, find_runs, run_figures
+from sdp.report.stats import Paired, paired_difference
+
+MARGIN = 0.05  # nats: the least gain of DDP-8 over DDP-4 that passes
+SEEDS_FOR_PASS = 5
+DEPTHS = (2, 4, 8)  # blocks; the last is the reference every depth is FLOP-matched to
+# study -> its main experiment (whose depth-8 DDP runs are its main sweep's) and the tasks tried, each with the
+# seeds its gate runs (the screening seeds; 5 for a task that is to pass)
+GATES: dict[str, dict[str, Any]] = {
+    "lm": {"main": "cpu_study_lm", "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2, "cpu_gate_lr3": 2}},
+}
+
+
+def gate_stages(*, study: str, out_runs: Path, common: list[str]) -> list[tuple[str, list[str]]]:
+    """``(stage name, sdp-train arguments)`` of every gate run of ``study``: ``gate-<task>-s<seed>-L<blocks>``,
+    seed the outer loop, the deepest first (``common``: the study's own arguments less the experiment)."""
+    spec = GATES.get(study)
+    if spec is None:
+        return []
+    ref = DEPTHS[-1]
+    out = []
+    for task, n_seeds in spec["tasks"].items():
+        for seed in range(n_seeds):
+            for blocks in sorted(DEPTHS, reverse=True):
+                if task == spec["main"] and blocks == ref:
+                    continue  # the main sweep's DDP run of this seed
+                out.append((f"gate-{task}-s{seed}-L{blocks}",
+                            [f"experiment={task}", *common, "variant=ddp", f"seed={seed}", f"model.n_layers={blocks}",
+                             f"train.flops_reference={{n_layers:{ref}}}",
+                             f"hydra.sweep.dir={out_runs / 'gate' / task / f'seed-{seed}' / f'blocks-{blocks}'}"]))
+    return out
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One task's gate: final eval loss by depth and seed, and the two paired differences."""
+
+    task: str
+    losses: dict[int, dict[int, float | None]]  # blocks -> seed -> final eval loss
+    settings: dict[str, Any]
+    train_s: dict[int, list[float]]  # blocks -> each run's training seconds (steps x its median step time)
+    commits: tuple[str, ...] = ()  # the code the runs were made at (a reference taken from the main sweep: its own)
+
+    @property
+    def deep(self) -> Paired:
+        """DDP-8 − DDP-4, paired by seed."""
+        return paired_difference(self.losses.get(DEPTHS[2], {}), self.losses.get(DEPTHS[1], {}))
+
+    @property
+    def mid(self) -> Paired:
+        """DDP-4 − DDP-2, paired by seed."""
+        return paired_difference(self.losses.get(DEPTHS[1], {}), self.losses.get(DEPTHS[0], {}))
+
+    @property
+    def seeds(self) -> list[int]:
+        """Seeds with a loss at every depth."""
+        common = set.intersection(*(set(s for s, v in self.losses.get(d, {}).items() if v is not None) for d in DEPTHS))
+        return sorted(common)
+
+    @property
+    def verdict(self) -> str:
+        return gate_verdict(deep=self.deep, mid=self.mid, n=len(self.seeds))
+
+    @property
+    def seed_s(self) -> float | None:
+        """Training seconds of one seed at every depth (mean per depth, summed): what one more seed costs."""
+        if any(not self.train_s.get(d) for d in DEPTHS):
+            return None
+        return sum(statistics.fmean(self.train_s[d]) for d in DEPTHS)
+
+
+def gate_verdict(*, deep: Paired, mid: Paired, n: int, margin: float = MARGIN, seeds_for_pass: int = SEEDS_FOR_PASS) -> str:
+    """PASS, ``FAIL (why)``, ``screening pass (n seeds; ... needed)`` or ``not resolved``: the rule of this module's
+    docstring; ``n``: the seeds with every depth."""
+    why = []  # a FAIL needs only the interval that fails: a resolved miss is not undone by a depth still missing
+    if deep.half_width is not None and deep.mean - deep.half_width > -margin:
+        why.append(f"DDP-8 − DDP-4 interval above −{margin}")
+    if mid.half_width is not None and mid.mean - mid.half_width > 0:
+        why.append("DDP-4 − DDP-2 interval above 0")
+    screening = "" if n >= seeds_for_pass else f" (screening: {n} of {seeds_for_pass} seeds at every depth)"
+    if why:
+        return f"FAIL ({'; '.join(why)}){screening}"
+    if deep.half_width is None or mid.half_width is None:
+        return "not resolved (fewer than 2 paired seeds)"
+    if deep.mean <= -margin and deep.resolved and mid.mean < 0 and mid.resolved:
+        return "PASS" if not screening else f"screening pass ({n} seeds; {seeds_for_pass} needed for PASS)"
+    return f"not resolved{screening}"
+
+
+def _settings(run: Run) -> dict[str, Any]:
+    f = run.flat
+    seq = f.get("dataset.seq_len")
+    tokens = int(f["train.batch_size"]) * int(f["cluster.world_size"]) * int(seq) if seq is not None else None
+    corpus = f.get("dataset.kind") or f.get("dataset.name")
+    if f.get("dataset.text_bytes") is not None:
+        corpus = f"{corpus}, {int(f['dataset.text_bytes']) / 1e6:g} MB"
+    budget = (run.summary.budget or {}) if run.summary else {}
+    return {"corpus": corpus, "seq_len": seq, "tokens/step": tokens, "width": f"{f.get('model.dim')}/{f.get('model.hidden')}",
+            "peak lr": f.get("optim.optimizer.lr"),
+            "DDP-8 steps": budget.get("base_steps", f.get("train.steps"))}
+
+
+def _is_reference_ddp(run: Run, *, blocks: int) -> bool:
+    f = run.flat
+    return (run.ok and f.get("parallelism.name") == "ddp" and f.get("train.budget") == "flops"
+            and int(f.get("model.n_layers", -1)) == blocks and not any(k.startswith("train.flops_reference.") for k in f))
+
+
+def collect_gates(*, study_dir: Path, study: str) -> list[Gate]:
+    """Every task under ``<study_dir>/runs/gate`` (in :data:`GATES` order, then any other), the main task's
+    reference depth from the main sweep's DDP runs."""
+    spec = GATES.get(study, {"main": None, "tasks": {}})
+    root = Path(study_dir) / "runs" / "gate"
+    found = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    order = [t for t in spec["tasks"] if t in found] + [t for t in found if t not in spec["tasks"]]
+    gates = []
+    for task in order:
+        runs = [r for r in find_runs(root / task) if r.ok]
+        if task == spec["main"] and (Path(study_dir) / "runs" / "main").is_dir():
+            runs += [r for r in find_runs(Path(study_dir) / "runs" / "main") if _is_reference_ddp(r, blocks=DEPTHS[-1])]
+        losses: dict[int, dict[int, float | None]] = {}
+        train_s: dict[int, list[float]] = {}
+        for r in runs:
+            blocks, fig = int(r.flat["model.n_layers"]), run_figures(r.summary)
+            losses.setdefault(blocks, {})[int(r.seed)] = fig["eval_loss"]
+            if fig["step_s"] is not None and fig["steps"]:
+                train_s.setdefault(blocks, []).append(fig["step_s"] * fig["steps"])
+        if runs:  # the settings of a reference-depth run where there is one (its steps are the budget's base)
+            ref = next((r for r in runs if int(r.flat["model.n_layers"]) == DEPTHS[-1]), runs[0])
+            commits = tuple(sorted({str(r.summary.versions.get("git_commit"))[:12] for r in runs}))
+            gates.append(Gate(task=task, losses=losses, settings=_settings(ref), train_s=train_s, commits=commits))
+    return gates
+
+
+def _pm(p: Paired) -> str:
+    if p.mean is None:
+        return "–"
+    return f"{p.mean:+.3f}" + ("" if p.half_width is None else f" ± {p.half_width:.3f}")
+
+
+def _loss(gate: Gate, blocks: int) -> str:
+    vals = [v for v in gate.losses.get(blocks, {}).values() if v is not None]
+    if not vals:
+        return "–"
+    return f"{statistics.fmean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
+
+
+def gate_section(*, study_dir: Path, study: str) -> list[str]:
+    """The report's first section: the rule, the verdict of the study's own task, the table of every task tried."""
+    gates = collect_gates(study_dir=study_dir, study=study)
+    if not gates:
+        return []
+    main = GATES.get(study, {}).get("main")
+    lines = ["## Depth gate: does the task reward depth at equal FLOPs?", "",
+             f"DDP at {', '.join(map(str, DEPTHS))} blocks (same width, embedding and head), each FLOP-matched to the "
+             f"{DEPTHS[-1]}-block model (`train.flops_reference={{n_layers: {DEPTHS[-1]}}}`: a shallower model runs "
+             f"proportionally more steps), paired by seed. PASS: DDP-{DEPTHS[2]} − DDP-{DEPTHS[1]} ≤ −{MARGIN} nats "
+             f"with its 95 % t interval below 0, and DDP-{DEPTHS[1]} − DDP-{DEPTHS[0]} below 0, resolved, on at least "
+             f"{SEEDS_FOR_PASS} seeds (on fewer: a screening pass); FAIL: the first interval lies above −{MARGIN} or "
+             f"the second above 0. Differences: mean ± 95 % t half-width over the seeds run at both depths; losses: "
+             f"mean ± sample std. Train s per seed: one seed at every depth, each run's steps x its median step time "
+             f"(training only, on this shared machine: what one more seed costs).", ""]
+    for g in gates:
+        if g.task == main:
+            lines += [f"**The study's task (`{main}`, the table below): {g.verdict}** — DDP-{DEPTHS[2]} − "
+                      f"DDP-{DEPTHS[1]} {_pm(g.deep)} nats, DDP-{DEPTHS[1]} − DDP-{DEPTHS[0]} {_pm(g.mid)} nats "
+                      f"(n = {len(g.seeds)}; its DDP-{DEPTHS[-1]} runs are the main sweep's DDP rows).", ""]
+    head = ["task", "corpus", "seq_len", "tokens/step", "width (dim/hidden)", "peak lr", "DDP-8 steps", "seeds",
+            *(f"DDP-{d} loss" for d in sorted(DEPTHS, reverse=True)), "DDP-8 − DDP-4", "DDP-4 − DDP-2", "train s per seed", "verdict", "commits"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in gates:
+        s = g.settings
+        cells = [f"`{g.task}`", str(s["corpus"]), str(s["seq_len"]), f"{s['tokens/step']:,}" if s["tokens/step"] else "–",
+                 s["width"], f"{s['peak lr']:g}" if s["peak lr"] is not None else "–", str(s["DDP-8 steps"]), ",".join(map(str, g.seeds)) or "–",
+                 *(_loss(g, d) for d in sorted(DEPTHS, reverse=True)), _pm(g.deep), _pm(g.mid),
+                 "–" if g.seed_s is None else f"{g.seed_s:.0f}", g.verdict, " ".join(g.commits)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def no_gate_lines(*, study: str, ddp_accuracy: float | None) -> list[str]:
+    """A study without a gate (:data:`GATES`) whose DDP accuracy is measured: why it has none, from that figure."""
+    if study in GATES or ddp_accuracy is None:
+        return []
+    return ["## Depth gate: not run for this study", "",
+            f"DDP reaches {ddp_accuracy:.2f} % evaluation accuracy (mean over its seeds), {100 - ddp_accuracy:.2f} "
+            f"points from 100 %: on this task a deeper ResNet has almost nothing left to gain, so a gate of DDP at "
+            f"several depths could only tie, and the verdicts below say nothing about depth. A gate for the image "
+            f"study needs a task that is not saturated (e.g. CIFAR-10 through `dataset=cifar10`, a download this "
+            f"CPU study avoids); the LM study carries the depth question.", ""]
