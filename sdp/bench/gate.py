@@ -4,7 +4,7 @@ Why a gate: the study's verdicts compare methods that compute fewer blocks per s
 baselines) with DDP on all of them; on a task where a shallower model given more steps is as good as a deeper
 one, such verdicts say nothing about depth. So before its table the study runs DDP at 2, 4 and 8 blocks (same
 width, embedding and head), each FLOP-matched to the 8-block model (``train.flops_reference={n_layers: 8}``,
-:mod:`sdp.planning.budget`: the shallower ones run proportionally more steps), over seeds, paired by seed (one
+:mod:`sdp.driver.budget`: the shallower ones run proportionally more steps), over seeds, paired by seed (one
 seed fixes the data order of every depth).
 
 The rule (:func:`gate_verdict`), on the paired differences of final eval loss with their 95 % Student t intervals

@@ -88,7 +88,7 @@ def model_flops(cfg: DictConfig, *, model: Any = None) -> tuple[int | None, dict
 
 def reference_flops(cfg: DictConfig, *, own: int | None) -> tuple[float, dict[str, Any] | None]:
     """(the run's model's FLOPs per sample / the reference model's, what ``summary.json["budget"]`` records of it)
-    for ``train.flops_reference`` (:mod:`this module's docstring <sdp.planning.budget>`): (1.0, None) when it is null.
+    for ``train.flops_reference`` (:mod:`this module's docstring <sdp.driver.budget>`): (1.0, None) when it is null.
     The reference is ``cfg.model`` with the node's keys replaced, built on the meta device and counted as the run's
     own model is (:func:`model_flops`); a key ``cfg.model`` does not have, or a reference that cannot be counted, is
     refused naming the key."""
