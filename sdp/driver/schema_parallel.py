@@ -73,6 +73,32 @@ class LayerDrop(Drop):
 
 
 @dataclass
+class PowerSGD:
+    """``parallelism=powersgd``: DDP whose buckets are all-reduced through torch's PowerSGD comm hook (low-rank
+    P and Q per gradient matrix, error feedback); ``start_iter`` >= 2 with error feedback or warm start is
+    a rule of several keys (:class:`sdp.parallel.powersgd.PowerSGDSpec`)."""
+
+    name: str = key()
+    """The strategy, looked up in sdp.parallel.STRATEGIES."""
+    rank: int = key(at_least=1)
+    """r >= 1: PowerSGDState.matrix_approximation_rank, the rank of each compressed gradient matrix."""
+    warm_start: bool = flag()
+    """Reuse the previous step's Q (true) | draw a new random Q every step (false)."""
+    start_iter: int = key(at_least=0)
+    """PowerSGDState.start_powerSGD_iter: steps of plain all-reduce before compression starts."""
+    min_compression_rate: Number = key(at_least=0)
+    """Compress a matrix only where (n + m) x r x this < n x m; the rest is all-reduced whole."""
+    use_error_feedback: bool = flag()
+    """Add each rank's compression error of the last step to its next gradient."""
+    bucket_cap_mb: Number = key(above=0)
+    """Gradient bucket size in MiB."""
+    broadcast_buffers: bool = flag()
+    """As in parallelism=ddp."""
+    find_unused_parameters: bool = flag()
+    """As in parallelism=ddp."""
+
+
+@dataclass
 class FSDP:
     """``parallelism=fsdp``: FSDP2, parameters, gradients and optimizer state sharded over ranks."""
 
@@ -154,7 +180,8 @@ class SDP:
 
 
 # ConfigStore names under schema/parallelism/ (conf/parallelism/*.yaml: `- /schema/parallelism/<family>@_here_`).
-FAMILIES = {"ddp": DDP, "ddp_ac": DDPAC, "drop": Drop, "layerdrop": LayerDrop, "fsdp": FSDP, "pipeline": Pipeline, "sdp": SDP}
+FAMILIES = {"ddp": DDP, "ddp_ac": DDPAC, "drop": Drop, "layerdrop": LayerDrop, "fsdp": FSDP, "pipeline": Pipeline, "sdp": SDP,
+            "powersgd": PowerSGD}
 # parallelism.name -> schema, for a recorded config.yaml (written untyped).
 PRESETS = {"ddp": DDP, "ddp_ac": DDPAC, "ddp_layerdrop": LayerDrop, "ddp_stochastic_depth": Drop, "fsdp": FSDP,
-           "pipeline": Pipeline, "sdp": SDP}
+           "pipeline": Pipeline, "sdp": SDP, "powersgd": PowerSGD}
