@@ -71,7 +71,7 @@ def test_full_rank_powersgd_equals_ddp_and_rank_one_does_not() -> None:
             f"rank {r}: compression did not run on every tensor at full rank: {stats}"
         for step, (ddp, full_rank, low) in enumerate(zip(g["ddp"]["params"], g["full"]["params"], g["rank1"]["params"])):
             worst = max((full_rank[k] - ddp[k]).abs().max().item() for k in ddp)
-            assert worst < 1e-5, f"rank {r} step {step}: full-rank PowerSGD left DDP by {worst:.3g}"
+            assert worst < 1e-6, f"rank {r} step {step}: full-rank PowerSGD left DDP by {worst:.3g}"
             gap = max((low[k] - ddp[k]).abs().max().item() for k in ddp)
             if step >= START:
                 assert gap > 1e-3, f"rank {r} step {step}: rank-1 PowerSGD equals DDP (gap {gap:.3g}): the test cannot fail"
@@ -157,7 +157,7 @@ def test_resume_after_compression_started_is_bit_identical(tmp_path: Path) -> No
     e0, e1 = got[0]["error"], got[1]["error"]
     assert e0 and any(not torch.equal(e0[k], e1[k]) for k in e0), "the ranks' error feedback is equal: nothing per rank tested"
     for r, g in enumerate(got):
-        assert g["iter"] == (STEPS, STEPS), f"rank {r}: hook iterations {g['iter']}, expected {STEPS} both"
         for step, (u, s) in enumerate(zip(g["uninterrupted"], g["resumed"]), start=SAVE_AT):
             differ = [k for k in u if not torch.equal(u[k], s[k])]
             assert not differ, f"rank {r} step {step}: the resumed run left the uninterrupted one at {differ}"
+        assert g["iter"] == (STEPS, STEPS), f"rank {r}: hook iterations {g['iter']}, expected {STEPS} both"
