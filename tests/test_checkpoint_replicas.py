@@ -117,7 +117,7 @@ def test_identical_replicas_keep_the_shared_layout() -> None:
     """The DDP family declares identical replicas, so its checkpoints keep the layout they always had
     (parameters and optimizer state once, under "shared"; buffers per rank): old checkpoints load."""
     family = {name for name in STRATEGIES.names() if STRATEGIES.get(name).runtime.replicas_identical}
-    assert family == {"ddp", "ddp_ac", "ddp_stochastic_depth", "ddp_layerdrop"}, family
+    assert family == {"ddp", "ddp_ac", "ddp_stochastic_depth", "ddp_layerdrop", "powersgd"}, family
     assert not Strategy.replicas_identical and not LocalSGD.replicas_identical
 
     class Replicated(LocalSGD):

@@ -26,6 +26,7 @@ STRATEGIES = [
     ("ddp_ac", ["parallelism=ddp_ac"], 1),
     ("ddp_layerdrop", ["parallelism=ddp_layerdrop"], 1),
     ("ddp_stochastic_depth", ["parallelism=ddp_stochastic_depth"], 1),
+    ("powersgd", ["parallelism=powersgd"], 1),
     ("fsdp", ["parallelism=fsdp"], 1),
     ("hsdp", ["parallelism=fsdp", "parallelism.replicate=2"], 3),
     ("pipeline", ["parallelism=pipeline", "parallelism.microbatches=8"], 2),  # (dp=1 x pp=8): a 1-rank dp group

@@ -20,6 +20,10 @@ STRATEGIES = {
     "ddp": ["parallelism=ddp"],
     "ddp_ac": ["parallelism=ddp_ac"],
     "ddp_layerdrop": ["parallelism=ddp_layerdrop", "parallelism.survival_prob=0.5"],
+    # compressing from step 0 (no error feedback or warm start: torch's minimum start_iter is then 0), so every
+    # measured step is a compressed one, the step sdp-plan predicts
+    "powersgd": ["parallelism=powersgd", "parallelism.start_iter=0", "parallelism.use_error_feedback=false",
+                 "parallelism.warm_start=false"],
     "fsdp": ["parallelism=fsdp"],
     "pipeline": ["parallelism=pipeline", "parallelism.microbatches=4"],
     "sdp": ["parallelism=sdp"],

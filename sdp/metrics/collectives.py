@@ -9,15 +9,20 @@ microbatches), so the only honest count is the one taken where they hand tensors
 
 Only the outermost intercepted call is recorded (``all_gather_into_tensor`` may call
 ``all_gather_single`` inside; ``batch_isend_irecv`` calls ``isend``/``irecv``), so nothing is counted
-twice. ``isend``/``irecv`` are replaced in ``distributed_c10d`` as well, because ``P2POp`` checks its
-``op`` by identity against that module's functions. Collectives issued through process-group methods
-(DDP's comm hooks) are not seen here; DDP counts its buckets in its own hook.
+twice. The nesting depth is per thread: a DDP comm hook that calls ``dist.all_reduce`` (torch's
+PowerSGD hook, :mod:`sdp.parallel.powersgd`) issues its later collectives from its futures' callbacks,
+which may run on the backend's threads while the backward thread is inside another intercepted call; a
+depth shared by all threads would drop those records. ``isend``/``irecv`` are replaced in
+``distributed_c10d`` as well, because ``P2POp`` checks its ``op`` by identity against that module's
+functions. Collectives issued in C++ (DDP's reducer without a Python hook) are not seen here; plain DDP
+counts its buckets in its own hook.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -43,7 +48,7 @@ INTERCEPTED: dict[str, tuple[str, str]] = {
 }
 P2P = ("send", "isend", "recv", "irecv")
 
-_depth = 0  # > 0 while inside an intercepted call: nested calls are the same collective
+_local = threading.local()  # .depth > 0 while this thread is inside an intercepted call: nested calls are the same collective
 
 
 def _payload_bytes(t: torch.Tensor) -> int:
@@ -58,17 +63,17 @@ def _counting(name: str, fn: Callable[..., Any], comm: CommCounter) -> Callable[
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        global _depth
-        if _depth == 0:
+        depth = getattr(_local, "depth", 0)
+        if depth == 0:
             bound = sig.bind_partial(*args, **kwargs)
             group = bound.arguments.get("group")
             size = 2 if name in P2P else dist.get_world_size(group)
             comm.record(kind=kind, payload=_payload_bytes(bound.arguments[tensor_arg]), group_size=size)
-        _depth += 1
+        _local.depth = depth + 1
         try:
             return fn(*args, **kwargs)
         finally:
-            _depth -= 1
+            _local.depth = depth
 
     return wrapper
 

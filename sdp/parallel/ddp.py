@@ -47,14 +47,17 @@ def counting_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     return default_hooks.allreduce_hook(state.process_group, bucket)
 
 
-def wrap_ddp(model: torch.nn.Module, *, cfg: Any, comm: CommCounter, device: torch.device, process_group: Any = None) -> DistributedDataParallel:
-    """The DDP wrapper every DDP-family strategy shares (plain, AC, stochastic depth, LayerDrop)."""
+def wrap_ddp(model: torch.nn.Module, *, cfg: Any, comm: CommCounter, device: torch.device, process_group: Any = None,
+             hook: tuple[Any, Callable[..., Any]] | None = None) -> DistributedDataParallel:
+    """The DDP wrapper every DDP-family strategy shares (plain, AC, stochastic depth, LayerDrop, PowerSGD).
+    ``hook``: (state, comm hook) to register instead of the counting all-reduce (DDP takes one hook only;
+    a strategy passing its own counts that hook's collectives itself, :mod:`sdp.parallel.powersgd`)."""
     with warnings.catch_warnings():
         # torch 2.14 deprecates broadcast_buffers in favour of forward_sync_buffers, whose False still
         # syncs at init; rank-local BatchNorm buffers (what we want) need broadcast_buffers=False.
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         ddp = _ddp(model, cfg=cfg, device=device, process_group=process_group)
-    ddp.register_comm_hook(_CountingState(comm=comm, process_group=process_group), counting_allreduce_hook)
+    ddp.register_comm_hook(*(hook or (_CountingState(comm=comm, process_group=process_group), counting_allreduce_hook)))
     return ddp
 
 
@@ -84,14 +87,22 @@ def prime_buckets(ddp: DistributedDataParallel, *, example: torch.Tensor, comm: 
         ddp.zero_grad(set_to_none=False)
 
 
+def ddp_bucket_members(sizes: list[int], *, cap_mb: float) -> list[list[int]]:
+    """The tensors (indices into ``sizes``, bytes per parameter) of each bucket of DDP's greedy packing in
+    reverse parameter order (first bucket 1 MiB), bucket 0 first."""
+    buckets: list[list[int]] = [[]]
+    used, cap = 0, 1 * MIB
+    for i in reversed(range(len(sizes))):
+        if used and used + sizes[i] > cap:
+            buckets, used, cap = buckets + [[]], 0, int(cap_mb * MIB)
+        buckets[-1].append(i)
+        used += sizes[i]
+    return buckets if used else buckets[:-1]
+
+
 def ddp_buckets(sizes: list[int], *, cap_mb: float) -> int:
-    """Bucket count of DDP's greedy packing in reverse parameter order (first bucket 1 MiB)."""
-    count, used, cap = 0, 0, 1 * MIB
-    for s in reversed(sizes):
-        if used and used + s > cap:
-            count, used, cap = count + 1, 0, int(cap_mb * MIB)
-        used += s
-    return count + (1 if used else 0)
+    """Bucket count of DDP's greedy packing (:func:`ddp_bucket_members`)."""
+    return len(ddp_bucket_members(sizes, cap_mb=cap_mb))
 
 
 class DDPStrategy(Strategy):
@@ -101,8 +112,12 @@ class DDPStrategy(Strategy):
 
     def setup(self, *, model: SDPModel, optimizer_factory: OptimizerFactory) -> None:
         model.to(self.ctx.device)
-        self.module = wrap_ddp(model, cfg=self.cfg, comm=self.ctx.comm, device=self.ctx.device)
+        self.module = wrap_ddp(model, cfg=self.cfg, comm=self.ctx.comm, device=self.ctx.device, hook=self.comm_hook())
         self.optimizer = optimizer_factory(self.module.parameters())
+
+    def comm_hook(self) -> tuple[Any, Callable[..., Any]] | None:
+        """(state, DDP comm hook) to all-reduce the buckets with; None (DDP): the counting all-reduce."""
+        return None
 
     # train_step: the base template; DDP's all-reduce overlaps with the backward phase (no _sync_grads).
 

@@ -32,10 +32,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from sdp.models.base import SDPModel
+from sdp.core.loss import LOSS_CHUNK_TOKENS
+from sdp.models.base import SDPModel, batch_norms
 from sdp.parallel import JobFacts, StrategySpec
 from sdp.parallel.plan_entries import EvalTraffic, Record
-from sdp.rank.eval_ops import LOSS_CHUNK_TOKENS, batch_norms, statistics
+from sdp.rank.eval_ops import statistics
 from sdp.rank.eval_parts import by_samples, val_passes
 from sdp.rank.evaluation import calibration_steps, ensemble, part_batches
 from sdp.rank.schedule import Cadence
