@@ -153,8 +153,26 @@ class SDP:
     """Seed of random assignment and of plan re-draws."""
 
 
+@dataclass
+class LocalSGD:
+    """``parallelism=local_sgd`` (and ``diloco``): every rank trains its own replica for ``inner_steps`` steps, then
+    one outer step on the averaged parameter change (sdp/parallel/local_sgd.py)."""
+
+    name: str = key()
+    """The strategy, looked up in sdp.parallel.STRATEGIES."""
+    inner_steps: int = key(at_least=1)
+    """H >= 1: inner optimizer steps between two synchronisations (1: every step)."""
+    outer_lr: Number = key(above=0)
+    """Outer learning rate > 0 on the averaged parameter change (1 with outer_momentum 0: plain local SGD)."""
+    outer_momentum: Number = key(at_least=0, below=1)
+    """Outer SGD momentum in [0, 1) (0: none)."""
+    nesterov: bool = flag()
+    """Nesterov outer momentum (DiLoCo) | heavy-ball; no effect at outer_momentum 0."""
+
+
 # ConfigStore names under schema/parallelism/ (conf/parallelism/*.yaml: `- /schema/parallelism/<family>@_here_`).
-FAMILIES = {"ddp": DDP, "ddp_ac": DDPAC, "drop": Drop, "layerdrop": LayerDrop, "fsdp": FSDP, "pipeline": Pipeline, "sdp": SDP}
+FAMILIES = {"ddp": DDP, "ddp_ac": DDPAC, "drop": Drop, "layerdrop": LayerDrop, "fsdp": FSDP, "pipeline": Pipeline, "sdp": SDP,
+            "local_sgd": LocalSGD}
 # parallelism.name -> schema, for a recorded config.yaml (written untyped).
 PRESETS = {"ddp": DDP, "ddp_ac": DDPAC, "ddp_layerdrop": LayerDrop, "ddp_stochastic_depth": Drop, "fsdp": FSDP,
-           "pipeline": Pipeline, "sdp": SDP}
+           "pipeline": Pipeline, "sdp": SDP, "local_sgd": LocalSGD}
