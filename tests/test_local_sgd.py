@@ -79,7 +79,9 @@ def _periods(rank: int, world: int, config: dict, steps: int) -> dict[str, Any]:
                 evaluated = {n: p.detach().clone() for n, p in model.named_parameters()}
             kept = _params(strategy)
     model = strategy.unwrapped()
-    flat_bytes = 4 * (sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers() if b.is_floating_point()))
+    state = model.state_dict()  # the change of every parameter and the persistent float buffers, in float32
+    flat_bytes = 4 * (sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers()
+                                                                       if b.is_floating_point() and n in state))
     return {"initial": initial, "after": after, "evaluated": evaluated, "kept": kept, "flat_bytes": flat_bytes, "comm": comm.summary(),
             "syncs": strategy.syncs}
 

@@ -46,9 +46,12 @@ from sdp.planning.plan_entries import Entry
 from sdp.rank.distctx import average_buffers
 
 
-def _float_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The buffers averaged at a synchronisation (BatchNorm statistics); integer ones (counters) are equal."""
-    return [b for b in model.buffers() if b.is_floating_point()]
+def synced_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers averaged at a synchronisation: the float ones of the state (BatchNorm statistics). Integer
+    ones (counters) are equal on every rank; non-persistent ones (a rotary table) are constants, which a mean
+    over more than two ranks could change in the last bit."""
+    state = model.state_dict(keep_vars=True)
+    return [b for name, b in model.named_buffers() if b.is_floating_point() and name in state]
 
 
 class LocalSGDStrategy(Strategy):
@@ -88,7 +91,7 @@ class LocalSGDStrategy(Strategy):
         SGD (momentum, Nesterov) updates the anchor, which every replica then copies. The change and the float
         buffers travel in one flat float32 all-reduce, counted under the training step's phase."""
         model = self.unwrapped()
-        params, buffers = list(model.parameters()), _float_buffers(model)
+        params, buffers = list(model.parameters()), synced_buffers(model)
         n = sum(p.numel() for p in params)
         flat = torch.empty(n + sum(b.numel() for b in buffers), dtype=torch.float32, device=self.ctx.device)
         grads, offset = [], 0

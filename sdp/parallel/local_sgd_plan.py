@@ -27,7 +27,8 @@ def _sizes(*, cfg: DictConfig, model: SDPModel) -> tuple[int, int, int]:
     """(float32 bytes of the parameters, bytes of the float buffers as the flat all-reduce carries them,
     outer state bytes)."""
     params = 4 * sum(p.numel() for p in model.parameters())
-    buffers = 4 * sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    state = model.state_dict(keep_vars=True)  # the persistent float buffers (sdp.parallel.local_sgd.synced_buffers)
+    buffers = 4 * sum(b.numel() for n, b in model.named_buffers() if b.is_floating_point() and n in state)
     return params, buffers, params * (2 if float(cfg.outer_momentum) > 0 else 1)
 
 
