@@ -75,7 +75,7 @@ def test_job_reads_train_ac_and_the_ddp_ac_preset_alike() -> None:
 def test_plan_predicts_fewer_activation_bytes_with_ac_for_every_strategy() -> None:
     from sdp.planning.planner import predict
 
-    for par in ("parallelism=ddp", "parallelism=sdp", "parallelism=fsdp", "parallelism=ddp_stochastic_depth"):
+    for par in ("parallelism=ddp", "parallelism=sdp", "parallelism=fsdp", "parallelism=ddp_stochastic_depth", "parallelism=local_sgd"):
         plain, ac = (predict(compose([*SMALL, par, *extra]))["memory"]["per_rank"] for extra in ([], ["train.ac=full"]))
         for r, (a, b) in enumerate(zip(plain, ac)):
             assert 0 < b["activation_bytes"] < 0.6 * a["activation_bytes"], (par, r, a["activation_bytes"], b["activation_bytes"])
@@ -83,6 +83,14 @@ def test_plan_predicts_fewer_activation_bytes_with_ac_for_every_strategy() -> No
     preset, option = (predict(compose([*SMALL, *o]))["memory"]["per_rank"]
                       for o in (["parallelism=ddp_ac"], ["parallelism=ddp", "train.ac=full"]))
     assert preset == option, (preset, option)
+
+
+def test_the_ac_variants_are_their_strategy_with_train_ac_full() -> None:
+    """conf/variant/ddp_ac.yaml and fsdp_ac.yaml, the LM study's AC rows: the strategy with every block checkpointed."""
+    for variant, name in (("ddp_ac", "ddp_ac"), ("fsdp_ac", "fsdp")):
+        cfg = compose([*SMALL, f"variant={variant}"])
+        assert (str(cfg.parallelism.name), JobFacts.of(cfg).ac_every) == (name, 1), (variant, cfg.parallelism, cfg.train.ac)
+    assert compose([*SMALL, "variant=fsdp_ac"]).parallelism == compose([*SMALL, "variant=fsdp"]).parallelism
 
 
 def test_plan_step_time_adds_the_recomputed_forward() -> None:
@@ -137,6 +145,7 @@ def test_ac_equals_no_ac_on_ddp_and_the_preset_equals_the_option(tmp_path: Path)
     ("sdp_backward", ["parallelism=sdp_block_bwd"]),
     ("fsdp", ["parallelism=fsdp"]),
     ("stochastic_depth", ["parallelism=ddp_stochastic_depth"]),
-], ids=["sdp-forward", "sdp-backward", "fsdp", "stochastic-depth"])
+    ("local_sgd", ["parallelism=diloco", "parallelism.inner_steps=3"]),  # a sync after step 3, the last (4) too
+], ids=["sdp-forward", "sdp-backward", "fsdp", "stochastic-depth", "local-sgd"])
 def test_ac_equals_no_ac_on_every_strategy(tmp_path: Path, name: str, overrides: list[str]) -> None:
     _check_equal(name, *_pair(tmp_path, name, overrides))

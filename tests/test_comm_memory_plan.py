@@ -31,6 +31,7 @@ STRATEGIES = [
     ("hsdp", ["parallelism=fsdp", "parallelism.replicate=2"], 3),
     ("pipeline", ["parallelism=pipeline", "parallelism.microbatches=8"], 2),  # (dp=1 x pp=8): a 1-rank dp group
     ("pipeline-dp2", ["parallelism=pipeline", "parallelism.dp=2"], 3),
+    ("local_sgd", ["parallelism=diloco"], 1),
     ("sdp", ["parallelism=sdp"], None),
     ("sdp_neuron_bwd", ["parallelism=sdp_neuron_bwd"], None),
 ]

@@ -29,6 +29,10 @@ CASES = {
     "fsdp_llama_bf16": ["parallelism=fsdp", *LLAMA, "train.precision=bf16"],
     # the default digits (359 validation images, 180 on a rank, below the default evaluation batch of 256)
     "ddp_digits": ["parallelism=ddp", "train.steps=4", "train.warmup_steps=2", "train.eval_every=0"],
+    # local SGD / DiLoCo: the outer state at every phase, the sync's flat buffer (a sync after step 4, measured), and
+    # (llama) an evaluation between two syncs (after step 2 of H = 3) holding a copy of the replica
+    "diloco": ["parallelism=diloco", *SMALL, "parallelism.inner_steps=2"],
+    "diloco_llama": ["parallelism=diloco", *LLAMA, "parallelism.inner_steps=3", "train.eval_every=2"],
     # cyclic roles differ by rank; relabel re-draws move them between the ranks, evaluated in every draw
     "sdp_redraw": ["parallelism=sdp", *SMALL, "parallelism.assignment=cyclic", "parallelism.resample_every=2",
                    "train.steps=8", "train.eval_every=2"],

@@ -93,7 +93,9 @@ def test_a_wrong_choice_or_range_is_refused_by_the_parse(override: str, expect: 
     ("fsdp", {"reshard_after_forward": "maybe"},
      "parallelism.reshard_after_forward is invalid: Value 'maybe' is not a valid bool (type str): allowed: true, false"),
     ("pipeline", {"schedule": "zb"}, "parallelism.schedule='zb' is invalid: allowed: gpipe, 1f1b, interleaved_1f1b"),
-], ids=["sdp-range", "sdp-type", "sdp-optional", "sdp-nested", "ddp_ac", "layerdrop", "stochastic_depth", "fsdp", "pipeline"])
+    ("local_sgd", {"inner_steps": 0}, "parallelism.inner_steps=0 is invalid: must be an integer >= 1"),
+], ids=["sdp-range", "sdp-type", "sdp-optional", "sdp-nested", "ddp_ac", "layerdrop", "stochastic_depth", "fsdp", "pipeline",
+        "local_sgd"])
 def test_an_untyped_preset_under_a_package_strategy_is_held_to_its_schema(
         monkeypatch: pytest.MonkeyPatch, preset: str, change: dict, expect: str) -> None:
     """A plugin's own YAML that extends no schema (docs/strategies.md), under a package strategy's spec: the parse

@@ -35,6 +35,7 @@ class JobFacts:
     model_name: str = ""  # model.name, for messages and plan titles
     optimizer: Any = None  # the optim.optimizer node (sdp-plan: optimizer state bytes and rehearsal)
     ac_every: int = 0  # activation checkpointing: blocks 0, k, 2k, ... (0: none), from train.ac / train.ac_every
+    steps: int = 0  # train.steps: the run's steps (on the ranks: as the budget resolved them; 0: not known)
 
     @classmethod
     def of(cls, cfg: DictConfig) -> JobFacts:
@@ -45,7 +46,8 @@ class JobFacts:
                    seed=int(sel("seed", cls.seed)), precision=str(sel("train.precision", cls.precision)),
                    device=str(sel("cluster.device", cls.device)),
                    eval_bn=str(sel("eval.bn", cls.eval_bn)), model_name=str(sel("model.name", "") or ""),
-                   optimizer=sel("optim.optimizer", None), ac_every=ac_every(cfg))
+                   optimizer=sel("optim.optimizer", None), ac_every=ac_every(cfg),
+                   steps=int(sel("train.steps", cls.steps)))
 
 
 def ac_every(cfg: DictConfig) -> int:
