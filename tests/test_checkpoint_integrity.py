@@ -29,7 +29,7 @@ from sdp.driver.checkpoint_resume import CheckpointWarning
 from sdp.errors import ConfigError
 from sdp.core.distctx import DistContext
 from sdp.results.rundir import checkpoint_meta
-from tests.helpers import CORE, compose, run_job, spawn
+from tests.helpers import compose, run_job, spawn
 from tests.test_checkpoint import KEY, Plain, Sharded, make
 
 pytestmark = pytest.mark.timeout(300)
@@ -148,7 +148,7 @@ def _save_with_slow_rank0(rank: int, world: int, run_dir: str, checkpoint_timeou
 
 
 @pytest.mark.dist
-@CORE
+@pytest.mark.slow  # ~11 s: slow tier (CI time)
 def test_slow_rank0_write_does_not_time_out_the_others(tmp_path: Path) -> None:
     out = spawn(_save_with_slow_rank0, world=2, args=(str(tmp_path), 60.0))
     assert [o["sum"] for o in out] == [2.0, 2.0]

@@ -12,7 +12,7 @@ from sdp.metrics.activations import measure_saved_tensors
 from sdp.models.resnet import ResNetCIFAR
 from sdp.parallel.ac import apply_checkpointing
 from sdp.core.loss import loss_fn
-from tests.helpers import CORE, run_job, train_losses
+from tests.helpers import run_job, train_losses
 
 
 def tiny_resnet() -> ResNetCIFAR:
@@ -52,7 +52,7 @@ def test_meter_excludes_parameters_and_counts_storages_once() -> None:
 
 
 @pytest.mark.dist
-@CORE
+@pytest.mark.slow  # slow tier (CI time: ~20-35 s)
 @pytest.mark.timeout(240)
 def test_ddp_ac_losses_equal_ddp(tmp_path: Path) -> None:
     common = ["model=resnet18_cifar", "model.width=4", "dataset=synthetic", "dataset.image_size=8",

@@ -48,6 +48,7 @@ def _eval_peaks(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> di
     return out
 
 
+@pytest.mark.slow  # slow tier (CI time)
 @pytest.mark.dist
 @pytest.mark.core
 @pytest.mark.timeout(240)

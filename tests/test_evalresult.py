@@ -12,6 +12,8 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.jobs import QUIET, REPO, sdp_env
 
 # The two edits, made from outside: a sitecustomize runs them first in every interpreter of the job (the driver,
@@ -31,6 +33,7 @@ evaluation.result = result
 '''
 
 
+@pytest.mark.slow  # slow tier (CI time)
 def test_a_field_added_to_the_eval_result_reaches_the_summary_and_the_report(tmp_path: Path) -> None:
     """A toy metric (twice the eval loss) added as one field and one computation: ``sdp-train`` logs it, writes it
     into summary.json's ``final``, and ``sdp-report`` aggregates it into its own column of the table and the CSV."""

@@ -16,6 +16,7 @@ def wandb_cfg(mode: str) -> object:
     return OmegaConf.create({"mode": mode, "project": "sdp-test", "init_timeout_s": 3})
 
 
+@pytest.mark.slow  # slow tier (CI time)
 @pytest.mark.timeout(180)
 def test_online_without_server_falls_back_to_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """A bad key against an unreachable server (port 9 refuses): bounded by init_timeout_s, then offline."""

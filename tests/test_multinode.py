@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CORE, REPO, free_port, run_train, sdp_env
+from tests.helpers import REPO, free_port, run_train, sdp_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
@@ -68,7 +68,7 @@ def test_two_torchrun_agents_equal_one_node(tmp_path: Path, strategy: str) -> No
         assert two["strategy_info"] == one.summary["strategy_info"], "the same subnetworks, whichever node holds them"
 
 
-@CORE
+@pytest.mark.slow  # ~11 s: slow tier (CI time)
 def test_a_node_in_a_world_of_its_own_fails_naming_the_variables(tmp_path: Path) -> None:
     """The silent-fallback case: an agent that forms a world of its own (``--nnodes=1``, as with a
     MASTER_ADDR that fell back to localhost) stops at once, saying what it saw."""

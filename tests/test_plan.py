@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CORE, REPO, compose, run_job, run_train, sdp_env
+from tests.helpers import REPO, core_cases, compose, run_job, run_train, sdp_env
 
 SMALL = ["model=resnet18_cifar", "model.width=8", "dataset=synthetic", "dataset.image_size=8", "train.batch_size=4",
          "train.steps=3", "train.warmup_steps=1", "train.eval_every=0"]
@@ -149,9 +149,8 @@ def test_frontier_of_a_config_and_its_refusal_for_backward_masking() -> None:
 
 
 @pytest.mark.dist
-@CORE  # every strategy (~5 s each): a done-when of issue 5
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", core_cases(list(STRATEGIES), ids=list(STRATEGIES), core={"ddp", "sdp", "fsdp"}))  # ~7 s each; the rest: slow tier
 def test_prediction_matches_measurement(name: str, tmp_path: Path) -> None:
     from sdp.planning.planner import predict
 

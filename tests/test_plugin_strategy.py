@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CORE, REPO, sdp_env
+from tests.helpers import REPO, sdp_env
 
 MODULE = '''
 from sdp.parallel import register
@@ -55,7 +55,7 @@ def _run(args: list[str], *, env: dict[str, str], timeout: float = 120) -> subpr
     return proc
 
 
-@CORE
+@pytest.mark.slow  # slow tier (CI time: ~20-35 s)
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_strategy_defined_outside_sdp_trains_plans_reports_and_is_flop_matched(tmp_path: Path) -> None:

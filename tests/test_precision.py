@@ -26,7 +26,7 @@ import torch.distributed as dist
 from sdp.data.base import GlobalBatchSampler
 from sdp.metrics.timing import PhaseTimer
 from sdp.core.loss import loss_fn
-from tests.helpers import CORE, config_dict, make_strategy, spawn
+from tests.helpers import config_dict, make_strategy, spawn
 
 COMMON = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "cluster.world_size=2", "train.batch_size=16",
           "optim=sgd", "optim.optimizer.lr=0.01"]
@@ -74,7 +74,7 @@ def _curves(rank: int, world: int, configs: dict) -> dict:
 
 
 @pytest.mark.dist
-@CORE  # ~26 s, 22 runs
+@pytest.mark.slow  # ~35 s, 22 runs: slow tier (CI time)
 @pytest.mark.timeout(600)
 def test_bf16_tracks_fp32_for_every_strategy_and_sdp_c1_equals_ddp() -> None:
     configs = {(name, prec): config_dict(COMMON + over + [f"train.precision={prec}"])

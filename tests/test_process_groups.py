@@ -91,6 +91,7 @@ def test_predicted_process_groups_equal_created(world: int, tmp_path: Path) -> N
         assert predicted[f"sdp_neuron_fwd/{MODELS[0][0]}"]["distinct_groups"] > 3
 
 
+@pytest.mark.slow  # slow tier (CI time)
 def test_cap_keeps_every_unit_k_holders_and_every_worker_busy() -> None:
     costs = [(1.0 + 0.1 * u, 1.0, 1.0) for u in range(32)]
     uncapped = tuple(tuple(sorted(((u * 3 + j) % 8) for j in range(4))) for u in range(32))  # 8 distinct sets

@@ -75,7 +75,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-@pytest.mark.parametrize(("case", "strategy", "sel"), core_cases(RESUME, ids=[r[0] for r in RESUME], core={"sdp"}))  # ddp: slow tier (CI time; the same resume path)
+@pytest.mark.parametrize(("case", "strategy", "sel"), core_cases(RESUME, ids=[r[0] for r in RESUME], core=set()))  # ddp: slow tier (CI time; the same resume path)
 def test_resume_after_sigkill_is_bit_identical(jobs, case: str, strategy: str, sel: list[str]) -> None:
     assert strategy in STRATEGIES, f"strategy {strategy!r} is not registered"
     full = jobs(f"{case}-full", sel)
@@ -120,7 +120,7 @@ def test_hung_rank_hits_the_process_group_timeout_naming_the_step(tmp_path: Path
     assert job["orphans"] == [], f"processes left behind: {job['orphans']}"
 
 
-@CORE
+@pytest.mark.slow  # ~15 s: slow tier (CI time)
 def test_nan_loss_stops_the_run_naming_step_and_rank(tmp_path: Path) -> None:
     run_dir = tmp_path / "nan"
     job = run_train(run_dir, ["train.debug.fault=nan_loss", "train.debug.fault_rank=1", "train.debug.fault_step=4"])

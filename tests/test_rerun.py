@@ -16,7 +16,7 @@ import yaml
 
 from sdp.results.contract import cpu_model, read_metrics
 from sdp.driver.rerun import rerun_argv
-from tests.helpers import CORE, REPO, sdp_env
+from tests.helpers import REPO, sdp_env
 
 COMMITTED = REPO / "benchmarks" / "results" / "cpu-4ranks" / "llama" / "runs" / "ddp"
 
@@ -34,7 +34,7 @@ def test_rerun_puts_the_budget_base_back(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
-@CORE  # committed results match the code (issue 17)
+@pytest.mark.slow  # committed results match the code (issue 17); ~18 s: slow tier (CI time)
 @pytest.mark.timeout(300)
 def test_committed_run_reruns_bit_for_bit(tmp_path: Path) -> None:
     recorded = json.loads((COMMITTED / "summary.json").read_text())

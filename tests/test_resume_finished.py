@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sdp.errors import ConfigError
-from tests.helpers import CORE, compose, run_train
+from tests.helpers import compose, run_train
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -26,7 +26,7 @@ def files(run_dir: Path) -> dict[str, str]:
             for p in sorted(run_dir.rglob("*")) if p.is_file() and p.relative_to(run_dir).parts[0] not in HYDRA_OWN}
 
 
-@CORE
+@pytest.mark.slow  # slow tier (CI time: ~20-35 s)
 def test_a_finished_run_is_left_as_it_is_and_a_missing_summary_is_rebuilt(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     first = run_train(run_dir, *JOB)

@@ -23,7 +23,7 @@ from sdp.rank import checkpoint, checkpoint_io
 from sdp.driver import checkpoint_resume
 from sdp.driver.checkpoint_resume import CheckpointWarning
 from sdp.results.rundir import RunDir
-from tests.helpers import CORE, REPO, run_train, sdp_env
+from tests.helpers import REPO, run_train, sdp_env
 from tests.test_checkpoint_integrity import flip_a_byte, truncate, two_checkpoints
 from tests.test_resume_finished import files as digest
 
@@ -93,7 +93,7 @@ def test_a_verdict_that_never_comes_names_the_limit(tmp_path: Path, monkeypatch:
 
 
 @pytest.mark.dist
-@CORE
+@pytest.mark.slow  # slow tier (CI time: ~20-35 s)
 def test_torchrun_ranks_hash_the_checkpoint_once_per_job(tmp_path: Path) -> None:
     """Two torchrun ranks resume a finished run (no rank trains: item 1): one process hashes the checkpoint."""
     job_args = ["experiment=smoke", "parallelism=ddp", "cluster.world_size=2", "train.steps=6", "train.checkpoint_every=3",
