@@ -18,9 +18,10 @@ from sdp.errors import ConfigError
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.resnet import ResNetCIFAR
 from sdp.core.distctx import DistContext
+from sdp.core.fields import conform
 from sdp.parallel.pipeline import PipelineStrategy
 from sdp.parallel.job import JobFacts
-from sdp.parallel.pipeline_plan import balanced_bounds, make_plan
+from sdp.parallel.pipeline_plan import PipelineConfig, balanced_bounds, make_plan
 from sdp.core.loss import loss_fn
 from tests.helpers import CORE, CapturingSGD, compose, core_cases, global_batch, reference_grads, run_job, small_mlp, spawn, train_losses
 
@@ -61,8 +62,11 @@ def test_resnet18_balanced_cut_is_even_by_parameters() -> None:
     ],
 )
 def test_invalid_settings_name_the_key(kw: dict, world: int, message: str) -> None:
+    """As the driver checks: each key against the schema (a schedule's name), then the plan's rules of several keys."""
+    cfg = pp_cfg(**kw)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        make_plan(cfg=pp_cfg(**kw), world_size=world, model=small_mlp(depth=DEPTH), batch_size=PER_RANK)
+        conform(cfg, schema=PipelineConfig, prefix="parallelism")
+        make_plan(cfg=cfg, world_size=world, model=small_mlp(depth=DEPTH), batch_size=PER_RANK)
 
 
 def test_validate_before_launch_sees_model_and_batch() -> None:
