@@ -10,7 +10,7 @@ import pytest
 
 from sdp.data import cifar
 from sdp.data.fineweb import write_shard
-from tests.helpers import CORE, run_train
+from tests.helpers import run_train
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
@@ -20,7 +20,7 @@ def train(run_dir: Path, *overrides: str) -> dict:
 
 
 @pytest.mark.dist
-@CORE
+@pytest.mark.slow  # slow tier (CI time)
 @pytest.mark.timeout(300)
 def test_llama_tiny_trains_on_shards_with_ddp(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)

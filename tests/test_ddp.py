@@ -82,7 +82,7 @@ def test_rank_that_raises_ends_the_job_fast_with_its_traceback(train_job):
     assert elapsed < 60, f"job took {elapsed:.1f}s to fail"
 
 
-@CORE
+@pytest.mark.slow  # slow tier (CI time)
 @pytest.mark.timeout(180)
 def test_inside_torchrun_it_does_not_spawn_again(tmp_path):
     """Under an external launcher (RANK/WORLD_SIZE set) each process is one rank: no second spawn."""

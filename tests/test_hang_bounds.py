@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CORE, REPO, run_train, spawn
+from tests.helpers import REPO, run_train, spawn
 
 TIMEOUT_S = 3  # the job's cluster.timeout_s in these tests
 MARGIN_S = 30  # generous: the old behaviour (torch's default) takes 30 minutes on gloo
@@ -55,7 +55,7 @@ def _stall_in_holder_set(rank: int, world: int) -> dict | None:
 
 
 @pytest.mark.dist
-@CORE
+@pytest.mark.slow  # slow tier (CI time)
 @pytest.mark.timeout(120)
 def test_a_rank_stalled_in_a_holder_set_all_reduce_fails_its_peer_within_the_timeout_naming_step_and_group() -> None:
     got = spawn(_stall_in_holder_set, world=3, timeout_s=TIMEOUT_S + MARGIN_S)[0]

@@ -248,6 +248,7 @@ def _paper_model(name: str) -> torch.nn.Module:
         return build(compose_config(f"model={name}", f"dataset={data}").model)
 
 
+@pytest.mark.slow  # slow tier (CI time)
 @pytest.mark.parametrize("name", ["resnet18", "swin_t", "llama_1b"])
 def test_default_plan_keeps_workers_connected_for_paper_models(name: str) -> None:
     """The default (balanced, block level) plan on 4 and 8 workers at C = 0.25, 0.5, 0.75, and its

@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 
 from sdp.driver import launch
 from tests.helpers.jobs import QUIET, REPO, sdp_env, survivors
-from tests.helpers.marks import CORE
 
 
 @pytest.mark.parametrize("sig, kind, code", [(signal.SIGTERM, SystemExit, 128 + signal.SIGTERM),
@@ -47,7 +46,7 @@ def test_a_stop_reaching_the_agent_is_not_an_exception(monkeypatch: pytest.Monke
 
 
 @pytest.mark.dist
-@CORE
+@pytest.mark.slow  # slow tier (CI time)
 @pytest.mark.timeout(240)
 def test_sigterm_to_a_local_sweep_ends_the_sweep(tmp_path: Path) -> None:
     root = tmp_path / "sweep"

@@ -75,7 +75,7 @@ def test_predicted_traffic_and_checkpoints_equal_measured_per_rank_and_phase(cas
     assert predicted == measured, f"{case}: predicted {predicted} != measured {measured}"
     files = written(tmp_path / "run", world=4)
     assert [len(f) for f in files] == [2] * 4, f"{case}: checkpoints written per rank {files}"
-    expected = [r["checkpoints"] for r in plan["checkpoint"]["per_rank"]]
+    expected = [r["writes"] for r in plan["checkpoint"]["per_rank"]]
     assert expected == files, f"{case}: predicted checkpoint payload {expected} != written {files}"
     assert [r["bytes"] for r in plan["checkpoint"]["per_rank"]] == \
         [sum(sum(c["files"].values()) for c in f) for f in files], plan["checkpoint"]

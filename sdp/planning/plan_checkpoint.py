@@ -51,7 +51,7 @@ def predict_checkpoints(*, cfg: DictConfig, job: JobFacts, spec: type[StrategySp
     if not steps:
         return None, []
     world, streams = job.world_size, rng_bytes(device=job.device)
-    per_rank: list[dict[str, Any]] = [{"rank": r, "checkpoints": [], "bytes": 0} for r in range(world)]
+    per_rank: list[dict[str, Any]] = [{"rank": r, "writes": [], "bytes": 0} for r in range(world)]
     for step in steps:
         parts = spec.checkpoint_tensors(cfg=cfg.parallelism, job=job, model=model, step=step, prepared=prepared)
         if parts is None:
@@ -61,6 +61,6 @@ def predict_checkpoints(*, cfg: DictConfig, job: JobFacts, spec: type[StrategySp
             files = {rank_file(r): storage_bytes(mine.get("local", [])) + streams}
             if r == 0:
                 files[SHARED_FILE] = storage_bytes(parts[0].get("shared", []))
-            entry["checkpoints"].append({"step": step, "files": files})
+            entry["writes"].append({"step": step, "files": files})
             entry["bytes"] += sum(files.values())
     return {"steps": steps, "keep": int(cfg.train.checkpoint_keep), "rule": RULE, "per_rank": per_rank}, []
