@@ -34,7 +34,6 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from sdp.core.distctx import average_buffers
 from sdp.core.fields import Number, flag, key
 from sdp.metrics import memory
 from sdp.metrics.timing import PhaseTimer
@@ -144,13 +143,10 @@ class LocalSGDStrategy(Strategy):
         with torch.no_grad():
             for p, a in zip(params, self.anchor):
                 p.copy_(a)
-        with self.ctx.comm.phase_as("eval"):
-            average_buffers(model, ctx=self.ctx)
-        model.eval()
         try:
-            yield model
+            with super().eval_module() as evaluated:  # the base's: buffers averaged (as eval traffic), eval mode
+                yield evaluated
         finally:
-            model.train()
             with torch.no_grad():
                 for t, saved in zip(params + buffers, own + own_buffers):
                     t.copy_(saved)
