@@ -1,4 +1,4 @@
-"""The losses every rank computes, in a module that imports nothing from ``sdp``: the training loss
+"""The losses every rank computes, in a module that imports only the data's target convention from ``sdp``: the training loss
 (:func:`loss_fn`) and evaluation's summed loss and correct count (:func:`loss_and_correct`). The trainer, the
 evaluation (:mod:`sdp.rank.eval_ops`) and the strategies' meta rehearsals (:mod:`sdp.parallel.plan_entries`,
 :mod:`sdp.parallel.plan_peaks`) share them without importing the trainer."""
@@ -8,9 +8,14 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from sdp.data.base import IGNORE_INDEX
+
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; LM logits (B, T, V) and targets (B, T) are flattened."""
+    """Mean cross-entropy over the scored targets (those not :data:`IGNORE_INDEX`); LM logits (B, T, V) and
+    targets (B, T) are flattened. A task that leaves positions unscored scores the same number in every sample
+    (e.g. :mod:`sdp.data.pointer`), so a mean of shards' means (DDP's average, a pipeline's micro-batches) is
+    the batch's mean."""
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
@@ -20,7 +25,7 @@ LOSS_CHUNK_TOKENS = 8192  # rows of the flattened logits per cross-entropy call 
 def loss_and_correct(out: torch.Tensor, target: torch.Tensor, *,
                      chunk: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy and correct arg-max predictions of ``out`` (N, C) or (B, T, V) against
-    ``target``, ``chunk`` rows at a time: cross-entropy's log-softmax copy is then one chunk of the
+    ``target`` (targets :data:`IGNORE_INDEX` add nothing: :func:`scored` counts the rest), ``chunk`` rows at a time: cross-entropy's log-softmax copy is then one chunk of the
     vocabulary-sized logits, not all of them (an LM's evaluation batch would otherwise hold two). Both
     are float64 tensors on ``out``'s device: nothing is read back per chunk (a host sync on a GPU)."""
     logits, labels = out.reshape(-1, out.shape[-1]), target.reshape(-1)
@@ -30,3 +35,8 @@ def loss_and_correct(out: torch.Tensor, target: torch.Tensor, *,
         loss += F.cross_entropy(o, t, reduction="sum")
         correct += (o.argmax(-1) == t).sum()
     return loss, correct
+
+
+def scored(target: torch.Tensor) -> torch.Tensor:
+    """How many of ``target``'s entries are scored (not :data:`IGNORE_INDEX`): the count a mean divides by."""
+    return (target != IGNORE_INDEX).sum()

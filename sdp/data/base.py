@@ -16,6 +16,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
+IGNORE_INDEX = -100
+"""A target that is not scored (F.cross_entropy's default ``ignore_index``): a task's unscored positions
+(:mod:`sdp.data.pointer`); the losses (:mod:`sdp.core.loss`) neither add nor count it."""
+
+
 class BatchAugment(Protocol):
     """Random augmentation applied to in-memory batches; parameters drawn for the whole global batch.
 

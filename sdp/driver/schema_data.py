@@ -121,7 +121,34 @@ class StandInArgs:
     """text: held-out fraction of the corpus."""
 
 
+@dataclass
+class PointerArgs:
+    """``sdp.data.pointer.build`` (``dataset=pointer``: pointer chasing; the builder checks the rules of
+    several keys: the sequence fits the program and queries, the names are enough, the vocabulary holds them)."""
+
+    seq_len: int = key(at_least=4)
+    """Tokens per sequence."""
+    vocab_size: int = key(at_least=4)
+    """Token id range (>= names + values + 2)."""
+    names: int = key(at_least=2)
+    """Name tokens a sequence draws its distinct names from."""
+    values: int = key(at_least=2)
+    """Digit tokens: a chain's answer."""
+    chains: int = key(at_least=1)
+    """Chains per sequence."""
+    hops: int = key(at_least=1)
+    """Bindings per chain: the most lookups a query needs."""
+    queries: int = key(at_least=1)
+    """Scored queries per sequence."""
+    num_samples: int = key(at_least=1)
+    """Training sequences."""
+    num_val: int = key(at_least=1)
+    """Validation sequences."""
+    seed: int = key(at_least=0)
+    """Generator seed of both sets (fixed: every run reads the same sequences)."""
+
+
 DATASETS: dict[str, type] = {"sdp.data.digits.build": DigitsArgs, "sdp.data.synthetic.build": SyntheticArgs,
                              "sdp.data.synthetic.build_text": SyntheticTextArgs, "sdp.data.cifar.build": CIFARArgs,
                              "sdp.data.imagenet.build": ImageNetArgs, "sdp.data.fineweb.build": FineWebArgs,
-                             "sdp.data.standin.build": StandInArgs}
+                             "sdp.data.standin.build": StandInArgs, "sdp.data.pointer.build": PointerArgs}

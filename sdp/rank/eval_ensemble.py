@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from sdp.core.distctx import DistContext
-from sdp.core.loss import LOSS_CHUNK_TOKENS
+from sdp.core.loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS
 
 
 def add_batch(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor, *, ctx: DistContext, argmax: bool,
@@ -50,6 +50,9 @@ def add_batch(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor, *, 
     per-row log-probabilities move. Collective: every rank calls it with the same shapes, batch after batch."""
     logits, labels = out.reshape(-1, out.shape[-1]), target.reshape(-1)
     with ctx.comm.phase_as("eval"):
+        keep = labels != IGNORE_INDEX  # the same batch on every rank: the same rows kept, the same shapes
+        if not bool(keep.all()):
+            logits, labels = logits[keep], labels[keep]
         for o, t in zip(logits.split(chunk), labels.split(chunk)):
             probs = F.log_softmax(o, dim=-1, dtype=torch.float32)  # float32 whatever autocast made the logits
             mine = probs.gather(1, t[:, None]).squeeze(1).double()  # this worker's log-probability of each target

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp.core.distctx import DistContext
-from sdp.core.loss import loss_and_correct
+from sdp.core.loss import loss_and_correct, scored
 from sdp.data.base import DataBundle, val_batches
 from sdp.models.base import batch_norms
 
@@ -85,7 +85,7 @@ def accumulate(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor) ->
     loss, correct = loss_and_correct(out, target)
     totals[0] += loss
     totals[1] += correct  # the trainer reports accuracy for classification only
-    totals[2] += target.numel()
+    totals[2] += scored(target)
 
 
 @torch.no_grad()
