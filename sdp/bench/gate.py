@@ -37,7 +37,8 @@ DEPTHS = (2, 4, 8)  # blocks; the last is the reference every depth is FLOP-matc
 # study -> its main experiment (whose depth-8 DDP runs are its main sweep's) and the tasks tried, each with the
 # seeds its gate runs (the screening seeds; 5 for a task that is to pass)
 GATES: dict[str, dict[str, Any]] = {
-    "lm": {"main": "cpu_study_lm", "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2, "cpu_gate_lr3": 2}},
+    "lm": {"main": "cpu_study_lm", "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2, "cpu_gate_lr3": 2,
+                                                   "cpu_gate_pointer": 1}},
 }
 
 
@@ -124,6 +125,8 @@ def _settings(run: Run) -> dict[str, Any]:
     corpus = f.get("dataset.kind") or f.get("dataset.name")
     if f.get("dataset.text_bytes") is not None:
         corpus = f"{corpus}, {int(f['dataset.text_bytes']) / 1e6:g} MB"
+    if f.get("dataset.hops") is not None:  # dataset=pointer (sdp/data/pointer.py)
+        corpus = f"{corpus}: {f['dataset.chains']} chains x {f['dataset.hops']} hops, {f['dataset.queries']} queries"
     budget = (run.summary.budget or {}) if run.summary else {}
     return {"corpus": corpus, "seq_len": seq, "tokens/step": tokens, "width": f"{f.get('model.dim')}/{f.get('model.hidden')}",
             "peak lr": f.get("optim.optimizer.lr"),
