@@ -65,15 +65,18 @@ def test_gate_from_run_dirs(tmp_path: Path) -> None:
     assert deep.seed_s == pytest.approx(sum(0.1 * 100 * 8 // d for d in DEPTHS)), deep.train_s  # step_s x steps
 
 
-def test_a_pointer_task_names_its_shape(tmp_path: Path) -> None:
-    """dataset=pointer has no corpus size: the table names its chains, hops and queries (from the run's config)."""
-    write_gate(tmp_path, "pointer_task", {8: [1.0], 4: [1.1], 2: [1.2]})
-    path = tmp_path / "runs" / "gate" / "pointer_task" / "seed-0" / "blocks-8" / "0" / "config.yaml"
+@pytest.mark.parametrize(("dataset", "corpus"), [
+    ({"name": "pointer", "seq_len": 64, "chains": 3, "hops": 4, "queries": 13}, "pointer: 3 chains x 4 hops, 13 queries"),
+    ({"name": "automaton", "seq_len": 64, "symbols": 4, "max_steps": 8}, "automaton: 4 symbols, k = 1..8 steps")])
+def test_a_synthetic_task_names_its_shape(tmp_path: Path, dataset: dict, corpus: str) -> None:
+    """dataset=pointer and automaton have no corpus size: the table names their shape (from the run's config)."""
+    write_gate(tmp_path, "task", {8: [1.0], 4: [1.1], 2: [1.2]})
+    path = tmp_path / "runs" / "gate" / "task" / "seed-0" / "blocks-8" / "0" / "config.yaml"
     cfg = yaml.safe_load(path.read_text())
-    cfg["dataset"] = {"name": "pointer", "seq_len": 64, "chains": 3, "hops": 4, "queries": 13}
+    cfg["dataset"] = dataset
     path.write_text(yaml.safe_dump(cfg))
     (gate,) = collect_gates(study_dir=tmp_path, study="lm")
-    assert gate.settings["corpus"] == "pointer: 3 chains x 4 hops, 13 queries", gate.settings
+    assert gate.settings["corpus"] == corpus, gate.settings
 
 
 def test_main_task_takes_depth_8_from_the_main_sweep(study: Path) -> None:  # noqa: F811 - the fixture

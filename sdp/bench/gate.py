@@ -38,7 +38,7 @@ DEPTHS = (2, 4, 8)  # blocks; the last is the reference every depth is FLOP-matc
 # seeds its gate runs (the screening seeds; 5 for a task that is to pass)
 GATES: dict[str, dict[str, Any]] = {
     "lm": {"main": "cpu_study_lm", "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2, "cpu_gate_lr3": 2,
-                                                   "cpu_gate_pointer": 1}},
+                                                   "cpu_gate_pointer": 1, "cpu_gate_automaton": 1}},
 }
 
 
@@ -127,6 +127,8 @@ def _settings(run: Run) -> dict[str, Any]:
         corpus = f"{corpus}, {int(f['dataset.text_bytes']) / 1e6:g} MB"
     if f.get("dataset.hops") is not None:  # dataset=pointer (sdp/data/pointer.py)
         corpus = f"{corpus}: {f['dataset.chains']} chains x {f['dataset.hops']} hops, {f['dataset.queries']} queries"
+    if f.get("dataset.max_steps") is not None:  # dataset=automaton (sdp/data/automaton.py)
+        corpus = f"{corpus}: {f['dataset.symbols']} symbols, k = 1..{f['dataset.max_steps']} steps"
     budget = (run.summary.budget or {}) if run.summary else {}
     return {"corpus": corpus, "seq_len": seq, "tokens/step": tokens, "width": f"{f.get('model.dim')}/{f.get('model.hidden')}",
             "peak lr": f.get("optim.optimizer.lr"),

@@ -148,7 +148,31 @@ class PointerArgs:
     """Generator seed of both sets (fixed: every run reads the same sequences)."""
 
 
+@dataclass
+class AutomatonArgs:
+    """``sdp.data.automaton.build`` (``dataset=automaton``: k steps of a causal cellular automaton; the builder
+    checks that the vocabulary holds the symbols and the k-tokens)."""
+
+    seq_len: int = key(at_least=2)
+    """Tokens per sequence: the k-token and seq_len - 1 cells."""
+    vocab_size: int = key(at_least=3)
+    """Token id range (>= symbols + max_steps)."""
+    symbols: int = key(at_least=2)
+    """Cell alphabet."""
+    max_steps: int = key(at_least=1)
+    """k is drawn from 1..max_steps per sequence."""
+    rule_seed: int = key(at_least=0)
+    """Seed of the rule's table."""
+    num_samples: int = key(at_least=1)
+    """Training sequences."""
+    num_val: int = key(at_least=1)
+    """Validation sequences."""
+    seed: int = key(at_least=0)
+    """Generator seed of both sets (fixed: every run reads the same sequences)."""
+
+
 DATASETS: dict[str, type] = {"sdp.data.digits.build": DigitsArgs, "sdp.data.synthetic.build": SyntheticArgs,
                              "sdp.data.synthetic.build_text": SyntheticTextArgs, "sdp.data.cifar.build": CIFARArgs,
                              "sdp.data.imagenet.build": ImageNetArgs, "sdp.data.fineweb.build": FineWebArgs,
-                             "sdp.data.standin.build": StandInArgs, "sdp.data.pointer.build": PointerArgs}
+                             "sdp.data.standin.build": StandInArgs, "sdp.data.pointer.build": PointerArgs,
+                             "sdp.data.automaton.build": AutomatonArgs}

@@ -1,0 +1,68 @@
+"""A causal cellular automaton run for k steps: a sequence task whose depth need grows with k (issue 38's gate).
+
+Why: on byte-level text a shallower model given more steps at equal FLOPs is as good as a deeper one; in-context
+retrieval tasks (:mod:`sdp.data.pointer`) do need depth but are not learnt at all in a CPU budget. Here every
+position is scored and the rule is local, so one step is learnt fast; what a shallow model cannot do is run it
+many times in sequence.
+
+A row ``x`` of ``cells`` symbols in ``[0, symbols)`` is updated by a fixed, permutive, causal rule
+``x'_t = (x_t + h[x_{t-2}, x_{t-1}]) mod symbols`` (``h``: a random table drawn from ``rule_seed``; cells left
+of the row read 0). Each sequence is ``[k-token, x_1 .. x_T]`` with ``k`` drawn uniformly from ``1..max_steps``;
+the target at cell ``t`` is the row after ``k`` steps (the k-token's own target is unscored,
+:data:`sdp.data.base.IGNORE_INDEX`). One step is one local lookup (attention to the two left neighbours, the MLP
+applies ``h``), so a model of L blocks runs about L steps (or, having memorised the ``symbols^(2j+1)``-entry table
+of j steps, j per block); a cell after k steps depends on ``2k + 1`` cells and, the rule being permutive in
+``x_t``, every target is uniform over the symbols: chance is ``log(symbols)`` nats for every k.
+
+Deterministic: the training and validation sets follow from ``seed`` (two disjoint generator streams) and the
+rule from ``rule_seed``. Token ids: symbols ``[0, symbols)``, then the k-tokens ``symbols + k - 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import TensorDataset
+
+from sdp.data.base import IGNORE_INDEX, DataBundle
+from sdp.errors import require
+
+
+def rule(*, symbols: int, rule_seed: int) -> torch.Tensor:
+    """``h``: the (symbols, symbols) table added to a cell from its two left neighbours."""
+    return torch.randint(symbols, (symbols, symbols), generator=torch.Generator().manual_seed(rule_seed))
+
+
+def run(x: torch.Tensor, *, h: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The rows ``x`` (n, T) after 0, 1, .., ``steps`` steps of the rule ``h``."""
+    rows = [x]
+    zeros = torch.zeros(x.shape[0], 2, dtype=x.dtype)
+    for _ in range(steps):
+        padded = torch.cat([zeros, rows[-1]], dim=1)
+        rows.append((rows[-1] + h[padded[:, :-2], padded[:, 1:-1]]) % h.shape[0])
+    return rows
+
+
+def sequences(*, n: int, seed: int, seq_len: int, symbols: int, max_steps: int,
+              h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(inputs, targets, steps)`` of ``n`` sequences drawn from ``seed``; ``steps``: each sequence's k."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(symbols, (n, seq_len - 1), generator=g)
+    k = torch.randint(1, max_steps + 1, (n,), generator=g)
+    after = torch.stack(run(x, h=h, steps=max_steps), dim=1)[torch.arange(n), k]
+    inputs = torch.cat([(symbols + k - 1)[:, None], x], dim=1)
+    targets = torch.cat([torch.full((n, 1), IGNORE_INDEX), after], dim=1)
+    return inputs, targets, k
+
+
+def build(*, seq_len: int, vocab_size: int, symbols: int, max_steps: int, rule_seed: int, num_samples: int,
+          num_val: int, seed: int) -> DataBundle:
+    """The task's bundle (``dataset=automaton``); the rule of several keys (the vocabulary) checked here."""
+    require(vocab_size >= symbols + max_steps, "dataset.vocab_size", vocab_size,
+            f">= dataset.symbols + dataset.max_steps = {symbols + max_steps} (the symbols and one token per k)")
+    h = rule(symbols=symbols, rule_seed=rule_seed)
+    shape = dict(seq_len=seq_len, symbols=symbols, max_steps=max_steps, h=h)
+    x, y, _ = sequences(n=num_samples, seed=seed, **shape)
+    xv, yv, _ = sequences(n=num_val, seed=seed + 1_000_003, **shape)  # a disjoint stream
+    return DataBundle(train=TensorDataset(x, y), val=TensorDataset(xv, yv), task="lm", num_classes=vocab_size,
+                      input_shape=(seq_len,),
+                      notes=(f"automaton: {symbols} symbols, k = 1..{max_steps} steps of rule {rule_seed}, seed {seed}",))
