@@ -36,13 +36,12 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.utils.checkpoint import checkpoint
 
 from sdp.core.distctx import DistContext
 from sdp.metrics.memory import measured_phase
 from sdp.models import gates as G
 from sdp.models.base import SDPModel
-from sdp.parallel.ac import restored_buffers
+from sdp.parallel.ac import checkpoint_call, restored_buffers
 from sdp.parallel.spec import PostTraining
 from sdp.subnet.assemble import fill, split_blocks, tensor_map
 from sdp.subnet.holder_groups import GroupSet
@@ -132,7 +131,7 @@ def forward(model: SDPModel, x: torch.Tensor) -> torch.Tensor:
     """``head(blocks(stem(x)))`` with every block checkpointed: only block inputs stay for backward."""
     h = model.stem(x)
     for block in model.blocks:
-        h = checkpoint(block, h, use_reentrant=False)
+        h = checkpoint_call(block, h)
     return model.head(h)
 
 

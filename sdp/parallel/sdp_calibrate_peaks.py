@@ -19,7 +19,7 @@ from sdp.core.loss import loss_fn
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models import gates as G
 from sdp.models.base import SDPModel
-from sdp.parallel.device_forward import device_forward
+from sdp.parallel.device_forward import Attention, device_forward
 from sdp.parallel.plan_entries import nbytes
 from sdp.parallel.sdp_calibrate import forward
 from sdp.subnet.assemble import split_blocks
@@ -42,14 +42,14 @@ def step_peak(*, model: SDPModel, plan: Plan, batch: int, precision: str, device
         p.requires_grad_(False)
     blocks = sorted(split_blocks(plan))
     tracker = LiveTensorTracker(device_type="meta")
-    with tracker:
+    with tracker, Attention(device=device):  # around backward too: the recomputation runs the forward's kernel
         vector, _ = G.attach(full, blocks=blocks, init=1.0, device=torch.device("meta"))
         optimizer = torch.optim.Adam([vector], lr=0.0)
         x = full.example_input(batch).to("meta")
         for step in range(2):
             if step == 1:
                 tracker.reset_peak()
-            with device_forward(precision=precision, device=device):
+            with device_forward(precision=precision, device=device, attention=False):
                 out = forward(full, x)
                 loss = loss_fn(out, torch.zeros(out.shape[:-1], dtype=torch.long, device="meta"))
             loss.backward()
