@@ -76,7 +76,7 @@ def fit(overrides: list[str], *, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     rec = Recorder()
     monkeypatch.setattr(checkpoint, "save", lambda **kw: rec.events.append(("save", kw["step"], kw["train_state"]["step"])))
     strategy = SimpleNamespace(ctx=ctx, module=module, optimizer=opt, data_parallel=lambda: (0, 1), name="stand-in",
-                               train_step=train_step)
+                               train_step=train_step, post_training_steps=lambda: 0)
     trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=rec, timer=PhaseTimer(device=ctx.device),  # type: ignore[arg-type]
                       peak=rec, run_dir=tmp_path)  # type: ignore[arg-type]
     monkeypatch.setattr(trainer, "evaluate", lambda: rec.events.append(("evaluate", trainer.state.step, rec.current)))

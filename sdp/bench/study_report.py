@@ -46,6 +46,8 @@ def row_name(run: Run) -> str:
     rescale = f.get("parallelism.rescale")
     if f.get("parallelism.masking") == "forward" and rescale not in (None, "auto"):  # backward: always none
         name += f" rescale={rescale}"
+    if f.get("parallelism.calibrate_steps"):  # assembly calibration after training (sdp/parallel/sdp_calibrate.py)
+        name += f" calibrate={f['parallelism.calibrate_steps']}"
     if f.get("train.budget") == "iterations" and cov is not None:  # a FLOP budget would have run it longer
         name += " (same iterations)"
     return name

@@ -16,7 +16,10 @@ the result and recorded in ``config.yaml``, the details in ``summary.json["budge
   worker computes per step, e.g. the driver's SDP plan's k / n, a mean survival probability for a drop
   baseline; :meth:`~sdp.parallel.spec.StrategySpec.flops_fraction`: the measured ``r``). A strategy without a
   coverage computes the full model: ``r = 1`` (activation recomputation is not counted: budgets count
-  model FLOPs);
+  model FLOPs). A phase a strategy runs after its last training step
+  (:meth:`~sdp.parallel.spec.StrategySpec.post_training`: SDP's assembly calibration, whose every forward,
+  recomputation included, it declares) is charged: the training steps shrink by its FLOPs over one training
+  step's (:func:`post_training_steps`), recorded in ``summary.json["budget"]["post_training"]``;
 - ``tokens``: ``ceil(train.tokens / (global batch x sequence length))`` steps for every method.
 
 The schedule keeps its shape (:func:`apply`): every step-denominated schedule key (:data:`SCALED_KEYS`:
@@ -145,6 +148,7 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
     coverage = cov.fraction if cov is not None else None
     global_batch = int(tc.batch_size) * int(cfg.cluster.world_size)
     fraction: float | None = 1.0
+    post = spec.post_training(cfg=cfg.parallelism)  # e.g. SDP's assembly calibration (post_training_steps)
     if cov is not None:
         fraction = (spec.flops_fraction(cfg=cfg.parallelism, coverage=cov, shares=shares, prepared=ready)
                     if shares is not None else None)
@@ -168,8 +172,9 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
                     f"the model's FLOPs could not be counted ({flops_error}); use train.flops_ratio=coverage")
             ratio = float(fraction)
         to_reference, info["flops_reference"] = reference_flops(cfg, own=per_sample)
+        charged = post_training_steps(post, step_ratio=ratio)  # a phase after training: its FLOPs come off the steps
         ratio *= to_reference
-        steps = max(1, round(base / ratio))
+        steps = max(1, round(base / ratio - charged))
         info["flops_ratio"] = mode
     else:
         tokens = tc.tokens
@@ -181,13 +186,24 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
         steps, ratio = math.ceil(int(tokens) / (global_batch * seq_len)), 1.0
         info.update(tokens=int(tokens), seq_len=seq_len, tokens_trained=steps * global_batch * seq_len)
     info.update(steps=steps, step_ratio=ratio)
+    if post is not None:
+        info["post_training"] = {"phase": post.name, "steps": post.steps, "step_fraction": post.step_fraction,
+                                 "flops": post.steps * global_batch * per_sample * post.step_fraction if per_sample else None}
     if per_sample is not None and fraction is not None:
         info["flops_per_step"] = global_batch * per_sample * fraction
-        info["total_flops"] = steps * info["flops_per_step"]
+        info["total_flops"] = steps * info["flops_per_step"] + (info["post_training"]["flops"] if post is not None else 0)
     else:
         info["flops_per_step"] = info["total_flops"] = None
         info["flops_note"] = flops_error or "fraction unknown"
     return steps, info
+
+
+def post_training_steps(post: Any, *, step_ratio: float) -> float:
+    """The training steps a phase after training (``post``: :class:`sdp.parallel.spec.PostTraining` or None) costs
+    under ``train.budget=flops``: its steps x its FLOPs per sample (a fraction of the full model's training FLOPs)
+    over a training step's fraction ``step_ratio`` (r, before ``train.flops_reference``: both are of the run's own
+    model), so training and the phase together spend what the budget's training alone would have."""
+    return post.steps * post.step_fraction / step_ratio if post is not None else 0.0
 
 
 def scaled_schedule(cfg: DictConfig, *, step_ratio: float) -> dict[str, dict[str, int]]:

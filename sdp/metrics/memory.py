@@ -82,9 +82,9 @@ def _mode_stack() -> list[Any]:
     return _get_current_dispatch_mode_stack()
 
 
-PHASES = ("setup", "resume", "warmup", "train", "eval", "redraw")  # resume: loading a checkpoint, not reported
+PHASES = ("setup", "resume", "warmup", "train", "eval", "redraw", "calibrate")  # resume: loading a checkpoint, not reported
 REPORTED = ("setup", "train", "eval")  # summary.json: <phase>_peak_bytes
-MEASURED = ("redraw",)  # phases a strategy opens itself (measured_phase): reported only where they ran
+MEASURED = ("redraw", "calibrate")  # phases a strategy opens itself (measured_phase): reported only where they ran
 _ACTIVE: list["PeakTracker"] = []  # the tracker this rank started (worker), for phases a strategy opens
 
 

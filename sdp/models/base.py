@@ -86,9 +86,28 @@ class ResidualBlock(nn.Module):
         self.active: bool = True
         self.branch_scale: float = 1.0  # the whole residual branch (block level, stochastic depth)
         self.hidden_scales: dict[str, float] = {}  # HiddenDim.branch -> scale of its split units' output
+        # SDP's assembly calibration: (gate vector, branch -> index) while gates are fitted (:mod:`sdp.models.gates`)
+        self.gates: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return self.forward_full(x) if self.active else self.forward_skip(x)
+
+    def gain(self, branch: str) -> float | torch.Tensor:
+        """The factor on residual branch ``branch``'s output (a key of :meth:`gated_branches`): its scalar gate
+        while assembly calibration fits one (the gate replaces ``branch_scale``, initialised at its value), else
+        ``branch_scale``. Why one method: calibration generalises the fixed k/n factor to one fitted scalar per
+        branch, so every forward reads the factor here and nothing else changes."""
+        if self.gates is None:
+            return self.branch_scale
+        vector, index = self.gates
+        return vector[index[branch]]
+
+    def gated_branches(self) -> dict[str, tuple[str, ...]]:
+        """Residual branch name -> the tensors (names relative to the block) its output is linear in at its end:
+        the last linear layer's weight and bias, or the closing norm's scale and shift. A scalar gate on the
+        branch folds into the block exactly by multiplying them (:func:`sdp.models.gates.fold`), so a calibrated
+        model is a plain model. Empty (default): the block declares none and assembly calibration refuses it."""
+        return {}
 
     def scale_of(self, branch: str) -> float:
         """The factor ``forward_full`` puts on what the split units of sub-branch ``branch``

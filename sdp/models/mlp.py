@@ -20,7 +20,11 @@ class MLPBlock(ResidualBlock):
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.branch_scale * split_output(self.fc2, F.gelu(self.fc1(self.norm(x))), scale=self.scale_of(""))
+        return x + self.gain("") * split_output(self.fc2, F.gelu(self.fc1(self.norm(x))), scale=self.scale_of(""))
+
+    def gated_branches(self) -> dict[str, tuple[str, ...]]:
+        """The branch ends in ``fc2``: its weight and bias."""
+        return {"": ("fc2.weight", "fc2.bias")}
 
     def hidden_dims(self) -> tuple[HiddenDim, ...]:
         slices = (HiddenSlice("fc1.weight", 0), HiddenSlice("fc1.bias", 0), HiddenSlice("fc2.weight", 1))

@@ -51,7 +51,12 @@ class ShortcutBlock(ResidualBlock):
         raise NotImplementedError
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.forward_skip_pre(x) + self.branch_scale * self.scale_of("") * self.residual(x))
+        return F.relu(self.forward_skip_pre(x) + self.gain("") * self.scale_of("") * self.residual(x))
+
+    def gated_branches(self) -> dict[str, tuple[str, ...]]:
+        """The whole residual, which ends in its last BatchNorm: its affine scale and shift."""
+        last = "bn3" if hasattr(self, "bn3") else "bn2"
+        return {"": (f"{last}.weight", f"{last}.bias")}
 
     def forward_skip_pre(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.shortcut is None else self.shortcut(x)

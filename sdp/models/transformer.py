@@ -155,8 +155,15 @@ class TransformerBlock(ResidualBlock):
         self.feed_forward = MLPS[mlp](dim=dim, hidden=hidden, bias=bias)
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.branch_scale * self.attention(self.attention_norm(x), scale=self.scale_of("attention"))
-        return h + self.branch_scale * self.feed_forward(self.ffn_norm(h), scale=self.scale_of("feed_forward"))
+        h = x + self.gain("attention") * self.attention(self.attention_norm(x), scale=self.scale_of("attention"))
+        return h + self.gain("feed_forward") * self.feed_forward(self.ffn_norm(h), scale=self.scale_of("feed_forward"))
+
+    def gated_branches(self) -> dict[str, tuple[str, ...]]:
+        """Attention ends in ``wo``, the MLP in ``w2`` (SwiGLU) or ``fc2`` (GELU): their weight and bias."""
+        ff = self.feed_forward
+        last = {"attention": ("attention.wo", self.attention.wo),
+                "feed_forward": ("feed_forward.w2", ff.w2) if isinstance(ff, SwiGLU) else ("feed_forward.fc2", ff.fc2)}
+        return {b: (f"{n}.weight",) + ((f"{n}.bias",) if layer.bias is not None else ()) for b, (n, layer) in last.items()}
 
     def hidden_dims(self) -> tuple[HiddenDim, ...]:
         """MLP hidden units; attention heads too unless grouped-query attention ties q heads to kv heads

@@ -63,6 +63,13 @@ class Checkpointed(nn.Module):
         return checkpoint(run, x, use_reentrant=False, context_fn=_forward_modes_again)
 
 
+def checkpoint_call(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` under non-reentrant ``checkpoint`` with the forward's torch-function modes around the recomputation
+    (:func:`_forward_modes_again`), as a checkpointed block runs: for a caller that checkpoints blocks itself (SDP's
+    assembly calibration, :mod:`sdp.parallel.sdp_calibrate`, and its rehearsal on the meta device)."""
+    return checkpoint(fn, x, use_reentrant=False, context_fn=_forward_modes_again)
+
+
 def _forward_modes_again() -> tuple[Any, Any]:
     """``checkpoint``'s contexts: none around the forward; around the recomputation, the torch-function modes
     that were active in the forward and are not any more. Why: torch's checkpoint restores autocast for the

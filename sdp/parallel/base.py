@@ -182,6 +182,18 @@ class Strategy(ABC):
         None: every worker trains the full model, so there is nothing to compare or ensemble."""
         yield None
 
+    # ---- a phase after the last training step ----------------------------------------------------
+    def post_training_steps(self) -> int:
+        """Batches the strategy's phase after its last training step reads (SDP's assembly calibration); 0: none
+        (default) or already done (a run resumed after it). The trainer runs it before the last evaluation and
+        checkpoint, so both see what it did."""
+        return 0
+
+    def post_training(self, *, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn) -> list[dict[str, Any]]:
+        """Run that phase on ``batches`` (this rank's shards of the global batches of the steps after the run's last);
+        returns the metrics rows it logs."""
+        return []
+
     def unwrapped(self) -> nn.Module:
         """The model under any wrapper (DDP's ``.module``): what state dicts and the parameter digest read."""
         assert self.module is not None, f"strategy {self.name!r} used before setup()"

@@ -34,7 +34,7 @@ from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
-from sdp.parallel import sdp_config, sdp_plan, sdp_redraw_plan, sdp_traffic
+from sdp.parallel import sdp_calibrate, sdp_config, sdp_plan, sdp_redraw_plan, sdp_traffic
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
 from sdp.parallel.plan_entries import Entry
@@ -46,7 +46,7 @@ from sdp.subnet.holder_groups import GroupSet, check_same_plan
 from sdp.subnet.sync import OwnerSetSync
 
 
-class SDPStrategy(Strategy):
+class SDPStrategy(sdp_calibrate.Calibrated, Strategy):
     """Forward or backward masking at block or neuron level, owner-set gradient averaging (on the ranks)."""
 
     materialises_held = True  # forward masking materialises only the held units and the shared parts
@@ -165,13 +165,12 @@ class SDPStrategy(Strategy):
         layer), each unit scaled per ``parallelism.rescale`` (block level its branch, neuron level only
         what its split hidden units produce: :meth:`~sdp.models.base.ResidualBlock.set_scale`); the
         trainer applies the evaluation protocol (``eval.bn``) to it as to every strategy's model. It comes part by part
-        (:class:`~sdp.subnet.assemble.PartwiseAssembly`: stem, each block, head, each built from its
-        holders, run and dropped), so no rank ever holds the full model; a model that cannot be cut
-        into parts (tied weights, a custom forward) is assembled whole instead."""
-        scale = self.plan.k / self.plan.world_size if self.rescale == "eval" else 1.0
+        (:class:`~sdp.subnet.assemble.PartwiseAssembly`: stem, each block, head, each built from its holders, run and
+        dropped), so no rank ever holds the full model; one that cannot be cut (tied weights, a custom forward) is whole."""
+        scale, gates = self.eval_factor()  # after calibration: no factor, its gates folded in (sdp_calibrate)
         assert self.groups is not None
         parts = PartwiseAssembly(skeleton=self.skeleton, pieces=self.pieces, layout=self.layout, plan=self.plan,
-                                 masking=self.mode, groups=self.groups, ctx=self.ctx, scale=scale)
+                                 masking=self.mode, groups=self.groups, ctx=self.ctx, scale=scale, gates=gates)
         if len(parts):  # no parts: the model cannot be cut (partwise_names)
             try:
                 yield parts
@@ -180,7 +179,7 @@ class SDPStrategy(Strategy):
             return
         with self.ctx.comm.phase_as("eval"):
             full = self._assemble()
-            set_branch_scales(full, self.plan, scale=scale)
+            set_branch_scales(full, self.plan, scale=scale, gates=gates)
         self.eval_copy_bytes = max(self.eval_copy_bytes, sum(t.numel() * t.element_size() for t in tensor_map(full).values()))
         full.eval()
         try:
@@ -208,7 +207,7 @@ class SDPStrategy(Strategy):
                 "rescale": self.rescale,
                 "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
                 "eval_assembled_bytes": self.eval_copy_bytes, "redraws": self.redraws, "overlap": self.sync.overlap,
-                "redraw": R.summary(count=self.redraws, log=self.redraw_log, world=self.ctx.world_size)}
+                "redraw": R.summary(count=self.redraws, log=self.redraw_log, world=self.ctx.world_size), **self.calibration_extra()}
 
     def save_artifacts(self, *, run_dir: Path) -> None:
         self.plan.save(RunDir(run_dir).plan)
@@ -218,10 +217,10 @@ class SDPStrategy(Strategy):
         """Everything under ``"local"``: ranks hold different subnetworks. The module's own state dict
         is exactly what this rank stores: narrowed tensors (forward masking, deleted ones are absent),
         held/frozen parts of split tensors and frozen non-held tensors (backward masking, part of the
-        model's state since this rank runs them), buffers. The plan and the re-draw log go along as plain lists."""
+        model's state since this rank runs them), buffers. The plan, re-draw log and calibration go along as plain lists."""
         assert self.module is not None and self.optimizer is not None
         return {"local": {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": {
-            "plan": plan_lists(self.plan), "redraws": self.redraws, "redraw_log": self.redraw_log}}}
+            "plan": plan_lists(self.plan), "redraws": self.redraws, "redraw_log": self.redraw_log, **self.calibration_extra()}}}
 
     def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Rebuild the saved plan's subnetwork, then load values into it. A fixed plan must be the one
@@ -239,15 +238,16 @@ class SDPStrategy(Strategy):
         self.module.load_state_dict(local["model"])
         self.optimizer.load_state_dict(local["optimizer"])
         self.redraws, self.redraw_log = int(local["extra"]["redraws"]), list(local["extra"].get("redraw_log", []))
+        self.load_calibration(local["extra"])
 
 
 @register("sdp")
 class SDPSpec(StrategySpec):
-    """SDP in the driver: its keys, its plan drawn once (:meth:`prepare`), label, coverage k / n, FLOP fraction,
-    ``sdp-plan`` prediction (bodies: :mod:`~sdp.parallel.sdp_config`, ``sdp_plan``, ``sdp_peaks``)."""
+    """SDP in the driver: keys, plan drawn once (:meth:`prepare`), label, k / n, FLOP fraction, sdp-plan (bodies: sdp_*.py)."""
     runtime, schema = SDPStrategy, sdp_config.SDPConfig
     label_keys = ("level", "masking")  # labels: B-SDP, B_β-SDP, N-SDP, N_β-SDP
     overlap = Overlap(kinds=("all_reduce",), window="backward", tail=1, switch="overlap")  # as DDP's buckets; refresh exposed
+    post_training = classmethod(sdp_calibrate.post_training)  # assembly calibration, charged by the budget (sdp_calibrate)
 
     @classmethod
     def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:

@@ -23,6 +23,7 @@ from sdp.errors import ConfigError, require
 from sdp.models.base import SDPModel
 from sdp.parallel.job import JobFacts
 from sdp.parallel.sdp_plan import BALANCE_KEYS, MASKINGS, plan_for
+from sdp.subnet.assemble import partwise_names
 from sdp.subnet.assign import ASSIGNMENTS
 from sdp.subnet.plan import Plan, PlanError, num_holders, warn_degenerate
 from sdp.subnet.rolling import REDRAWS
@@ -78,6 +79,10 @@ class SDPConfig:
     """null: no cap | M: at most M process groups for holder sets (balanced assignment only)."""
     plan_seed: int = key(at_least=0)
     """Seed of random assignment and of plan re-draws."""
+    calibrate_steps: int = key(at_least=0)
+    """0: off | S: after training, fit one scalar gate per residual branch of the assembled model for S steps."""
+    calibrate_lr: Number = key(at_least=0)
+    """Adam's learning rate on the gates (0: gates stay at their initial value, the rescale factor)."""
 
 
 def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
@@ -116,6 +121,11 @@ def validate(*, cfg: DictConfig, world_size: int) -> None:
     require(isinstance(b, DictConfig) and set(b) == set(BALANCE_KEYS), "parallelism.balance",
             b, f"a mapping with exactly the keys {', '.join(BALANCE_KEYS)}")
     require(any(b[r] for r in BALANCE_KEYS), "parallelism.balance", b, "at least one weight > 0")
+    if int(cfg.get("calibrate_steps") or 0):  # assembly calibration (sdp/parallel/sdp_calibrate.py)
+        for name, value, allowed in (("level", cfg.level, "block"), ("masking", cfg.masking, "forward")):
+            require(value == allowed, f"parallelism.{name}", value, f"{allowed} with parallelism.calibrate_steps="
+                    f"{cfg.calibrate_steps} (calibration gates the assembled model's blocks, which only "
+                    "block-level forward masking assembles; 0 turns it off)")
 
 
 def holders(*, cfg: DictConfig, world_size: int) -> int:
@@ -138,8 +148,20 @@ def prepare(*, cfg: DictConfig, job: JobFacts, model: SDPModel) -> Plan:
         plan = plan_for(model=model, cfg=cfg, world_size=job.world_size)
     except PlanError as exc:
         raise ConfigError(f"{exc} (model={job.model_name or type(model).__name__})") from None
+    if int(cfg.get("calibrate_steps") or 0):
+        require(bool(calibratable(model)), "parallelism.calibrate_steps", cfg.calibrate_steps,
+                f"0 for model={job.model_name or type(model).__name__}: calibration needs a model evaluated part by part "
+                "(no tied weights) whose every unit declares its gated residual branches")
     warn_degenerate(plan)
     return plan
+
+
+def calibratable(model: SDPModel) -> bool:
+    """Whether assembly calibration can run on ``model``: its forward is ``head(blocks(stem(x)))`` with no tensor
+    tied across parts (:func:`sdp.subnet.assemble.partwise_names`) and every unit declares the branches a gate
+    folds into (:meth:`sdp.models.base.ResidualBlock.gated_branches`)."""
+    units = model.sdp_units()
+    return bool(partwise_names(model)) and bool(units) and all(b.gated_branches() for _, b in units)
 
 
 def plan_keys(cfg: DictConfig) -> str:

@@ -7,7 +7,8 @@ Each rank's subnetwork is the strategy's own masking of the driver's plan on the
 finishes); evaluation builds the model part by part next to the rank's own state
 (:func:`sdp.parallel.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
 time); with ``resample_every`` every peak is the largest over the draws the run makes, and the re-draws between
-them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_redraw_plan.rehearse_redraw`).
+them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_redraw_plan.rehearse_redraw`); with
+``calibrate_steps`` the calibration after the last step (``calibrate_peak_bytes``: :mod:`sdp.parallel.sdp_calibrate_peaks`).
 ``tests/test_plan_peaks.py`` compares with the CPU tracker.
 """
 
@@ -24,6 +25,7 @@ from sdp.models.base import batch_norms
 from sdp.metrics.comm import CommCounter
 from sdp.models.base import SDPModel
 from sdp.parallel.job import JobFacts
+from sdp.parallel.sdp_calibrate_peaks import not_held_bytes, step_peak
 from sdp.parallel.sdp_plan import draw_at, run_plans
 from sdp.parallel.sdp_redraw_plan import redraw_peaks
 from sdp.parallel.plan_entries import nbytes
@@ -96,6 +98,12 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
     later = sorted(d for d in eval_draws if d > plans[-1].draw)  # evaluations after the rotation, in their own draws
     for p in run_plans(model=model, cfg=pc, first=plan, draws=later, costs=costs):
         visit(p, train=False)
+    if int(pc.get("calibrate_steps") or 0):  # assembly calibration after the last step, on its draw (sdp_calibrate_peaks)
+        last = next(iter(run_plans(model=model, cfg=pc, first=plan, draws=[draw_at(step=steps - 1, every=every)], costs=costs)))
+        step = step_peak(model=model, plan=last, batch=job.batch_size, precision=job.precision, device=job.device)
+        for r, got in _rank_peaks(cfg=pc, job=job, model=model, plan=last, pieces=M.pieces(model, last), mode=mode,
+                                  eval_batch=eval_batch, rehearsed=rehearsed):
+            out[r]["calibrate_peak_bytes"] = got["state"] - got["grads"] + not_held_bytes(model=model, plan=last, rank=r) + step
     if len(plans) > 1:  # the re-draws between them, rehearsed as they run (sdp.subnet.redraw)
         for entry, peak in zip(out, redraw_peaks(cfg=pc, optimizer=job.optimizer, model=model, plans=plans, role=_role,
                                                  rotated=rotated and len(plans) - 1 < draw_at(step=steps - 1, every=every))):
@@ -135,7 +143,7 @@ def _rank_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, 
                            after_backward=_overlap_stand_in(sync) if overlap else None)
             flats = [sum(q.nbytes for q in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
             rehearsed[key] = {"setup": res["setup"], "train": max(res["train"], res["state"] + max(flats, default=0)),
-                              "state": res["state"]}
+                              "state": res["state"], "grads": nbytes(trained)}
         yield r, rehearsed[key]
 
 

@@ -54,6 +54,17 @@ class Coverage:
         return {"key": self.key, "symbol": self.symbol, "value": self.value, "fraction": self.fraction}
 
 
+@dataclass(frozen=True)
+class PostTraining:
+    """A phase a strategy runs after its last training step (:meth:`StrategySpec.post_training`; SDP's assembly
+    calibration): its name (comm and memory phase), its steps (one global batch each) and one step's FLOPs per
+    sample as a fraction of the full model's training FLOPs per sample, which ``train.budget=flops`` charges."""
+
+    name: str
+    steps: int
+    step_fraction: float
+
+
 WINDOWS = ("none", "backward", "step")  # the compute a strategy's collectives can hide behind (:class:`Overlap`)
 
 
@@ -140,6 +151,12 @@ class StrategySpec:
         (:meth:`prepare`'s result: SDP's plan says which blocks are units and who holds them). Default 1: the
         whole model."""
         return 1.0
+
+    @classmethod
+    def post_training(cls, *, cfg: DictConfig) -> PostTraining | None:
+        """The phase it runs after the last training step, whose FLOPs the budget charges (:mod:`sdp.driver.budget`:
+        fewer training steps under ``train.budget=flops``); None (default): none."""
+        return None
 
     @classmethod
     def report_facts(cls, *, cfg: DictConfig, world_size: int, n_units: int | None = None,

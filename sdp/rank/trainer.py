@@ -162,6 +162,8 @@ class Trainer:
                     if self.cadence.logs(n, problem=done.problem):
                         self._log(done=done, bar=bar)
                     self.guard.stop_if(problem=done.problem)
+                    if n == steps and self.strategy.post_training_steps():
+                        self._post_training(steps=steps)
                     if self.cadence.evaluates(n):
                         with self._memory_phase("eval"):
                             self.evaluate()
@@ -170,6 +172,16 @@ class Trainer:
         finally:
             bar.close()
         return self.state
+
+    def _post_training(self, *, steps: int) -> None:
+        """The strategy's phase after the last step (:meth:`~sdp.parallel.base.Strategy.post_training`) on fresh training
+        samples: the global batches of the steps after the run's last, this rank's shard as a step reads it."""
+        count = self.strategy.post_training_steps()
+        batches = ((x.to(self.ctx.device), y.to(self.ctx.device)) for x, y in train_batches(
+            self.data, sampler=self.sampler, start=steps, stop=steps + count, replica=self.replica, replicas=self.replicas,
+            num_workers=int(self.cfg.train.num_workers)))
+        for row in self.strategy.post_training(batches=batches, loss_fn=loss_fn):
+            self.logger.log({"step": steps, **row})
 
     def _batch(self, *, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's (inputs, targets) on this rank's device, timed as the ``data`` phase."""

@@ -217,6 +217,12 @@ def format_summary(summary: Summary) -> str:
             f"{mib(m.get('eval_peak_bytes'))} peak_rss_delta {mib(m['peak_rss_delta_bytes'])} | "
             f"comm {mib(c['bytes_per_step'])}/step in {c['collectives_per_step']:.1f} collectives"
         )
+    cal = (summary.strategy_info or {}).get("calibrate")
+    if cal:  # SDP's assembly calibration: the final evaluation is of the model with its gates folded in
+        peaks = "/".join(mib(m.get("calibrate_peak_bytes")) for m in summary.memory_per_rank)
+        lines.append(f"calibrate: {cal['steps']} steps lr {cal['lr']:g}, loss {num(cal['losses'][0], '.4f')} -> "
+                     f"{num(cal['losses'][-1], '.4f')}, gates from {cal['init']:g} folded into the weights (evaluated "
+                     f"without rescale), peak per rank {peaks}")
     b = summary.budget or {}
     if b:
         lines.append(f"budget={b['budget']} steps={b['steps']} (base {b['base_steps']}, ratio {b['step_ratio']:.3g}) "

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp.models.base import ResidualBlock, SDPModel
+from sdp.models.gates import Gates, fold
 from sdp.core.distctx import DistContext, flatten, unflatten
 from sdp.subnet.masking import Local, Piece, locate, view
 from sdp.subnet.plan import Plan
@@ -165,11 +166,21 @@ def split_blocks(plan: Plan) -> dict[int, bool]:
     return {u.block: u.group is not None for u in plan.units}
 
 
-def set_branch_scales(model: SDPModel, plan: Plan, *, scale: float) -> None:
+def set_branch_scales(model: SDPModel, plan: Plan, *, scale: float, gates: Gates | None = None) -> None:
     """Scale every unit by ``scale`` (1 restores the plain model): a whole-block unit's residual branch,
-    a split unit's split sub-branch outputs only (:meth:`ResidualBlock.set_scale`)."""
+    a split unit's split sub-branch outputs only (:meth:`ResidualBlock.set_scale`); with ``gates`` (assembly
+    calibration's, :mod:`sdp.parallel.sdp_calibrate`) each unit's fitted gates are folded in after."""
     for b, split in split_blocks(plan).items():
-        model.blocks[b].set_scale(scale, split=split)
+        scale_unit(model.blocks[b], block=b, split=split, scale=scale, gates=gates)
+
+
+def scale_unit(unit: nn.Module, *, block: int, split: bool, scale: float, gates: Gates | None) -> None:
+    """One unit of :func:`set_branch_scales` (also a part of :class:`PartwiseAssembly`): its scale, then its gates
+    folded into its weights (:func:`sdp.models.gates.fold`), which replace the scale."""
+    assert isinstance(unit, ResidualBlock), f"unit blocks.{block} is a {type(unit).__name__}, not a ResidualBlock"
+    unit.set_scale(scale, split=split)
+    if gates is not None:
+        fold(unit, gates[block])
 
 
 class PartwiseAssembly:
@@ -177,17 +188,17 @@ class PartwiseAssembly:
 
     ``part(i)`` is collective (every rank calls it with the same ``i``, in the same order) and returns
     a transient module in eval mode with every unit active and scaled by ``scale`` (as
-    :func:`set_branch_scales`: a split unit's split sub-branches only);
+    :func:`set_branch_scales`: a split unit's split sub-branches only; ``gates``: folded in instead);
     :func:`sdp.rank.evaluation.totals` runs it on a chunk of batches and drops it before the next part, so
     the evaluation peak is this rank's own state, the largest part (received flat, then unflattened)
     and one chunk's activations. ``part_bytes`` records the largest part built (summary.json)."""
 
     def __init__(self, *, skeleton: SDPModel, pieces: list[Piece], layout: dict[str, Local], plan: Plan,
-                 masking: str, groups: GroupSet, ctx: DistContext, scale: float) -> None:
+                 masking: str, groups: GroupSet, ctx: DistContext, scale: float, gates: Gates | None = None) -> None:
         self.skeleton, self.pieces, self.layout, self.masking, self.groups, self.ctx = skeleton, pieces, layout, masking, groups, ctx
         self.names = partwise_names(skeleton)
-        self.units = {f"blocks.{b}": split for b, split in split_blocks(plan).items()}
-        self.scale = scale
+        self.units = {f"blocks.{b}": (b, split) for b, split in split_blocks(plan).items()}
+        self.scale, self.gates = scale, gates
         self.part_bytes = 0
         self.has_batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
                                   for m in skeleton.modules())
@@ -200,8 +211,8 @@ class PartwiseAssembly:
         m = assemble_part(skeleton=self.skeleton, name=name, pieces=self.pieces, layout=self.layout,
                           masking=self.masking, groups=self.groups, ctx=self.ctx)
         if name in self.units:
-            assert isinstance(m, ResidualBlock), f"unit {name} is a {type(m).__name__}, not a ResidualBlock"
-            m.set_scale(self.scale, split=self.units[name])
+            b, split = self.units[name]
+            scale_unit(m, block=b, split=split, scale=self.scale, gates=self.gates)
         self.part_bytes = max(self.part_bytes, sum(t.numel() * t.element_size() for t in tensor_map(m).values()))
         return m.eval()
 
