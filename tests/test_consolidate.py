@@ -115,3 +115,24 @@ def test_phase_steps_follow_from_the_models_flops(alpha: float) -> None:
     ddp = base * info["global_batch"] * info["flops_per_sample"]
     per_step = info["global_batch"] * info["flops_per_sample"]
     assert abs(info["total_flops"] - ddp) <= (first + second) * per_step / 2 + 1e-6 * ddp, (info["total_flops"], ddp)
+
+
+def test_distilled_loss_fits_the_teacher_on_the_scored_positions_only() -> None:
+    """(1 - alpha) CE + alpha KL(teacher || student): no KL where the student is the teacher; the KL term is the mean
+    over the scored targets of each row's KL, an unscored position (IGNORE_INDEX) adding nothing, as in the CE."""
+    from torch.nn import functional as F
+
+    from sdp.data.base import IGNORE_INDEX
+    from sdp.parallel.sdp_consolidate import distilled_loss
+
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 5, 7, generator=g), torch.randn(2, 5, 7, generator=g)
+    targets = torch.randint(0, 7, (2, 5), generator=g)
+    ce = F.cross_entropy(student.reshape(-1, 7), targets.reshape(-1))
+    assert torch.allclose(distilled_loss(ce=ce, student=student, teacher=student, targets=targets, alpha=0.5), 0.5 * ce)
+    targets[0, :3] = IGNORE_INDEX
+    kept = targets.reshape(-1) != IGNORE_INDEX
+    log_s, log_t = (F.log_softmax(x.reshape(-1, 7)[kept], dim=-1) for x in (student, teacher))
+    per_row = (log_t.exp() * (log_t - log_s)).sum(-1)
+    got = distilled_loss(ce=ce, student=student, teacher=teacher, targets=targets, alpha=1.0)
+    assert torch.allclose(got, per_row.mean()), (got, per_row)

@@ -39,6 +39,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdp.core.distctx import DistContext
+from sdp.data.base import IGNORE_INDEX
 from sdp.errors import require
 from sdp.metrics.flops import forward_fraction
 from sdp.metrics.memory import later_phase as later_memory_phase
@@ -93,12 +94,15 @@ def frozen_teacher(module: nn.Module) -> nn.Module:
     return teacher.eval()
 
 
-def distilled_loss(*, ce: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, alpha: float) -> torch.Tensor:
+def distilled_loss(*, ce: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor,
+                   alpha: float) -> torch.Tensor:
     """``(1 - alpha) ce + alpha KL(teacher || student)`` over the last dimension (classes, vocabulary), averaged over
-    every other position (samples, tokens) as the cross-entropy is."""
+    the positions the cross-entropy averages over: the scored targets (not :data:`~sdp.data.base.IGNORE_INDEX`)."""
     s = F.log_softmax(student.reshape(-1, student.shape[-1]).float(), dim=-1)
     t = F.log_softmax(teacher.reshape(-1, teacher.shape[-1]).float(), dim=-1)
-    return (1 - alpha) * ce + alpha * F.kl_div(s, t, log_target=True, reduction="batchmean")
+    scored = (targets.reshape(-1) != IGNORE_INDEX).to(s.dtype)
+    rows = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)
+    return (1 - alpha) * ce + alpha * (rows * scored).sum() / scored.sum().clamp(min=1)
 
 
 def widen(*, module: SDPModel, skeleton: SDPModel, plan: Plan, pieces: list[M.Piece], layout: dict[str, M.Local],
@@ -175,7 +179,7 @@ class Consolidating:
             ce = loss_fn(out, targets)
             with torch.no_grad():
                 teacher = self.teacher(inputs)
-            loss = distilled_loss(ce=ce, student=out, teacher=teacher, alpha=self.consolidation.alpha)
+            loss = distilled_loss(ce=ce, student=out, teacher=teacher, targets=targets, alpha=self.consolidation.alpha)
         with timer.phase("backward"):
             loss.backward()
         s._note_grads()

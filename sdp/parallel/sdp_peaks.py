@@ -156,7 +156,7 @@ class _Distilled(nn.Module):
 
     def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         taught, self.taught = self.taught, None
-        return distilled_loss(ce=loss_fn(out, targets), student=out, teacher=taught, alpha=self.alpha)
+        return distilled_loss(ce=loss_fn(out, targets), student=out, teacher=taught, targets=targets, alpha=self.alpha)
 
 
 def _eval_extra(*, job: JobFacts, model: SDPModel, flats: dict[str, int], eval_batch: int) -> int:
