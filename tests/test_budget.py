@@ -157,8 +157,9 @@ def test_llama_scale_cpu_maps_each_size_to_a_tiny_llama_on_text():
 
 
 # *_iters: the same row under the same-iteration budget; *_shuffleR / *_rollR: the row with a plan re-draw every R steps;
+# *_consF / *_consF_kdA: the row with consolidation over the last F % of the budget, distilled at weight A / 100;
 # *_cal: the row with assembly calibration after training
-_FRACTION = re.compile(r"_c(\d+)(_iters)?(?:_(shuffle|roll)(\d+))?(_cal)?$")
+_FRACTION = re.compile(r"_c(\d+)(_iters)?(?:_(shuffle|roll)(\d+))?(?:_cons(\d+))?(?:_kd(\d+))?(_cal)?$")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -185,7 +186,9 @@ def test_variant_sets_method_and_coverage(variant: str):
     if m.group(3):
         redraw = {"shuffle": "shuffle", "roll": "rolling"}[m.group(3)]
         assert (cfg.parallelism.redraw, cfg.parallelism.resample_every) == (redraw, int(m.group(4))), (variant, cfg.parallelism)
-    assert bool(m.group(5)) == bool(cfg.parallelism.get("calibrate_steps")), (variant, cfg.parallelism.get("calibrate_steps"))
+    consolidate = (int(m.group(5)) / 100 if m.group(5) else None, int(m.group(6)) / 100 if m.group(6) else 0)
+    assert (cfg.parallelism.get("consolidate"), cfg.parallelism.get("distill_alpha", 0)) == consolidate, (variant, cfg.parallelism)
+    assert bool(m.group(7)) == bool(cfg.parallelism.get("calibrate_steps")), (variant, cfg.parallelism.get("calibrate_steps"))
 
 
 @pytest.mark.parametrize("variant", ["sd_c50", "layerdrop_c50"])

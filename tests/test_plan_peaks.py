@@ -36,6 +36,10 @@ CASES = {
     # cyclic roles differ by rank; relabel re-draws move them between the ranks, evaluated in every draw
     "sdp_redraw": ["parallelism=sdp", *SMALL, "parallelism.assignment=cyclic", "parallelism.resample_every=2",
                    "train.steps=8", "train.eval_every=2"],
+    # consolidation (issue 39): the measured steps of both phases (5 + 3 of 8 steps), the teacher with distillation
+    "sdp_consolidate_llama": ["parallelism=sdp", *LLAMA, "train.steps=8", "parallelism.consolidate=0.5"],
+    "sdp_consolidate_kd_llama": ["parallelism=sdp", *LLAMA, "train.steps=8", "parallelism.consolidate=0.5",
+                                 "parallelism.distill_alpha=0.5"],
 }
 PEAKS = ("setup_peak_bytes", "train_peak_bytes", "eval_peak_bytes")
 LOOSE = {("fsdp", "train_peak_bytes"): 0.15, ("fsdp_llama_bf16", "train_peak_bytes"): 0.15}
@@ -50,7 +54,7 @@ def test_predicted_peaks_match_the_cpu_tracker(name: str, tmp_path: Path) -> Non
     summary, _ = run_job(CASES[name], world=2, run_dir=tmp_path)
     plan = predict(compose_cfg([*CASES[name], "cluster.world_size=2"]))
     errors, checked = [], 0
-    keys = PEAKS + (("redraw_peak_bytes",) if "redraw" in name else ())
+    keys = PEAKS + (("redraw_peak_bytes",) if "redraw" in name else ()) + (("consolidate_peak_bytes",) if "consolidate" in name else ())
     for pm, mm in zip(plan["memory"]["per_rank"], summary["memory"]["per_rank"]):
         assert mm["peak_source"] == "live_tensors", mm
         for key in keys:

@@ -115,6 +115,11 @@ def test_row_names_from_configs(tmp_path: Path) -> None:
     run_dir(tmp_path, 1, seed=0, par={**BSDP, "rescale": "none"}, losses=[1.0], steps=10, flops_per_step=1.0)
     assert row_name(load_run(tmp_path / "0")) == "DDP+StochDepth p=0.5"
     assert row_name(load_run(tmp_path / "1")) == "B-SDP C=0.5 rescale=none"
+    # consolidation (issue 39): the share of the budget and the distillation weight set the row apart
+    run_dir(tmp_path, 2, seed=0, par={**BSDP, "consolidate": 0.2, "distill_alpha": 0}, losses=[1.0], steps=10, flops_per_step=1.0)
+    run_dir(tmp_path, 3, seed=0, par={**BSDP, "consolidate": 0.2, "distill_alpha": 0.5}, losses=[1.0], steps=10, flops_per_step=1.0)
+    assert row_name(load_run(tmp_path / "2")) == "B-SDP C=0.5 consolidate=0.2"
+    assert row_name(load_run(tmp_path / "3")) == "B-SDP C=0.5 consolidate=0.2 distill=0.5"
 
 
 def test_rescale_rules_gap_against_depth_and_commits(study: Path) -> None:

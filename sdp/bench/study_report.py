@@ -46,6 +46,9 @@ def row_name(run: Run) -> str:
     rescale = f.get("parallelism.rescale")
     if f.get("parallelism.masking") == "forward" and rescale not in (None, "auto"):  # backward: always none
         name += f" rescale={rescale}"
+    if f.get("parallelism.consolidate") is not None:  # issue 39: the last share of the budget trains the assembled model
+        name += f" consolidate={f['parallelism.consolidate']:g}"
+        name += f" distill={f['parallelism.distill_alpha']:g}" if f.get("parallelism.distill_alpha") else ""
     if f.get("parallelism.calibrate_steps"):  # assembly calibration after training (sdp/parallel/sdp_calibrate.py)
         name += f" calibrate={f['parallelism.calibrate_steps']}"
     if f.get("train.budget") == "iterations" and cov is not None:  # a FLOP budget would have run it longer

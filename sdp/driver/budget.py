@@ -22,6 +22,13 @@ the result and recorded in ``config.yaml``, the details in ``summary.json["budge
   step's (:func:`post_training_steps`), recorded in ``summary.json["budget"]["post_training"]``;
 - ``tokens``: ``ceil(train.tokens / (global batch x sequence length))`` steps for every method.
 
+A strategy with a second training phase (:meth:`sdp.parallel.spec.StrategySpec.later_phase`: SDP's consolidation,
+``parallelism.consolidate=f``) spends the last share ``f`` of the budget at that phase's own FLOP fraction per step
+(recomputation and any extra forward included): each phase's step count comes from the model's FLOP count
+(:func:`split_phases`), ``train.steps`` is their sum, ``summary.json["budget"]["phases"]`` records each (name, steps,
+the step it starts at, FLOP fraction, share) and the ranks switch at the first phase's end
+(:attr:`sdp.parallel.job.JobFacts.phase_steps`); ``flops_per_step`` is then the run's mean.
+
 The schedule keeps its shape (:func:`apply`): every step-denominated schedule key (:data:`SCALED_KEYS`:
 the LR warm-up, the evaluation and checkpoint cadences) is scaled by the same factor ``1 / r`` as the
 steps, so DDP and a method running twice its steps reach the peak LR, evaluate and checkpoint at the same
@@ -156,6 +163,7 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
                             "coverage": coverage, "coverage_key": cov.key if cov else None,
                             "coverage_nominal": cov.value if cov else None,
                             "flops_per_sample": per_sample, "fraction_computed": fraction}
+    to_reference, charged = 1.0, 0.0
     if budget != "flops":
         reference_flops(cfg, own=per_sample)  # refuses a reference under another budget
     if budget == "iterations":
@@ -185,12 +193,22 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
         seq_len = int(_get(cfg, seq_key))
         steps, ratio = math.ceil(int(tokens) / (global_batch * seq_len)), 1.0
         info.update(tokens=int(tokens), seq_len=seq_len, tokens_trained=steps * global_batch * seq_len)
+    later = spec.later_phase(cfg=cfg.parallelism, shares=shares, prepared=ready)
+    if later is not None:  # two phases: each its step count, the schedule scaled to the whole run
+        require(fraction is not None, "parallelism", str(cfg.parallelism.name),
+                f"a second phase ({later.name}) needs the model's FLOPs per phase, which could not be counted ({flops_error})")
+        info["phases"] = phases = split_phases(budget=budget, base=base, steps=steps, ratio=ratio, first=float(fraction),
+                                               later=later, to_reference=to_reference, charged=charged)
+        steps = sum(p["steps"] for p in phases)
+        ratio = base / steps if budget == "flops" else ratio
     info.update(steps=steps, step_ratio=ratio)
     if post is not None:
         info["post_training"] = {"phase": post.name, "steps": post.steps, "step_fraction": post.step_fraction,
                                  "flops": post.steps * global_batch * per_sample * post.step_fraction if per_sample else None}
     if per_sample is not None and fraction is not None:
-        info["flops_per_step"] = global_batch * per_sample * fraction
+        run_fraction = (sum(p["steps"] * p["fraction_computed"] for p in info["phases"]) / steps
+                        if later is not None else fraction)  # a two-phase run: the mean of its steps
+        info["flops_per_step"] = global_batch * per_sample * run_fraction
         info["total_flops"] = steps * info["flops_per_step"] + (info["post_training"]["flops"] if post is not None else 0)
     else:
         info["flops_per_step"] = info["total_flops"] = None
@@ -204,6 +222,31 @@ def post_training_steps(post: Any, *, step_ratio: float) -> float:
     over a training step's fraction ``step_ratio`` (r, before ``train.flops_reference``: both are of the run's own
     model), so training and the phase together spend what the budget's training alone would have."""
     return post.steps * post.step_fraction / step_ratio if post is not None else 0.0
+
+
+def split_phases(*, budget: str, base: int, steps: int, ratio: float, first: float, later: Any,
+                 to_reference: float, charged: float = 0.0) -> list[dict[str, Any]]:
+    """The step count of each phase of a run with a second phase (``later``: :class:`sdp.parallel.spec.LaterPhase`,
+    spending the last ``later.share`` of the FLOPs at ``later.fraction`` of DDP's per step; the first phase runs at
+    ``first``). Under ``train.budget=flops`` each phase takes its share of DDP's ``base`` steps at its own rate: the
+    first ``round((1 - share) base / ratio)`` (``ratio``: the one-phase run's step ratio, ``train.flops_ratio`` and
+    ``train.flops_reference`` included), the second ``round(share base / (later.fraction x to_reference))`` (``to_reference``:
+    :func:`reference_flops`'s ratio; a second phase has no coverage rule, ``train.flops_ratio=coverage`` leaves it
+    measured). Under
+    another budget the run's ``steps`` stay and the switch falls where the second phase has spent ``share`` of the
+    run's FLOPs: ``s1 first = (1 - share)(s1 first + s2 later.fraction)``. ``charged``: the first phase's steps a
+    phase after training costs (:func:`post_training_steps`), taken off the first phase. Each phase: name, steps,
+    the 0-based step it starts at, its FLOP fraction and share."""
+    share, rate = float(later.share), float(later.fraction)
+    if budget == "flops":
+        s1 = max(1, round((1 - share) * base / ratio - charged))
+        s2 = max(1, round(share * base / (rate * to_reference)))
+    else:
+        s1 = round(steps * (1 - share) * rate / ((1 - share) * rate + share * first))
+        s2 = steps - s1
+    require(s2 >= 1, "parallelism", f"{later.name} share {share}", f"a share that gives the phase a step ({steps} steps)")
+    return [{"name": "train", "steps": s1, "start": 0, "fraction_computed": first, "flops_share": 1 - share},
+            {"name": later.name, "steps": s2, "start": s1, "fraction_computed": rate, "flops_share": share}]
 
 
 def scaled_schedule(cfg: DictConfig, *, step_ratio: float) -> dict[str, dict[str, int]]:

@@ -82,9 +82,10 @@ def _mode_stack() -> list[Any]:
     return _get_current_dispatch_mode_stack()
 
 
-PHASES = ("setup", "resume", "warmup", "train", "eval", "redraw", "calibrate")  # resume: loading a checkpoint, not reported
+PHASES = ("setup", "resume", "warmup", "train", "eval", "redraw", "calibrate", "consolidate")  # resume: loading a checkpoint, not reported
 REPORTED = ("setup", "train", "eval")  # summary.json: <phase>_peak_bytes
 MEASURED = ("redraw", "calibrate")  # phases a strategy opens itself (measured_phase): reported only where they ran
+LATER = ("consolidate",)  # a strategy's later training phase (later_phase): its steps' peak, reported where it ran
 _ACTIVE: list["PeakTracker"] = []  # the tracker this rank started (worker), for phases a strategy opens
 
 
@@ -112,6 +113,7 @@ class PeakTracker:
         self.baseline_rss = current_rss()
         self.tracker = LiveTensorTracker(budget_bytes=budget_bytes) if live and device.type == "cpu" else None
         self.current = "setup"
+        self.training = "train"  # the phase measured steps run in (a strategy's later phase: later_phase)
         self.peaks: dict[str, int] = {}
         self.peak_categories: dict[str, dict[str, int]] = {}
         self.last: dict[str, int] = {}  # each phase's peak the last time it closed
@@ -164,8 +166,9 @@ class PeakTracker:
             self.set_phase(prev)
 
     def start_measuring(self) -> None:
-        """The first measured step begins (kept for callers of the previous interface)."""
-        self.set_phase("train")
+        """The first measured step begins (kept for callers of the previous interface): the training phase, or
+        the strategy's later phase once it began (:func:`later_phase`)."""
+        self.set_phase(self.training)
 
     def _label(self) -> None:
         if self.tracker is None or self._watched is None:
@@ -232,11 +235,14 @@ class PeakTracker:
         }
         for name in REPORTED:
             out[f"{name}_peak_bytes"] = self.peaks.get(name)
+        for name in LATER:  # e.g. consolidate_peak_bytes: only where the phase ran
+            if name in self.peaks:
+                out[f"{name}_peak_bytes"] = self.peaks[name]
         for name in MEASURED:  # e.g. redraw_peak_bytes (the largest) and redraw_peaks_bytes (each, in order)
             if self.blocks.get(name):
                 out[f"{name}_peak_bytes"], out[f"{name}_peaks_bytes"] = self.peaks.get(name), list(self.blocks[name])
         if self.tracker is not None:
-            out["peak_categories"] = {n: self.peak_categories[n] for n in REPORTED + MEASURED if n in self.peak_categories}
+            out["peak_categories"] = {n: self.peak_categories[n] for n in REPORTED + MEASURED + LATER if n in self.peak_categories}
         if self.device.type == "cuda":
             out["cuda_max_allocated_bytes"] = self.peaks.get("train")  # measured steps (as before)
             out["cuda_max_reserved_bytes"] = self.reserved  # max over every phase of the run
@@ -262,3 +268,17 @@ def measured_phase(name: str) -> Iterator[dict[str, int | None]]:
     out["peak_bytes"] = tracker.last.get(name)
     if out["peak_bytes"] is not None:
         tracker.blocks.setdefault(name, []).append(int(out["peak_bytes"]))
+
+
+def later_phase(name: str) -> None:
+    """From now on this rank's measured training steps are phase ``name`` of the tracker it started (none: nothing
+    is measured), not ``train``: a strategy's second training phase (SDP's consolidation) gets its own peak,
+    ``<name>_peak_bytes``. Called at the switch (the steps after it, warm-up steps still excepted) and by a run
+    resumed after it (before its first measured step)."""
+    assert name in LATER, f"later phase {name!r} not in {LATER}"
+    tracker = _ACTIVE[-1] if _ACTIVE else None
+    if tracker is None:
+        return
+    if tracker.current == tracker.training:
+        tracker.set_phase(name)
+    tracker.training = name

@@ -36,10 +36,13 @@ class JobFacts:
     optimizer: Any = None  # the optim.optimizer node (sdp-plan: optimizer state bytes and rehearsal)
     ac_every: int = 0  # activation checkpointing: blocks 0, k, 2k, ... (0: none), from train.ac / train.ac_every
     steps: int = 0  # train.steps: the run's steps (on the ranks: as the budget resolved them; 0: not known)
+    phase_steps: tuple[int, ...] = ()  # each training phase's steps where the budget split the run (summary.json
+    #                                    budget.phases, StrategySpec.later_phase); (): one phase, or not known
 
     @classmethod
-    def of(cls, cfg: DictConfig) -> JobFacts:
-        """The facts of the whole job config ``cfg``. ``train.precision`` and ``eval.bn`` keep the defaults
+    def of(cls, cfg: DictConfig, *, budget: dict[str, Any] | None = None) -> JobFacts:
+        """The facts of the whole job config ``cfg`` (``budget``: the driver's resolution, :mod:`sdp.driver.budget`,
+        where the ranks have it: its phases' step counts). ``train.precision`` and ``eval.bn`` keep the defaults
         in a run's recorded config written before those keys existed (reports read such runs)."""
         sel = lambda key, default: OmegaConf.select(cfg, key, default=default)  # noqa: E731
         return cls(world_size=int(cfg.cluster.world_size), batch_size=int(cfg.train.batch_size),
@@ -47,7 +50,8 @@ class JobFacts:
                    device=str(sel("cluster.device", cls.device)),
                    eval_bn=str(sel("eval.bn", cls.eval_bn)), model_name=str(sel("model.name", "") or ""),
                    optimizer=sel("optim.optimizer", None), ac_every=ac_every(cfg),
-                   steps=int(sel("train.steps", cls.steps)))
+                   steps=int(sel("train.steps", cls.steps)),
+                   phase_steps=tuple(int(p["steps"]) for p in (budget or {}).get("phases") or ()))
 
 
 def ac_every(cfg: DictConfig) -> int:

@@ -72,11 +72,13 @@ def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[t
 
 def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, eval_batch: int, optimizer: Any,
              example: Callable[[int], torch.Tensor], precision: str, device: str,
-             after_backward: Callable[[], None] | None = None) -> dict[str, int]:
+             after_backward: Callable[[], None] | None = None,
+             loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn) -> dict[str, int]:
     """Live meta bytes of ``module``: at set-up (module state), the peak of a training step after one
     warm-up step, and the peak of one evaluation forward; plus the persistent state after a step
     (no ``trainable``: evaluation only; ``optimizer``: the ``optim.optimizer`` node, built over ``trainable``).
-    ``after_backward`` stands for the strategy's gradient sync. The forward and the loss run as the ranks
+    ``after_backward`` stands for the strategy's gradient sync; ``loss``: the step's loss of the module's output and
+    the targets (default the cross-entropy; SDP's distillation adds its KL term). The forward and the loss run as the ranks
     run them on ``device`` (``cluster.device``) under ``precision`` (``train.precision``:
     :func:`~sdp.parallel.device_forward.device_forward`), evaluation too (the trainer evaluates under autocast)."""
 
@@ -91,9 +93,9 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
                 tracker.reset_peak()
             with device_forward(precision=precision, device=device, attention=False):
                 out = module(x)
-                loss = loss_fn(out, _targets(out))
-            loss.backward()
-            del out, loss
+                total = loss(out, _targets(out))
+            total.backward()
+            del out, total
             if after_backward is not None:
                 after_backward()
             opt.step()  # type: ignore[union-attr]

@@ -34,7 +34,7 @@ from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
-from sdp.parallel import sdp_calibrate, sdp_config, sdp_plan, sdp_redraw_plan, sdp_traffic
+from sdp.parallel import sdp_calibrate, sdp_config, sdp_consolidate as SC, sdp_plan, sdp_redraw_plan, sdp_traffic
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
 from sdp.parallel.plan_entries import Entry
@@ -46,7 +46,7 @@ from sdp.subnet.holder_groups import GroupSet, check_same_plan
 from sdp.subnet.sync import OwnerSetSync
 
 
-class SDPStrategy(sdp_calibrate.Calibrated, Strategy):
+class SDPStrategy(SC.Consolidating, sdp_calibrate.Calibrated, Strategy):
     """Forward or backward masking at block or neuron level, owner-set gradient averaging (on the ranks)."""
 
     materialises_held = True  # forward masking materialises only the held units and the shared parts
@@ -84,7 +84,7 @@ class SDPStrategy(sdp_calibrate.Calibrated, Strategy):
         process groups (a re-draw: the new plan's), owner-set sync."""
         ctx = self.ctx
         self.plan, self.pieces, self.layout = plan, pieces, layout
-        if self.rescale == "train":  # a split unit: groups / held groups on its split sub-branches only
+        if self.rescale == "train" and self.mode == "forward":  # a split unit: groups / held groups on its split sub-branches only
             for b, split in split_blocks(plan).items():
                 units = [u for u in range(len(plan.units)) if plan.units[u].block == b]
                 run = [u for u in units if ctx.rank in plan.holders[u]]
@@ -107,6 +107,7 @@ class SDPStrategy(sdp_calibrate.Calibrated, Strategy):
 
     # ---- one step (train_step: the base template with these hooks) -------------------------------
     def _before_step(self, *, step: int, timer: PhaseTimer) -> None:
+        self._consolidate_at(step=step, timer=timer)  # sdp_consolidate.Consolidating
         every = self.cfg.resample_every
         if every and step > 0 and step % int(every) == 0:
             with timer.phase("resample"):
@@ -204,7 +205,7 @@ class SDPStrategy(sdp_calibrate.Calibrated, Strategy):
     # ---- reporting ----------------------------------------------------------------------------------
     def summary_extra(self) -> dict[str, Any]:
         return {"plan": self.plan.summary(), "masking": str(self.cfg.masking), "refresh": str(self.cfg.refresh),
-                "rescale": self.rescale,
+                "rescale": self.rescale, "consolidate": self._consolidation_summary(),
                 "process_groups": sum(1 for g in self.groups.groups.values() if g is not None) if self.groups else 0,
                 "eval_assembled_bytes": self.eval_copy_bytes, "redraws": self.redraws, "overlap": self.sync.overlap,
                 "redraw": R.summary(count=self.redraws, log=self.redraw_log, world=self.ctx.world_size), **self.calibration_extra()}
@@ -220,7 +221,8 @@ class SDPStrategy(sdp_calibrate.Calibrated, Strategy):
         model's state since this rank runs them), buffers. The plan, re-draw log and calibration go along as plain lists."""
         assert self.module is not None and self.optimizer is not None
         return {"local": {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": {
-            "plan": plan_lists(self.plan), "redraws": self.redraws, "redraw_log": self.redraw_log, **self.calibration_extra()}}}
+            "plan": plan_lists(self.plan), "redraws": self.redraws, "redraw_log": self.redraw_log,
+            **self.calibration_extra()}, **self._consolidation_state()}}
 
     def load_checkpoint_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Rebuild the saved plan's subnetwork, then load values into it. A fixed plan must be the one
@@ -234,6 +236,7 @@ class SDPStrategy(sdp_calibrate.Calibrated, Strategy):
             self._redraw(draw=int(saved["draw"]), resumed=True)  # empty: the state is loaded below
             require(saved == plan_lists(self.plan), "parallelism", sdp_config.plan_keys(self.cfg),
                     f"re-draw {saved['draw']} gives {plan_lists(self.plan)}, the checkpoint holds {saved}")
+        self._load_consolidated(local)  # written after the consolidation switch: its structure (sdp_consolidate)
         assert self.module is not None
         self.module.load_state_dict(local["model"])
         self.optimizer.load_state_dict(local["optimizer"])
@@ -287,6 +290,7 @@ class SDPSpec(StrategySpec):
         return sdp_peaks(cfg=cfg, job=job, model=model, plan=prepared, eval_batch=eval_batch, steps=steps, eval_steps=eval_steps)
 
     eval_traffic, phase_traffic, checkpoint_tensors = map(classmethod, sdp_traffic.PLAN_HOOKS)  # sdp-plan (sdp_traffic)
+    later_phase = classmethod(SC.later_phase)  # the budget's consolidation phase (sdp_consolidate)
 
     # ---- SDP's own questions (sdp-plan asks them only of a strategy that has them) ----------------------
     @classmethod

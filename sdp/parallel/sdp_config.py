@@ -83,6 +83,11 @@ class SDPConfig:
     """0: off | S: after training, fit one scalar gate per residual branch of the assembled model for S steps."""
     calibrate_lr: Number = key(at_least=0)
     """Adam's learning rate on the gates (0: gates stay at their initial value, the rescale factor)."""
+    consolidate: Optional[float] = key(above=0, at_most=1)
+    """null: off | f in (0, 1]: the last f of the FLOP budget trains the assembled model with backward masking and
+    activation checkpointing (:mod:`sdp.parallel.sdp_consolidate`); 1: from the first step."""
+    distill_alpha: Number = key(at_least=0, at_most=1)
+    """During consolidation: loss = (1 - alpha) CE + alpha KL(own subnetwork frozen at the switch || model)."""
 
 
 def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
@@ -114,6 +119,7 @@ def validate(*, cfg: DictConfig, world_size: int) -> None:
             "global refresh exists only for masking=backward (forward masking keeps no non-held values)")
     require(cfg.masking == "forward" or cfg.rescale in ("none", "auto"), "parallelism.rescale", cfg.rescale,
             "backward masking runs the full model in every forward, so only none (or auto) is meaningful")
+    consolidation_rules(cfg=cfg)
     if cfg.get("max_holder_sets") is not None:
         require(str(cfg.assignment) == "balanced", "parallelism.max_holder_sets", cfg.max_holder_sets,
                 f"caps the balanced assignment only (parallelism.assignment={cfg.assignment!r}): set assignment=balanced")
@@ -126,6 +132,31 @@ def validate(*, cfg: DictConfig, world_size: int) -> None:
             require(value == allowed, f"parallelism.{name}", value, f"{allowed} with parallelism.calibrate_steps="
                     f"{cfg.calibrate_steps} (calibration gates the assembled model's blocks, which only "
                     "block-level forward masking assembles; 0 turns it off)")
+
+
+def consolidation_rules(*, cfg: DictConfig) -> None:
+    """``parallelism.consolidate`` and ``distill_alpha`` (each key's range is :class:`SDPConfig`'s): consolidation
+    switches a forward-masked block-level run to backward masking, so it needs forward masking (backward masking
+    already trains the assembled model) and block level (a neuron-level switch would re-split every narrowed
+    tensor into held and frozen parts: not built), no re-draws (the switch fixes the plan's holders for the rest of
+    the run) and a distillation weight needs a consolidation phase to act in. ``cfg.get``: configs recorded before
+    the keys existed read as off."""
+    f, alpha = cfg.get("consolidate"), float(cfg.get("distill_alpha") or 0)
+    require(f is None or 0 < float(f) <= 1, "parallelism.consolidate", f, "null or a number in (0, 1]")
+    require(0 <= alpha <= 1, "parallelism.distill_alpha", alpha, "a number in [0, 1]")
+    require(f is not None or alpha == 0, "parallelism.distill_alpha", alpha,
+            "0 without parallelism.consolidate (the teacher is frozen at the consolidation switch): set consolidate")
+    if f is None:
+        return
+    require(str(cfg.masking) == "forward", "parallelism.consolidate", f,
+            f"null with parallelism.masking={cfg.masking} (backward masking already trains the assembled model)")
+    require(str(cfg.level) == "block", "parallelism.consolidate", f,
+            f"null at parallelism.level={cfg.level} (consolidation is built for block level only)")
+    require(not cfg.get("resample_every"), "parallelism.consolidate", f,
+            f"null with parallelism.resample_every={cfg.get('resample_every')} (re-draws and consolidation do not mix)")
+    require(not int(cfg.get("calibrate_steps") or 0), "parallelism.consolidate", f,
+            f"null with parallelism.calibrate_steps={cfg.get('calibrate_steps')} (calibration gates the assembled "
+            "subnetworks of a forward-masked run; after consolidation every rank trains the full model: not built)")
 
 
 def holders(*, cfg: DictConfig, world_size: int) -> int:

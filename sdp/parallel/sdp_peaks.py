@@ -9,7 +9,9 @@ finishes); evaluation builds the model part by part next to the rank's own state
 time); with ``resample_every`` every peak is the largest over the draws the run makes, and the re-draws between
 them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_redraw_plan.rehearse_redraw`); with
 ``calibrate_steps`` the calibration after the last step (``calibrate_peak_bytes``: :mod:`sdp.parallel.sdp_calibrate_peaks`).
-``tests/test_plan_peaks.py`` compares with the CPU tracker.
+With ``consolidate`` the consolidation phase's training peak (``consolidate_peak_bytes``: :func:`consolidate_peaks`, the
+backward-masked full model with every block checkpointed, and the teacher where ``distill_alpha`` > 0) and the
+evaluations after its switch on its state. ``tests/test_plan_peaks.py`` compares with the CPU tracker.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from sdp.parallel.sdp_plan import draw_at, run_plans
 from sdp.parallel.sdp_redraw_plan import redraw_peaks
 from sdp.parallel.plan_entries import nbytes
 from sdp.parallel.plan_peaks import rehearse, rehearse_partwise
+from sdp.parallel.ac import apply_checkpointing
+from sdp.parallel.sdp_consolidate import distilled_loss, frozen_teacher
+from sdp.core.loss import loss_fn
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import partwise_names
 from sdp.subnet.holder_groups import GroupSet
@@ -104,11 +109,62 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
         for r, got in _rank_peaks(cfg=pc, job=job, model=model, plan=last, pieces=M.pieces(model, last), mode=mode,
                                   eval_batch=eval_batch, rehearsed=rehearsed):
             out[r]["calibrate_peak_bytes"] = got["state"] - got["grads"] + not_held_bytes(model=model, plan=last, rank=r) + step
+    if pc.get("consolidate") is not None:  # consolidation's steps, and the evaluations after its switch
+        extra = _eval_extra(job=job, model=model, flats={}, eval_batch=eval_batch)
+        for entry, (peak, state) in zip(out, consolidate_peaks(cfg=pc, job=job, model=model, plan=plan, eval_batch=eval_batch)):
+            entry["consolidate_peak_bytes"] = peak
+            entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], state + extra)
     if len(plans) > 1:  # the re-draws between them, rehearsed as they run (sdp.subnet.redraw)
         for entry, peak in zip(out, redraw_peaks(cfg=pc, optimizer=job.optimizer, model=model, plans=plans, role=_role,
                                                  rotated=rotated and len(plans) - 1 < draw_at(step=steps - 1, every=every))):
             entry["redraw_peak_bytes"] = peak
     return out
+
+
+def consolidate_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan,
+                      eval_batch: int) -> list[tuple[int, int]]:
+    """Per rank, (the training peak of a consolidation step, its state after one): the backward-masked full model of
+    the driver's ``plan`` with every block activation-checkpointed (what :func:`sdp.parallel.sdp_consolidate.widen`
+    makes of the rank's subnetwork), its held parameters trained, the owner-set buckets and refresh buffers as in
+    :func:`_rank_peaks`; with ``distill_alpha`` > 0 the rank's frozen forward-masked subnetwork beside it, run
+    without gradients on the same batch, and the distilled loss (:func:`~sdp.parallel.sdp_consolidate.distilled_loss`)."""
+    alpha, overlap = float(cfg.get("distill_alpha") or 0), bool(cfg.get("overlap", True))
+    checkpointed = copy.deepcopy(model)
+    apply_checkpointing(checkpointed, every=1)
+    pieces = M.pieces(model, plan)
+    teachers = {r: mine for r, mine, _, _ in M.rank_subnetworks(model, plan, mode="forward", all_pieces=pieces)} if alpha else {}
+    groups = GroupSet(world_size=plan.world_size, holder_sets=(), refresh=False)  # no process group is created
+    out = []
+    for r, mine, layout, trained in M.rank_subnetworks(checkpointed, plan, mode="backward", all_pieces=pieces):
+        sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode="backward",
+                            bucket_cap_mb=float(cfg.bucket_cap_mb), overlap=overlap)
+        sync.close()  # its hooks would launch collectives; the stand-in allocates what they do
+        module: nn.Module = _Distilled(student=mine, teacher=frozen_teacher(teachers[r]), alpha=alpha) if alpha else mine
+        res = rehearse(module=module, trainable=trained, batch=job.batch_size, eval_batch=eval_batch, optimizer=job.optimizer,
+                       example=mine.example_input, precision=job.precision, device=job.device,
+                       after_backward=_overlap_stand_in(sync) if overlap else None,
+                       loss=module.loss if isinstance(module, _Distilled) else loss_fn)
+        flats = [sum(q.nbytes for q in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
+        out.append((max(res["train"], res["state"] + max(flats, default=0)), res["state"]))
+    return out
+
+
+class _Distilled(nn.Module):
+    """The rehearsal's stand-in of a distilled consolidation step: the teacher's forward without gradients, then the
+    student's; :meth:`loss` takes the teacher's logits (alive until the backward frees them, as on the ranks)."""
+
+    def __init__(self, *, student: nn.Module, teacher: nn.Module, alpha: float) -> None:
+        super().__init__()
+        self.student, self.teacher, self.alpha, self.taught = student, teacher, alpha, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.taught = self.teacher(x)
+        return self.student(x)
+
+    def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        taught, self.taught = self.taught, None
+        return distilled_loss(ce=loss_fn(out, targets), student=out, teacher=taught, targets=targets, alpha=self.alpha)
 
 
 def _eval_extra(*, job: JobFacts, model: SDPModel, flats: dict[str, int], eval_batch: int) -> int:

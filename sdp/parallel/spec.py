@@ -89,6 +89,17 @@ class Overlap:
         return {"kinds": list(self.kinds), "window": self.window, "tail": self.tail}
 
 
+@dataclass(frozen=True)
+class LaterPhase:
+    """A strategy's second training phase (:meth:`StrategySpec.later_phase`): its ``name`` (summary.json
+    ``budget.phases``), the ``share`` of the run's FLOP budget it spends, and ``fraction``, its training FLOPs per
+    step as a fraction of DDP's (recomputation and any extra forward included)."""
+
+    name: str
+    share: float
+    fraction: float
+
+
 class StrategySpec:
     """The classmethods a strategy answers in the driver (defaults: a strategy that runs the whole model on
     every worker, needs nothing built for its ranks and makes no ``sdp-plan`` prediction)."""
@@ -156,6 +167,14 @@ class StrategySpec:
     def post_training(cls, *, cfg: DictConfig) -> PostTraining | None:
         """The phase it runs after the last training step, whose FLOPs the budget charges (:mod:`sdp.driver.budget`:
         fewer training steps under ``train.budget=flops``); None (default): none."""
+        return None
+
+    @classmethod
+    def later_phase(cls, *, cfg: DictConfig, shares: dict[str, dict[int, BlockShare]],
+                    prepared: Any = None) -> LaterPhase | None:
+        """A second training phase that spends the last share of the budget at another fraction of DDP's FLOPs per
+        step (SDP's consolidation), or None (default: one phase). The budget (:mod:`sdp.driver.budget`) turns it
+        into each phase's step count; the ranks switch at the first phase's end (:attr:`JobFacts.phase_steps`)."""
         return None
 
     @classmethod

@@ -47,10 +47,11 @@ from sdp.report.compare import mib
 
 BASE_NOTE = "activation_bytes: saved for backward by a meta-device forward at the per-rank batch"
 # The peaks a prediction may hold (sdp/parallel/plan_peaks.py; a re-draw's only with parallelism.resample_every,
-# a calibration's only with parallelism.calibrate_steps),
+# a calibration's only with parallelism.calibrate_steps, consolidation's with parallelism.consolidate),
 # in the order a run reaches them: each is a column of the printed table where the plan has it.
 PEAKS = (("setup_peak_bytes", "set-up peak MiB"), ("train_peak_bytes", "train peak MiB"),
-         ("redraw_peak_bytes", "re-draw peak MiB"), ("calibrate_peak_bytes", "calibrate peak MiB"),
+         ("redraw_peak_bytes", "re-draw peak MiB"), ("consolidate_peak_bytes", "consolidation peak MiB"),
+         ("calibrate_peak_bytes", "calibrate peak MiB"),
          ("eval_peak_bytes", "eval peak MiB"))
 COMM_NOTE = ("groups: process groups per rank, the default one included; NCCL comm. MiB: their communicators' device "
              "memory outside the allocator (and outside the peaks), groups x cluster.comm_bytes_per_group, an "

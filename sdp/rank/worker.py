@@ -142,7 +142,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         peak.ignore(dataset_tensors(data))  # the in-memory dataset is not the strategy's memory
         peak.start()  # the set-up peak: model build, masking, wrapping, optimizer
         spec = STRATEGIES.get(str(cfg.parallelism.name))
-        strategy: Strategy = spec.runtime(cfg=cfg.parallelism, job=JobFacts.of(cfg), ctx=ctx, prepared=prepared)
+        strategy: Strategy = spec.runtime(cfg=cfg.parallelism, job=JobFacts.of(cfg, budget=budget), ctx=ctx, prepared=prepared)
         model = build_model(cfg, data, meta=strategy.materialises_held)
         rng.seed_rank_streams(int(cfg.seed) * 7919 + rank + 1)  # per-rank streams (dropout, stochastic depth)
         strategy.checkpoint_blocks(model=model)  # train.ac, before the strategy wraps, masks or shards the model
