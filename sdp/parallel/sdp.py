@@ -34,7 +34,7 @@ from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
-from sdp.parallel import sdp_config, sdp_plan, sdp_redraw_plan, sdp_traffic
+from sdp.parallel import sdp_config, sdp_final, sdp_plan, sdp_redraw_plan, sdp_traffic
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
 from sdp.parallel.plan_entries import Entry
@@ -168,7 +168,7 @@ class SDPStrategy(Strategy):
         (:class:`~sdp.subnet.assemble.PartwiseAssembly`: stem, each block, head, each built from its
         holders, run and dropped), so no rank ever holds the full model; a model that cannot be cut
         into parts (tied weights, a custom forward) is assembled whole instead."""
-        scale = self.plan.k / self.plan.world_size if self.rescale == "eval" else 1.0
+        scale = sdp_final.eval_scale(plan=self.plan, rescale=self.rescale)
         assert self.groups is not None
         parts = PartwiseAssembly(skeleton=self.skeleton, pieces=self.pieces, layout=self.layout, plan=self.plan,
                                  masking=self.mode, groups=self.groups, ctx=self.ctx, scale=scale)
@@ -212,6 +212,7 @@ class SDPStrategy(Strategy):
 
     def save_artifacts(self, *, run_dir: Path) -> None:
         self.plan.save(RunDir(run_dir).plan)
+    final_state = sdp_final.final_state  # train.save_final: each piece from its lowest holder, the plan and scales
 
     # ---- checkpoint / resume ------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict[str, Any]]:
