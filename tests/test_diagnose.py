@@ -87,6 +87,31 @@ def test_the_ensemble_in_one_process_is_the_ranks_arithmetic() -> None:
     assert torch.allclose(got, want, rtol=0, atol=1e-12) and torch.isfinite(got).all(), (got, want)
 
 
+def test_final_weights_round_trip_in_the_dtype_asked_for(tmp_path: Path) -> None:
+    """The writer casts floating tensors (bf16: half the bytes, the values rounded as ``Tensor.to`` rounds) and
+    keeps integer ones; the reader merges every rank's file and names a missing one."""
+    from types import SimpleNamespace
+
+    from sdp.errors import ConfigError
+    from sdp.rank import final_weights
+
+    torch.manual_seed(0)
+    shares = [{"a.weight": torch.randn(4, 3)}, {"b.weight": torch.randn(5), "b.count": torch.tensor([3])}]
+    for rank, tensors in enumerate(shares):
+        strategy = SimpleNamespace(name="sdp", ctx=SimpleNamespace(rank=rank, world_size=2),
+                                   final_state=lambda t=tensors, r=rank: {"tensors": t, "facts": {"x": 1}, "own": {"r": r}})
+        final_weights.save(run_dir=tmp_path, strategy=strategy, dtype="bf16", step=7)
+    fw = final_weights.load(tmp_path)
+    assert fw.meta["step"] == 7 and fw.meta["dtype"] == "bf16" and fw.meta["facts"] == {"x": 1}, fw.meta
+    assert fw.own == {0: {"r": 0}, 1: {"r": 1}}, fw.own
+    for name, t in {**shares[0], **shares[1]}.items():
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert fw.tensors[name].dtype == want.dtype and torch.equal(fw.tensors[name], want), name
+    (tmp_path / "final" / "rank00001.pt").unlink()
+    with pytest.raises(ConfigError, match="rank00001.pt is missing"):
+        final_weights.load(tmp_path)
+
+
 def test_save_final_is_refused_for_a_strategy_that_keeps_no_final_weights() -> None:
     """Before any rank starts: DDP keeps none (Strategy.final_state is None), so the key is named and refused."""
     from sdp.driver.config import validate

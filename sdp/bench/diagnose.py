@@ -36,7 +36,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.nn import functional as F
 
-from sdp.bench.diagnosis_verdict import verdict
+from sdp.bench.diagnosis_verdict import DIAGNOSIS, verdict
 from sdp.core.loss import LOSS_CHUNK_TOKENS
 from sdp.core.precision import autocast
 from sdp.data.base import val_batches
@@ -49,7 +49,6 @@ from sdp.results.contract import write_json
 from sdp.results.rundir import RunDir
 from sdp.results.summary import read_json
 
-DIAGNOSIS = "diagnosis.json"
 MULTIPLIERS = (0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)  # x the evaluation factor (at C = 0.5: 0.25 .. 1, no rescale)
 
 

@@ -16,9 +16,12 @@ know together). Both, one, or neither may hold; below :data:`GAP_FLOOR` there is
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Any
 
+DIAGNOSIS = "diagnosis.json"  # what sdp-bench diagnose writes into a run directory
 GAP_FLOOR = 0.01  # nats: a smaller assembled - ensemble gap is not explained
 RECOVERED = 0.5  # the share of the gap a remedy-like figure must recover to support its explanation
 DRIFT_GROWTH = 2.0  # the deeper half's mean drift over the shallower half's that counts as growing with depth
@@ -99,6 +102,11 @@ def markdown(diag: dict[str, Any]) -> list[str]:
         lines.append(f"| block {d['block']} alone | " + " | ".join(_f(x) for x in d["loss"]) + " |")
     lines += ["", f"Verdict ({', '.join(v['explanations']) or 'none'}): " + " ".join(v["lines"]), ""]
     return lines
+
+
+def read_all(root: Path) -> list[dict[str, Any]]:
+    """Every ``diagnosis.json`` below ``root`` (a study's runs), in path order: :func:`section`'s input."""
+    return [json.loads(p.read_text()) for p in sorted(Path(root).rglob(DIAGNOSIS))]
 
 
 def section(diags: list[dict[str, Any]]) -> list[str]:
