@@ -19,7 +19,9 @@ report's own rule, :func:`sdp.report.runs.run_dirs`) this
   give the same bytes), which every reader reads through :func:`sdp.results.contract.read_metrics`.
 
 ``config.yaml`` and ``summary.json`` are never touched, so ``train.skip_done`` still finds the run
-complete under the same config. A run directory without a complete ``summary.json`` (failed or
+complete under the same config. ``final/`` (the final weights of a run with ``train.save_final``) and
+``diagnosis.json`` are kept: ``sdp-bench diagnose`` reads the one (with ``config.yaml``; the plan is in
+``final/meta.json``, so ``plan.json`` may go) and writes the other. A run directory without a complete ``summary.json`` (failed or
 unfinished: a re-run resumes or restarts it) or holding ``checkpoints/`` (a resume or
 ``train.extend_steps`` reads them and appends to ``metrics.jsonl``) is left as it is. Running it
 again changes nothing: each step is done only where its input is still there.

@@ -116,12 +116,16 @@ def validate_strategy(cfg: DictConfig, *, model: Any, val_samples: int | None = 
     validation set's size, None where the data was not built)."""
     from sdp.core.fields import conform
     from sdp.driver.preflight import Preflight
-    from sdp.parallel import STRATEGIES, JobFacts
+    from sdp.parallel import STRATEGIES, JobFacts, Strategy
 
     job, spec = JobFacts.of(cfg), STRATEGIES.get(str(cfg.parallelism.name))
     if spec.schema is not None:
         conform(cfg.parallelism, schema=spec.schema, prefix="parallelism")
     spec.validate(cfg=cfg.parallelism, job=job)
+    save_final = str(cfg.train.get("save_final", "none"))  # a recorded config from before the key: none
+    require(save_final == "none" or spec.runtime.final_state is not Strategy.final_state, "train.save_final", save_final,
+            f"allowed: none for parallelism.name={cfg.parallelism.name}, whose strategy keeps no final weights "
+            "(Strategy.final_state); the SDP strategies keep them")
     return Preflight(job=job, model=model, prepared=spec.prepare(cfg=cfg.parallelism, job=job, model=model),
                      val_samples=val_samples)
 

@@ -20,6 +20,7 @@ from sdp.core.fields import Number, flag, key
 from sdp.metrics.hardware import gpus, links
 from sdp.parallel.job import AC_MODES
 from sdp.parallel.device_forward import DEVICES
+from sdp.rank.final_weights import SAVE_FINAL
 from sdp.rank.guards import POLICIES
 from sdp.core.precision import PRECISIONS
 from sdp.rank.schedule import SCHEDULES
@@ -84,6 +85,8 @@ class Train:
     """Complete checkpoints kept (0: all)."""
     checkpoint_timeout_s: Number = key(above=0)
     """Seconds a rank waits for the others while a checkpoint is written."""
+    save_final: str = key(choices=SAVE_FINAL)
+    """none | fp32 | bf16 | fp16: keep the final weights in <run_dir>/final/ in that dtype (sdp/rank/final_weights.py)."""
     resume: Optional[str] = key()
     """null: fresh | auto: this run dir's latest checkpoint | a checkpoint or run directory."""
     extend_steps: bool = flag()

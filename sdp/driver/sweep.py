@@ -53,6 +53,7 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 ADDED_KEYS: dict[str, Any] = {"plugins": [], "eval.part_batches": 1, "parallelism.max_holder_sets": None,
                               "train.tf32": lambda now: now.get("cluster.device") != "cuda",
                               "cluster.comm_bytes_per_group": lambda now: True,  # read by sdp-plan only
+                              "train.save_final": "none",  # a run without the key kept no final weights
                               # a run without the key evaluated no ensemble: the same job where none is evaluated now
                               # (the key off, or workers that train one model: only forward masking has subnetworks)
                               "eval.ensemble": lambda now: not now.get("eval.ensemble")

@@ -220,6 +220,15 @@ class Strategy(ABC):
 
     def save_artifacts(self, *, run_dir: Path) -> None:
         """Write strategy-specific files into the run directory (SDP's plan.json); rank 0 only."""
+
+    def final_state(self) -> dict[str, Any] | None:
+        """This rank's share of the run's final weights (``train.save_final``, :mod:`sdp.rank.final_weights`):
+        ``{"tensors": {full-model name: tensor}, "facts": {...}}``, every tensor of the model written by exactly
+        one rank (so the files hold one model, not n copies) and ``facts`` what a reader needs to use them (plain
+        types, the same on every rank). None (the default): the strategy keeps no final weights, and the driver
+        refuses ``train.save_final`` for it before any rank starts. Why a hook: only the strategy knows which rank
+        holds which tensor (SDP: a unit's lowest holder)."""
+        return None
     # ---- checkpoint / resume (written and read by sdp.rank.checkpoint) --------------------------------
     def checkpoint_state(self) -> dict[str, dict[str, Any]]:
         """This rank's model and optimizer state, keyed by how it is laid out over the ranks.

@@ -34,7 +34,7 @@ from sdp.results.rundir import RunDir
 from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
-from sdp.parallel import sdp_calibrate, sdp_config, sdp_consolidate as SC, sdp_plan, sdp_redraw_plan, sdp_traffic
+from sdp.parallel import sdp_calibrate, sdp_config, sdp_consolidate as SC, sdp_final, sdp_plan, sdp_redraw_plan, sdp_traffic
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
 from sdp.parallel.plan_entries import Entry
@@ -212,6 +212,7 @@ class SDPStrategy(SC.Consolidating, sdp_calibrate.Calibrated, Strategy):
 
     def save_artifacts(self, *, run_dir: Path) -> None:
         self.plan.save(RunDir(run_dir).plan)
+    final_state = sdp_final.final_state  # train.save_final: each piece from its lowest holder, the plan and scales
 
     # ---- checkpoint / resume ------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict[str, Any]]:

@@ -42,6 +42,7 @@ from sdp.metrics.memory import measured_phase
 from sdp.models import gates as G
 from sdp.models.base import SDPModel
 from sdp.parallel.ac import checkpoint_call, restored_buffers
+from sdp.parallel.sdp_final import eval_scale
 from sdp.parallel.spec import PostTraining
 from sdp.subnet.assemble import fill, split_blocks, tensor_map
 from sdp.subnet.holder_groups import GroupSet
@@ -67,8 +68,8 @@ def post_training(cls: Any, *, cfg: DictConfig) -> PostTraining | None:
 
 def init_factor(*, rescale: str, plan: Plan) -> float:
     """The gates' initial value: the factor evaluation would put on every unit's branch without calibration
-    (k/n under ``rescale=eval``, else 1), so 0 steps or a learning rate of 0 evaluate what evaluation did."""
-    return plan.k / plan.world_size if rescale == "eval" else 1.0
+    (:func:`sdp.parallel.sdp_final.eval_scale`), so 0 steps or a learning rate of 0 evaluate what evaluation did."""
+    return eval_scale(plan=plan, rescale=rescale)
 
 
 @dataclass

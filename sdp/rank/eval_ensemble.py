@@ -31,7 +31,7 @@ scale (V = 50,257) that would be about 200 kB per token and rank.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -61,11 +61,20 @@ def add_batch(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor, *, 
                 _all_reduce(probs, op=dist.ReduceOp.SUM, ctx=ctx)  # the sum over workers: its arg-max is the mean's
                 totals[1] += (probs.argmax(-1) == t).sum()
             del probs
-            top = _all_reduce(mine.clone(), op=dist.ReduceOp.MAX, ctx=ctx)
-            mine.sub_(top).exp_()  # each worker's probability over the best one's, in [0, 1]
-            log_mean = _all_reduce(mine, op=dist.ReduceOp.SUM, ctx=ctx).log_().add_(top) - math.log(ctx.world_size)
+            log_mean = log_mean_prob(mine, workers=ctx.world_size, reduce=lambda v, op: _all_reduce(v, op=op, ctx=ctx))
             totals[0] -= log_mean.sum()
             totals[2] += t.numel()
+
+
+def log_mean_prob(mine: torch.Tensor, *, workers: int, reduce: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+    """log of the mean over ``workers`` of their probabilities of each row's target, from ``mine`` (float64
+    log-probabilities, overwritten) and ``reduce(t, op)`` (``dist.ReduceOp.MAX`` / ``SUM`` over the workers): the
+    largest log-probability m, then m + log of the summed exp(log p - m), minus log n. Across ranks (:func:`add_batch`)
+    ``reduce`` all-reduces; in one process holding every worker's row (``sdp-bench diagnose``) it reduces dim 0 with
+    keepdim, so both compute the ensemble with this one arithmetic."""
+    top = reduce(mine.clone(), dist.ReduceOp.MAX)
+    mine.sub_(top).exp_()  # each worker's probability over the best one's, in [0, 1]
+    return reduce(mine, dist.ReduceOp.SUM).log_().add_(top) - math.log(workers)
 
 
 def _all_reduce(t: torch.Tensor, *, op: Any, ctx: DistContext) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from sdp.rank import evaluation, rng
+from sdp.rank import evaluation, final_weights, rng
 from sdp.rank.checkpoint import release_verdicts
 from sdp.results import contract as results
 from sdp.data.base import DataBundle
@@ -154,6 +154,7 @@ def run_rank(config: dict[str, Any], run_dir: str, budget: dict[str, Any] | None
         trainer = Trainer(cfg=cfg, strategy=strategy, data=data, logger=logger, timer=timer, run_dir=out, peak=peak,
                           budget=budget)
         state = trainer.fit()
+        final_weights.save(run_dir=out, strategy=strategy, dtype=str(cfg.train.get("save_final", "none")), step=state.step)
         summary = collect_summary(cfg=cfg, ctx=ctx, strategy=strategy, trainer=trainer, peak=peak, timer=timer, state=state,
                                   versions=started)
         if rank == 0:

@@ -13,6 +13,8 @@ Layout of ``<root>/`` (Hydra's job output directory):
 - ``summary.json``: rank 0's :class:`sdp.results.summary.Summary`, written once at the end;
 - ``plan.json``: SDP's coverage plan (which worker holds which unit);
 - ``checkpoints/step_00000012/`` with ``meta.json`` (:mod:`sdp.rank.checkpoint`);
+- ``final/`` (``train.save_final``): the final weights, ``meta.json`` and one ``rank<r>.pt`` per rank
+  (:mod:`sdp.rank.final_weights`), read by ``sdp-bench diagnose``;
 - ``failure.json`` (the job's first failure), ``failure_rank<r>.json`` (each failing rank's own),
   ``failures/<attempt>/rank<r>.json`` (ranks of an external launcher); ``resume_verdicts/<attempt>.json`` (the
   checkpoint rank 0 verified for the job's other processes, while they start);
@@ -31,6 +33,7 @@ METRICS_GZ = METRICS + ".gz"  # the same rows, gzip-compressed (sdp.bench.slim_r
 SUMMARY = "summary.json"
 PLAN = "plan.json"
 CHECKPOINTS = "checkpoints"
+FINAL = "final"  # train.save_final's directory (sdp.rank.final_weights)
 CHECKPOINT_PREFIX = "step_"
 CHECKPOINT_META = "meta.json"  # inside each checkpoint directory
 SHARED_FILE = "shared.pt"  # inside each checkpoint directory, rank 0's: the "shared" state, scheduler, counters
@@ -75,6 +78,11 @@ class RunDir:
     def checkpoint(self, step: int) -> Path:
         """The directory of the checkpoint after ``step`` (complete once it holds ``meta.json``)."""
         return self.checkpoints / f"{CHECKPOINT_PREFIX}{step:08d}"
+
+    @property
+    def final(self) -> Path:
+        """The run's final weights (``train.save_final``): ``meta.json`` and one file per rank."""
+        return self.root / FINAL
 
     @property
     def failure(self) -> Path:
