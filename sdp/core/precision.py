@@ -27,6 +27,8 @@ import torch
 from sdp.errors import one_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TENSOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a tensor stored or sent at
+# one of these widths (final weights, a gradient reduced in a narrower dtype): one table for every key that names one
 PRECISIONS = tuple(DTYPES)  # train.precision's values (its schema field names this tuple)
 
 

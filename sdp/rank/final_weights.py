@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from sdp.core.precision import TENSOR_DTYPES
 from sdp.errors import ConfigError
-from sdp.results.rundir import RunDir, rank_file
+from sdp.results.rundir import CHECKPOINT_META as META, RunDir, rank_file  # the index a checkpoint has too
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = TENSOR_DTYPES
 SAVE_FINAL = ("none", *DTYPES)  # train.save_final's values (its schema field names this tuple)
-META = "meta.json"
 
 
 def save(*, run_dir: Path, strategy: Any, dtype: str, step: int) -> Path | None:
