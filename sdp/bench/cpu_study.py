@@ -81,8 +81,8 @@ STUDIES = {
            "remedy_timing": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50",
            # issue 39: one model at DDP's quality. Per seed, the fixed plan with its final weights kept (what
            # sdp-bench diagnose reads) and the remedies: consolidation over the last 10/20/30 % of the budget, with
-           # distillation, and assembly calibration (consolidation + calibration is not a row: the two keys do not
-           # compose yet, sdp/bench/one_model.py says why)
+           # distillation, and assembly calibration (consolidation + calibration is not a row: the driver refuses the
+           # pair, sdp/bench/one_model.py says why)
            "onemodel": {"fixed": ["variant=b_sdp_c50", "train.save_final=fp32"],
                         "remedies": ["variant=b_sdp_c50_cons10,b_sdp_c50_cons20,b_sdp_c50_cons30,"
                                      "b_sdp_c50_cons20_kd50,b_sdp_c50_cal"]},

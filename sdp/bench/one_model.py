@@ -18,11 +18,9 @@ weights; 95 % Student t, :func:`sdp.report.stats.paired_difference`). The target
 is at most +0.03 nats AND every phase's peak is at most 0.60x DDP's training peak AND the evaluated model costs
 DDP's inference FLOPs. Nothing is written without ``runs/onemodel``, so a study without it renders as before.
 
-Consolidation + calibration is not run (a row appears here if a run sets both keys): as built, the budget's
-two-phase split (``sdp.driver.budget.split_phases``) re-derives the steps from DDP's and drops calibration's charge,
-calibration assembles the model with the forward-masking fill from the run's layout (``sdp.parallel.sdp_calibrate.assembled``),
-which after the switch is the backward-masked full model's, and starts its gates at the evaluation factor that
-consolidation has already put on every branch.
+Consolidation + calibration is not run (a row would appear here if a run set both keys): as built, the driver refuses
+the pair before any rank starts (``sdp.parallel.sdp_config.consolidation_rules``): calibration gates the assembled
+subnetworks of a forward-masked run, while after the consolidation switch every rank trains the full model.
 """
 
 from __future__ import annotations
