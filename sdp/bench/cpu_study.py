@@ -31,7 +31,14 @@ finished job and resumes a checkpointed one when the command is run again):
   the training peak of a step does not depend on how long the run is;
 - ``runs/timing``: every method for 60 steps, seed 0, tracker off, no subnetwork evaluation: the step times
   (median of the steps after warm-up), measured with nothing else running, so that the long sweeps'
-  wall-clock never enters a ratio (the report's seconds to target = steps to target x this step time).
+  wall-clock never enters a ratio (the report's seconds to target = steps to target x this step time);
+- ``runs/onemodel`` (LM, issue 39, run after every other stage): B-SDP C = 0.5 with its fixed plan and its final
+  weights kept (``seed-<s>/fixed``, ``train.save_final``: ``sdp-bench diagnose`` reads them) and the remedies that
+  keep one model (``seed-<s>/remedies``: consolidation over the last 10/20/30 % of the budget, with distillation,
+  assembly calibration), seeds 0-4, one stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
+  ``runs/onemodel/peaks``: one PEAK_STEPS-step run per mechanism with the tracker on, every phase inside it
+  (``onemodelpeaks-cons``: the consolidation switch near the middle; ``onemodelpeaks-cal``: calibration after the
+  last step). The report's section: :mod:`sdp.bench.one_model`.
 
 The report (:mod:`sdp.bench.verdicts`) is written from the run directories only. One more sweep of
 a kind a study has is one more list under its key in :data:`STUDIES` (``extras``: any overrides); a new
@@ -49,6 +56,15 @@ from sdp.bench.gate import gate_stages
 from sdp.bench.runs import ROOT, parser, sdp_train
 from sdp.bench.verdicts import write_index, write_report
 
+PEAK_STEPS, TIMING_STEPS = 20, 60
+# The consolidation share f of a peak run (train.budget=iterations): sdp.driver.budget.split_phases puts the switch at
+# s1 = round(steps (1 - f) r2 / ((1 - f) r2 + f r1)), r1 phase 1's FLOP fraction per step and r2 consolidation's
+# (sdp.parallel.sdp_consolidate.later_phase_fraction): s1 = steps / 2 at f = r2 / (r1 + r2), which is about 0.7 for
+# block-level C = 0.5 on the LM study's model with or without distillation (summary.json budget.phases gives the
+# steps of each phase: the report marks a phase that did not run as not measured)
+PEAK_CONSOLIDATE = 0.7
+PEAK_CALIBRATE_STEPS = 5  # calibration's peak is that of one step (its gates' Adam state is a few floats)
+
 # In the sweeps below the seed is the outer loop, so that a stage stopped early has every rule (every depth)
 # for the seeds it finished: a row with fewer seeds than its neighbours pairs over fewer seeds, not other ones.
 STUDIES = {
@@ -62,7 +78,20 @@ STUDIES = {
            # fixed plan once more (its ensemble column); one sweep per seed and period
            "remedies": {"R50": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50",
                         "R200": "variant=b_sdp_c50_roll200,b_sdp_c50_shuffle200"},
-           "remedy_timing": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50"},
+           "remedy_timing": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50",
+           # issue 39: one model at DDP's quality. Per seed, the fixed plan with its final weights kept (what
+           # sdp-bench diagnose reads) and the remedies: consolidation over the last 10/20/30 % of the budget, with
+           # distillation, and assembly calibration (consolidation + calibration is not a row: the driver refuses the
+           # pair, sdp/bench/one_model.py says why)
+           "onemodel": {"fixed": ["variant=b_sdp_c50", "train.save_final=fp32"],
+                        "remedies": ["variant=b_sdp_c50_cons10,b_sdp_c50_cons20,b_sdp_c50_cons30,"
+                                     "b_sdp_c50_cons20_kd50,b_sdp_c50_cal"]},
+           "onemodel_seeds": 5,
+           # one peak run per mechanism (a phase's peak depends on neither f nor the calibration steps), each
+           # phase inside it: PEAK_CONSOLIDATE puts the switch near PEAK_STEPS / 2, calibration follows the last step
+           "onemodel_peaks": {"cons": ["variant=b_sdp_c50_cons20,b_sdp_c50_cons20_kd50",
+                                       f"parallelism.consolidate={PEAK_CONSOLIDATE}"],
+                              "cal": ["variant=b_sdp_c50_cal", f"parallelism.calibrate_steps={PEAK_CALIBRATE_STEPS}"]}},
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],
               # seeds 3-4 for the pair of the image interval target only (the CPU time of the session; the other
@@ -74,7 +103,6 @@ STUDIES = {
               "remedy_seeds": 3,
               "remedy_timing": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50"},
 }
-PEAK_STEPS, TIMING_STEPS = 20, 60
 REMEDY_TIMING_STEPS = 110  # re-draws at steps 50 and 100 of the *_50 variants, then ten more steps
 MORE_SEEDS = (3, 4)  # beyond the experiment YAML's seeds 0-2
 
@@ -129,6 +157,14 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     once = short(f"variant={','.join(peak_variants)}")
     result.append(("peaks", [*once, *peak_run, f"hydra.sweep.dir={out_runs / 'peaks'}"]))
     result.append(("timing", [*once, *timing_run(TIMING_STEPS), f"hydra.sweep.dir={out_runs / 'timing'}"]))
+    if "onemodel" in spec:  # issue 39 (sdp.bench.one_model), after the stages above (their order kept): each seed's
+        # sweeps, then one peak run per mechanism
+        result += [(f"onemodel-{seed}-{group}", [*common, *select, f"seed={seed}",
+                                                 f"hydra.sweep.dir={out_runs / 'onemodel' / f'seed-{seed}' / group}"])
+                   for seed in range(spec["onemodel_seeds"]) for group, select in spec["onemodel"].items()]
+        result += [(f"onemodelpeaks-{group}", [*short(*select), *peak_run,
+                                               f"hydra.sweep.dir={out_runs / 'onemodel' / 'peaks' / group}"])
+                   for group, select in spec["onemodel_peaks"].items()]
     return result
 
 
@@ -150,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--study", choices=sorted(STUDIES), required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-study")
     ap.add_argument("--only", default=None, help="comma-separated stages to run: gate,main,seeds,extras,depth,remedies,remedytiming,remedypeaks,peaks,"
-                    "timing (default all), or one stage by its full name (e.g. gate-cpu_study_lm-s0-L4)")
+                    "timing,onemodel,onemodelpeaks (default all), or one stage by its full name (e.g. gate-cpu_study_lm-s0-L4)")
     ap.add_argument("--render-only", action="store_true", help="write the report from existing runs")
     args = ap.parse_args(argv)
     if not args.render_only:

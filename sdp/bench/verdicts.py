@@ -16,6 +16,7 @@ from scipy.stats import t as student_t
 from sdp.report.runs import Run, run_figures
 from sdp.bench.frontier import GPU, LINKS, frontier_lines, plot_frontier
 from sdp.bench.gate import gate_section, no_gate_lines
+from sdp.bench.one_model import one_model_section
 from sdp.bench.remedies import remedies_section
 from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, paired_difference
 from sdp.bench.study_report import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, mean_interval,
@@ -256,7 +257,8 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
           f"from runs/timing (60 steps, seed 0, median after warm-up, run with nothing else on the machine); comm "
           f"bytes from the main runs.", "",
           markdown_table(records), "", "![curves](curves.png)", "", *frontier_section(st),
-          "## Verdicts, claim by claim", "", *claims(st), "", *remedies_section(study=st)]
+          "## Verdicts, claim by claim", "", *claims(st), "", *remedies_section(study=st),
+          *one_model_section(study=st)]
     (st.dir / "REPORT.md").write_text("\n".join(md))
     return [st.dir / "REPORT.md", st.dir / "table.csv", *plot(st)]
 

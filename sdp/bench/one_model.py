@@ -1,0 +1,204 @@
+"""The verdict of issue 39 in a CPU study's report: can block-level SDP hand over ONE model (DDP's inference cost)
+at DDP's quality with a training peak of at most 0.60x DDP's in every phase?
+
+Layout read (the study's stages ``onemodel-*`` and ``onemodelpeaks-*``, :mod:`sdp.bench.cpu_study`):
+
+- ``<study>/runs/onemodel/seed-<s>/fixed``: B-SDP C = 0.5 with its fixed plan and its final weights kept
+  (``train.save_final``): the reference row, and the weights ``sdp-bench diagnose`` reads (``diagnosis.json``);
+- ``<study>/runs/onemodel/seed-<s>/remedies``: the remedies, FLOP-matched as every other row: consolidation
+  (``parallelism.consolidate`` = f: the last f of the budget trains the assembled model), with distillation
+  (``parallelism.distill_alpha``), and assembly calibration (``parallelism.calibrate_steps``);
+- ``<study>/runs/onemodel/peaks``: one short run per mechanism with the live-tensor tracker, placed so that every
+  phase it has runs inside it (phase 1, the consolidation phase, calibration): each phase's peak, which does not
+  depend on f (the same model state and step) nor on the number of calibration steps.
+
+Each remedy's assembled model is paired by seed with the main sweep's DDP runs (same seeds, data and initial
+weights; 95 % Student t, :func:`sdp.report.stats.paired_difference`). The target (issue 39, the same as issue 28's:
+:data:`sdp.bench.remedies.MOONSHOT_NATS`, :data:`~sdp.bench.remedies.MOONSHOT_PEAK`) is met when the upper 95 % end
+is at most +0.03 nats AND every phase's peak is at most 0.60x DDP's training peak AND the evaluated model costs
+DDP's inference FLOPs. Nothing is written without ``runs/onemodel``, so a study without it renders as before.
+
+Consolidation + calibration is not run (a row would appear here if a run set both keys): as built, the driver refuses
+the pair before any rank starts (``sdp.parallel.sdp_config.consolidation_rules``): calibration gates the assembled
+subnetworks of a forward-masked run, while after the consolidation switch every rank trains the full model.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
+from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table
+from sdp.report.runs import Run, _max_over_ranks, find_runs
+from sdp.report.stats import Paired, paired_difference, ratio
+
+ONEMODEL, PEAKS = "onemodel", "peaks"  # runs/onemodel and its peak runs (sdp.bench.cpu_study writes them there)
+FIXED = "fixed plan"
+# (column, summary.json memory key) of each training phase: phase 1 is the run's ``train`` phase (the measured
+# steps before a consolidation switch), the later ones are reported only where they ran (sdp.metrics.memory)
+PHASES = (("phase 1", "train_peak_bytes"), ("consolidation", "consolidate_peak_bytes"),
+          ("calibration", "calibrate_peak_bytes"))
+FLOP_TOLERANCE = 1e-9  # the assembled model's inference FLOPs equal DDP's when counted on the same architecture
+
+
+def remedy(run: Run) -> tuple[float | None, float, int]:
+    """(consolidate f or None, distillation alpha, calibration steps) of a run's config: what sets a remedy apart.
+    ``or``: runs recorded before a key existed read as off."""
+    f = run.flat.get("parallelism.consolidate")
+    return (None if f in (None, "null") else float(f), float(run.flat.get("parallelism.distill_alpha") or 0),
+            int(run.flat.get("parallelism.calibrate_steps") or 0))
+
+
+def label(run: Run) -> str:
+    """The table's name of a run's remedy: ``fixed plan`` or its parts, e.g. ``consolidate f=0.2 + distill α=0.5``."""
+    f, alpha, cal = remedy(run)
+    parts = ([] if f is None else [f"consolidate f={f:g}"]) + ([f"distill α={alpha:g}"] if alpha else [])
+    parts += [f"calibrate {cal} steps"] if cal else []
+    return " + ".join(parts) or FIXED
+
+
+def mechanism(run: Run) -> tuple[bool, bool, bool]:
+    """Which phases a run has (consolidation, a distillation teacher beside it, calibration): the key that matches a
+    remedy to its peak run, whatever its f or its calibration steps (neither changes a phase's peak)."""
+    f, alpha, cal = remedy(run)
+    return f is not None, alpha > 0, cal > 0
+
+
+def phases(run: Run) -> list[tuple[str, str]]:
+    """The (column, memory key) of every training phase the run's remedy has."""
+    consolidates, _, calibrates = mechanism(run)
+    return [PHASES[0]] + ([PHASES[1]] if consolidates else []) + ([PHASES[2]] if calibrates else [])
+
+
+def _order(run: Run) -> tuple[bool, bool, float, float, int]:
+    """The fixed plan first, then consolidation by f and alpha, then calibration (alone, then combined)."""
+    f, alpha, cal = remedy(run)
+    return (f is not None or cal > 0, cal > 0, -1.0 if f is None else f, alpha, cal)
+
+
+class OneModel:
+    """The remedy rows of one study against its DDP rows, every figure computed once."""
+
+    def __init__(self, *, study: Study) -> None:
+        self.st = study
+        base = study.dir / "runs" / ONEMODEL
+        quality = [r for r in find_runs(base) if PEAKS not in Path(r.path).relative_to(base).parts]
+        rows = _collect(quality, key=label)
+        self.rows: dict[str, Row] = dict(sorted(rows.items(), key=lambda kv: _order(self.first(kv[1]))))
+        peaks = find_runs(base / PEAKS) if (base / PEAKS).is_dir() else []
+        self.peaks = {mechanism(r): r for r in peaks if r.ok}
+
+    @staticmethod
+    def first(row: Row) -> Run:
+        return row.runs[min(row.runs)]
+
+    def paired(self, name: str) -> Paired:
+        """The assembled (evaluated) model minus DDP's, paired by seed with the main sweep's DDP runs."""
+        return paired_difference(self.rows[name].values("eval_loss"), self.st.ddp.values("eval_loss"))
+
+    def peak_ratios(self, name: str) -> dict[str, float | None]:
+        """Each phase's measured training peak (fullest rank) over DDP's (runs/peaks): the fixed plan's phase 1 is
+        the main study's B-SDP C = 0.5 peak run, a remedy's every phase its mechanism's run in runs/onemodel/peaks."""
+        ddp_row, run = self.st.peaks.get("DDP"), self.first(self.rows[name])
+        ddp = None if ddp_row is None else ddp_row.mean_std("train_peak_bytes")[0]
+        if not any(mechanism(run)):
+            row = self.st.peaks.get("B-SDP C=0.5")
+            return {PHASES[0][0]: ratio(None if row is None else row.mean_std("train_peak_bytes")[0], ddp)}
+        peak_run = self.peaks.get(mechanism(run))
+        return {col: ratio(None if peak_run is None else _max_over_ranks(peak_run.summary.memory_per_rank, key), ddp)
+                for col, key in phases(run)}
+
+    def inference(self, name: str) -> float | None:
+        """The evaluated model's FLOPs per sample over DDP's, from each summary's model FLOP count
+        (``budget.flops_per_sample``: the full architecture's, which the assembled model runs once)."""
+        per = lambda row: [(r.summary.budget or {}).get("flops_per_sample") for r in row.runs.values()]  # noqa: E731
+        mine, ddp = [v for v in per(self.rows[name]) if v], [v for v in per(self.st.ddp) if v]
+        return ratio(max(mine), min(ddp)) if mine and ddp else None
+
+    def misses(self, name: str) -> list[str]:
+        """Every part of the target the row misses (empty: target met), each with its figure."""
+        p, out = self.paired(name), []
+        if p.mean is None:
+            out.append("no run paired with DDP by seed")
+        elif p.half_width is None:
+            out.append(f"quality: one seed ({p.mean:+.3f} nats), no interval")
+        elif p.mean + p.half_width > MOONSHOT_NATS:
+            out.append(f"quality: upper 95 % end {p.mean + p.half_width:+.3f} > +{MOONSHOT_NATS} nats")
+        for col, value in self.peak_ratios(name).items():
+            if value is None:
+                out.append(f"{col} peak not measured")
+            elif value > MOONSHOT_PEAK:
+                out.append(f"{col} peak {value:.3f}x > {MOONSHOT_PEAK:.2f}x DDP's")
+        cost = self.inference(name)
+        if cost is None or cost > 1 + FLOP_TOLERANCE:
+            out.append(f"inference FLOPs {fmt(cost, '.2f')}x DDP's (target 1.00x)")
+        return out
+
+    def records(self) -> list[dict[str, str]]:
+        out = []
+        for name, row in self.rows.items():
+            p, peaks = self.paired(name), self.peak_ratios(name)
+            misses = self.misses(name)
+            out.append({"remedy (B-SDP C=0.5)": name + (" (reference)" if name == FIXED else ""),
+                        "seeds": ",".join(map(str, sorted(row.runs))), "pairs with DDP": str(p.n),
+                        "assembled − DDP": interval(p),
+                        "upper 95 % end": "–" if p.mean is None or p.half_width is None else f"{p.mean + p.half_width:+.3f}",
+                        **{f"{col} peak x DDP": fmt(peaks[col]) if col in peaks else "n/a" for col, _ in PHASES},
+                        "inference FLOPs x DDP": fmt(self.inference(name), ".2f"),
+                        "target": "met" if not misses else "not met"})
+        return out
+
+
+def diagnosis_lines(*, study: Study) -> tuple[list[str], list[str]]:
+    """HOOK for issue 39 item 1 (``sdp.bench.diagnosis_verdict``, built on branch wt-diagnose): (the diagnosis
+    section of the runs' ``diagnosis.json`` files, the explanations each supports). Empty while that module is
+    absent (this module is then usable on its own) or no run was diagnosed (``sdp-bench diagnose RUN_DIR``)."""
+    if importlib.util.find_spec("sdp.bench.diagnosis_verdict") is None:
+        return [], []
+    from sdp.bench import diagnosis_verdict as D
+
+    diags = D.read_all(study.dir / "runs" / ONEMODEL)
+    return D.section(diags), [f"{Path(d['run_dir']).name}: " + (", ".join(D.verdict(d)["explanations"]) or "neither explanation")
+                              for d in diags]
+
+
+def verdict_lines(*, one: OneModel, explanations: list[str]) -> list[str]:
+    """One line per row (met, or which parts missed with their figures) and the study's one-line verdict."""
+    out, met = [], []
+    for name in one.rows:
+        misses = one.misses(name)
+        met += [] if misses else [name]
+        out.append(f"- {name}: " + ("target met" if not misses else f"not met ({'; '.join(misses)})"))
+    why = "" if not explanations else (" Diagnosis of the fixed plan's assembly gap, per diagnosed run: "
+                                       + "; ".join(explanations) + ".")
+    remedies = [n for n in one.rows if n != FIXED]
+    line = (f"**Verdict: target met** by {', '.join(met)}." if [n for n in met if n != FIXED]
+            else f"**Verdict: not met** by any of the {len(remedies)} remedies run.{why}")
+    return [*out, "", line]
+
+
+def one_model_section(*, study: Study) -> list[str]:
+    """The markdown lines of the section (none without ``runs/onemodel``); writes ``one_model.csv``."""
+    if not (study.dir / "runs" / ONEMODEL).is_dir():
+        return []
+    one = OneModel(study=study)
+    if not one.rows:
+        return []
+    records = one.records()
+    with open(study.dir / "one_model.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    diagnosis, explanations = diagnosis_lines(study=study)
+    return ["## One model at DDP's quality (issue 39)", "",
+            f"Target: the assembled (one) model's eval loss − DDP's, upper 95 % end ≤ +{MOONSHOT_NATS} nats (paired by "
+            f"seed with the main sweep's DDP runs, Student t), the training peak of every phase ≤ {MOONSHOT_PEAK:.2f}x "
+            "DDP's, inference at DDP's FLOPs. B-SDP C = 0.5, FLOP-matched (every extra forward and recomputation "
+            "charged). Peaks: measured (live-tensor tracker, fullest rank) in one short run per mechanism "
+            "(runs/onemodel/peaks: the consolidation switch inside the run, calibration after it); the fixed plan's "
+            "from runs/peaks; 'n/a' = the remedy has no such phase. sdp-plan's predicted peaks are not recorded in "
+            "summary.json: `sdp-plan` with a run's overrides prints them. Inference FLOPs: the evaluated model's FLOP "
+            "count per sample (summary.json budget.flops_per_sample) over DDP's.", "",
+            markdown_table(records), "", *verdict_lines(one=one, explanations=explanations), "", *diagnosis]
