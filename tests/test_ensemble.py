@@ -158,15 +158,15 @@ def test_at_half_coverage_the_ensemble_is_the_mean_of_the_workers_probabilities(
     for r, g in enumerate(got):
         row = g["row"]
         print(f"rank {r} C=0.5 {config['model']['name']}: ensemble loss {row['eval_loss_ensemble']:.6f} "
-              f"(reference {ref_loss:.6f}) acc {row['eval_accuracy_ensemble']} (reference {ref_acc:.4f}) | "
-              f"workers' {row['eval_loss_workers']:.6f} acc {row['eval_accuracy_workers']} | assembled {row['eval_loss']:.6f} "
-              f"acc {row['eval_accuracy']} | pass peak without / with ensemble {g['peaks'][False]} / {g['peaks'][True]} B")
+              f"(reference {ref_loss:.6f}) acc {row.get('eval_accuracy_ensemble')} (reference {ref_acc:.4f}) | "
+              f"workers' {row['eval_loss_workers']:.6f} acc {row.get('eval_accuracy_workers')} | assembled {row['eval_loss']:.6f} "
+              f"acc {row.get('eval_accuracy')} | pass peak without / with ensemble {g['peaks'][False]} / {g['peaks'][True]} B")
         assert row["eval_loss_workers"] == pytest.approx(sum(own) / len(own), rel=1e-5), (row, own)  # the same subnetworks
         assert row["eval_loss_ensemble"] == pytest.approx(ref_loss, rel=1e-5), (row, ref_loss)
         if classify:
             assert row["eval_accuracy_ensemble"] == pytest.approx(ref_acc, abs=1e-12), (row, ref_acc)
         else:
-            assert row["eval_accuracy_ensemble"] is None, row
+            assert row.get("eval_accuracy_ensemble") is None, row  # a language model's row has no accuracy
         batch_probs = g["batch_rows"] * probs.shape[-1] * 4  # one batch of float32 probabilities
         extra = g["peaks"][True] - g["peaks"][False]
         assert extra <= batch_probs, f"rank {r}: the ensemble adds {extra} B to the pass's peak, over one batch of " \

@@ -143,13 +143,17 @@ def committed_runs() -> list[tuple[Path, dict, dict]]:
 
 
 def test_committed_cpu_study_runs_keep_their_schedule() -> None:
-    """Every committed CPU-study run resolves to the schedule it ran with (its scale is 1, or its scaled keys
-    are 0), so the config skip_done compares is the one config.yaml records."""
+    """Every committed CPU-study run resolves to the schedule it ran with: its scheduled keys as the command gave
+    them (summary.json's budget.schedule bases; runs recorded before it: scale 1 or keys at 0) scale to the values
+    config.yaml records, so the config skip_done compares is the one config.yaml records."""
     runs = committed_runs()
     extended = [p for p, _, s in runs if (s.get("budget") or {}).get("step_ratio", 1.0) != 1.0]
     assert len(runs) > 100 and len(extended) > 30, (len(runs), len(extended))
     for path, cfg, summary in runs:
-        scaled = budgets.scaled_schedule(OmegaConf.create(cfg), step_ratio=summary["budget"]["step_ratio"])
+        base = OmegaConf.create(cfg)  # the keys as the command gave them: config.yaml records them scaled
+        for key, rec in ((summary["budget"].get("schedule")) or {}).items():
+            OmegaConf.update(base, key, rec["base"])
+        scaled = budgets.scaled_schedule(base, step_ratio=summary["budget"]["step_ratio"])
         for key, values in scaled.items():
             section, leaf = key.split(".")
             assert values["scaled"] == cfg[section][leaf], (path, key, values)
