@@ -28,6 +28,7 @@ def phases(summary: dict) -> list[int]:
 
 
 @pytest.mark.dist
+@pytest.mark.core  # the equivalence no other default-tier test checks: consolidation at C = 1 is DDP
 @pytest.mark.timeout(600)
 def test_consolidation_at_full_coverage_is_ddp(tmp_path: Path) -> None:
     """C = 1: every worker holds every block, so the switch moves nothing and consolidation (backward masking of a
