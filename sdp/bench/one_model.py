@@ -25,12 +25,11 @@ subnetworks of a forward-masked run, while after the consolidation switch every 
 
 from __future__ import annotations
 
-import csv
-import importlib.util
 from pathlib import Path
 
+from sdp.bench import diagnosis_verdict as D
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
-from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table
+from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, write_csv
 from sdp.report.runs import Run, _max_over_ranks, find_runs
 from sdp.report.stats import Paired, paired_difference, ratio
 
@@ -152,13 +151,8 @@ class OneModel:
 
 
 def diagnosis_lines(*, study: Study) -> tuple[list[str], list[str]]:
-    """HOOK for issue 39 item 1 (``sdp.bench.diagnosis_verdict``, built on branch wt-diagnose): (the diagnosis
-    section of the runs' ``diagnosis.json`` files, the explanations each supports). Empty while that module is
-    absent (this module is then usable on its own) or no run was diagnosed (``sdp-bench diagnose RUN_DIR``)."""
-    if importlib.util.find_spec("sdp.bench.diagnosis_verdict") is None:
-        return [], []
-    from sdp.bench import diagnosis_verdict as D
-
+    """(The diagnosis section of the runs' ``diagnosis.json`` files (:mod:`sdp.bench.diagnosis_verdict`), the
+    explanations each supports); empty where no run was diagnosed (``sdp-bench diagnose RUN_DIR``)."""
     diags = D.read_all(study.dir / "runs" / ONEMODEL)
     return D.section(diags), [f"{Path(d['run_dir']).name}: " + (", ".join(D.verdict(d)["explanations"]) or "neither explanation")
                               for d in diags]
@@ -187,10 +181,7 @@ def one_model_section(*, study: Study) -> list[str]:
     if not one.rows:
         return []
     records = one.records()
-    with open(study.dir / "one_model.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
+    write_csv(study.dir / "one_model.csv", records)
     diagnosis, explanations = diagnosis_lines(study=study)
     return ["## One model at DDP's quality (issue 39)", "",
             f"Target: the assembled (one) model's eval loss − DDP's, upper 95 % end ≤ +{MOONSHOT_NATS} nats (paired by "

@@ -18,11 +18,10 @@ made in the same sweep on the same machine, not to the timing runs of another se
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from sdp.report.runs import Run, _max_over_ranks, find_runs, run_figures
 from sdp.report.stats import Paired, paired_difference
-from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, mean_interval, row_name
+from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, mean_interval, row_name, write_csv
 
 MOONSHOT_NATS, MOONSHOT_PEAK = 0.03, 0.60  # issue 28's target: upper 95 % end within +0.03 nats, peak <= 0.60x DDP
 
@@ -195,10 +194,7 @@ def remedies_section(*, study: Study) -> list[str]:
     if not rem.rows:
         return []
     records = rem.records()
-    with open(study.dir / "remedies.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
+    write_csv(study.dir / "remedies.csv", records)
     return ["## Remedies for the assembly gap (issue 28)", "",
             "B-SDP C = 0.5, FLOP-matched, paired by seed with the main sweep's DDP runs (95 % Student t). "
             "Re-draws: `parallelism.redraw` = shuffle (interchangeable units permuted, loads kept) or rolling "

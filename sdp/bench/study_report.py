@@ -16,6 +16,7 @@ and losses are measured; the model-state ratio follows from the plan and is labe
 
 from __future__ import annotations
 
+import csv
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,6 +251,15 @@ def _order(name: str) -> tuple[int, str]:
         if name == prefix or name.startswith(prefix + " ") or (prefix == "DDP+" and name.startswith(prefix)):
             return i, name
     return 9, name
+
+
+def write_csv(path: Path, records: list[dict[str, str]]) -> None:
+    """``records`` (one dict per row, the first one's keys the header) as a CSV file: every section's table
+    beside the report (table.csv, remedies.csv, one_model.csv) is written by this one function."""
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
 
 
 def markdown_table(records: list[dict[str, str]]) -> str:

@@ -6,7 +6,6 @@ runs rewrites the verdicts too.
 
 from __future__ import annotations
 
-import csv
 import math
 import statistics
 from pathlib import Path
@@ -20,7 +19,7 @@ from sdp.bench.one_model import one_model_section
 from sdp.bench.remedies import remedies_section
 from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, paired_difference
 from sdp.bench.study_report import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, mean_interval,
-                                    pm, verdict)
+                                    pm, verdict, write_csv)
 
 LM_TARGET_HW, IMAGE_TARGET_HW = 0.02, 1.5  # issue 17's interval targets (nats; accuracy points)
 
@@ -237,10 +236,7 @@ def write_report(*, study_dir: Path, study: str, header: str = "") -> list[Path]
     """Write REPORT.md, table.csv and the plots of one study; returns the files written."""
     st = Study(study_dir=study_dir, study=study)
     records = st.table()
-    with open(st.dir / "table.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
+    write_csv(st.dir / "table.csv", records)
     ddp = st.ddp.runs[min(st.ddp.runs)].summary
     every = [r for rows in (st.rows, st.peaks, st.timing) for row in rows.values() for r in row.runs.values()]
     every += [r for rows in st.depth.values() for row in rows.values() for r in row.runs.values()]
