@@ -18,6 +18,7 @@ from sdp.models.base import SDPModel
 from sdp.models.llama import LLaMA
 from sdp.models.mlp import MLP
 from sdp.models.resnet import ResNetCIFAR
+from sdp.parallel.sdp_final import eval_scale
 from tests.helpers import CORE, batch, compose, config_dict, make_strategy, run_job, spawn
 
 LLAMA = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=16", "optim=adamw", "train.batch_size=2",
@@ -86,7 +87,7 @@ def _fit_lowers(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]
         strategy.train_step(inputs=x, targets=y, loss_fn=loss_fn, timer=_NoTimer(), step=step)
     batches = [batch(data, cfg, step=s, rank=rank, world_size=world) for s in range(4, 7)]
     blocks = sorted(split_blocks(strategy.plan))
-    init = C.init_factor(rescale=strategy.rescale, plan=strategy.plan)
+    init = eval_scale(plan=strategy.plan, rescale=strategy.rescale)
     kept = {k: v.clone() for k, v in strategy.module.state_dict().items()}
     common = dict(blocks=blocks, batches=batches, loss_fn=loss_fn, autocast=strategy.autocast, ctx=strategy.ctx)
     with C.assembled(module=strategy.module, skeleton=strategy.skeleton, pieces=strategy.pieces, layout=strategy.layout,

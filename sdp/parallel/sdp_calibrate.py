@@ -66,12 +66,6 @@ def post_training(cls: Any, *, cfg: DictConfig) -> PostTraining | None:
     return PostTraining(name=PHASE, steps=steps, step_fraction=step_fraction()) if steps else None
 
 
-def init_factor(*, rescale: str, plan: Plan) -> float:
-    """The gates' initial value: the factor evaluation would put on every unit's branch without calibration
-    (:func:`sdp.parallel.sdp_final.eval_scale`), so 0 steps or a learning rate of 0 evaluate what evaluation did."""
-    return eval_scale(plan=plan, rescale=rescale)
-
-
 @dataclass
 class Calibration:
     """What a calibration fitted and measured (``summary.json`` ``strategy_info.calibrate``, checkpoint ``extra``)."""
@@ -178,7 +172,7 @@ def calibrate(*, module: SDPModel, skeleton: SDPModel, pieces: list[Piece], layo
     assembled for evaluation."""
     for p in module.parameters():
         p.grad = None  # the last update is done and no step follows: gradients are not part of the model
-    out = Calibration(steps=steps, lr=lr, init=init_factor(rescale=rescale, plan=plan))
+    out = Calibration(steps=steps, lr=lr, init=eval_scale(plan=plan, rescale=rescale))  # evaluation's factor: 0 steps change nothing
     with ctx.comm.phase_as(PHASE), measured_phase(PHASE) as measured:
         with assembled(module=module, skeleton=skeleton, pieces=pieces, layout=layout, plan=plan, groups=groups,
                        ctx=ctx) as full:
@@ -216,7 +210,7 @@ class Calibrated:
         s: Any = self
         if self.calibration is not None:
             return 1.0, self.calibration.gates
-        return init_factor(rescale=s.rescale, plan=s.plan), None
+        return eval_scale(plan=s.plan, rescale=s.rescale), None
 
     def calibration_extra(self) -> dict[str, Any]:
         """``{"calibrate": ...}`` once calibrated (summary's ``strategy_info``, checkpoint ``extra``), else {}."""
