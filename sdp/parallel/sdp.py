@@ -3,7 +3,7 @@
 Wiring: :mod:`sdp.subnet.plan` says who holds which unit, :mod:`sdp.subnet.masking` turns the full model into this
 worker's subnetwork, :mod:`sdp.subnet.sync` averages gradients over holder sets, :mod:`sdp.subnet.assemble` rebuilds
 the full model for evaluation, :mod:`sdp.subnet.redraw` moves the pieces that change hands at a re-draw (values, and
-optimizer state: :mod:`sdp.subnet.carry`).
+optimizer state: :mod:`sdp.subnet.carry`); what the ranks evaluate is :mod:`sdp.parallel.sdp_eval`'s.
 
 The worker builds the model on the meta device and passes it to ``setup``: under forward masking, masking materialises
 (on the CPU, seeded per module, :mod:`sdp.models.init`) only the tensors this rank holds, narrowing neuron-level
@@ -17,9 +17,8 @@ holders, run, dropped), so it never holds the full model either (traffic: ``comm
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig
 from torch import nn
@@ -35,19 +34,21 @@ from sdp.parallel.base import OptimizerFactory, Strategy
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Coverage, Overlap, StrategySpec, register
 from sdp.parallel import sdp_calibrate, sdp_config, sdp_consolidate as SC, sdp_final, sdp_plan, sdp_redraw_plan, sdp_traffic
+from sdp.parallel.sdp_eval import AssembledEval
 from sdp.parallel.sdp_peaks import sdp_peaks
 from sdp.parallel.sdp_plan import plan_for, plan_lists
 from sdp.parallel.plan_entries import Entry
 from sdp.subnet import masking as M
-from sdp.subnet.assemble import PartwiseAssembly, assemble, own_evaluated, set_branch_scales, split_blocks, tensor_map
+from sdp.subnet.assemble import split_blocks, tensor_map
 from sdp.subnet import redraw as R
 from sdp.subnet.plan import Plan
 from sdp.subnet.holder_groups import GroupSet, check_same_plan
 from sdp.subnet.sync import OwnerSetSync
 
 
-class SDPStrategy(SC.Consolidating, sdp_calibrate.Calibrated, Strategy):
-    """Forward or backward masking at block or neuron level, owner-set gradient averaging (on the ranks)."""
+class SDPStrategy(SC.Consolidating, sdp_calibrate.Calibrated, AssembledEval, Strategy):
+    """Forward or backward masking at block or neuron level, owner-set gradient averaging (on the ranks); evaluation:
+    :class:`~sdp.parallel.sdp_eval.AssembledEval`."""
 
     materialises_held = True  # forward masking materialises only the held units and the shared parts
 
@@ -153,54 +154,6 @@ class SDPStrategy(SC.Consolidating, sdp_calibrate.Calibrated, Strategy):
         self.redraws += 1
         self.redraw_log.append({"draw": draw, "peak_bytes": measured["peak_bytes"], "sent_bytes": [t["sent_bytes"] for t in table],
                                 "received_bytes": [t["received_bytes"] for t in table]})
-
-    # ---- evaluation ---------------------------------------------------------------------------------
-    def _assemble(self) -> SDPModel:
-        assert self.groups is not None
-        return assemble(skeleton=self.skeleton, pieces=self.pieces, layout=self.layout, plan=self.plan,
-                        masking=self.mode, groups=self.groups, ctx=self.ctx)
-
-    @contextmanager
-    def eval_module(self) -> Iterator[nn.Module | PartwiseAssembly]:
-        """The assembled full model (BatchNorm statistics averaged over the workers that ran each
-        layer), each unit scaled per ``parallelism.rescale`` (block level its branch, neuron level only
-        what its split hidden units produce: :meth:`~sdp.models.base.ResidualBlock.set_scale`); the
-        trainer applies the evaluation protocol (``eval.bn``) to it as to every strategy's model. It comes part by part
-        (:class:`~sdp.subnet.assemble.PartwiseAssembly`: stem, each block, head, each built from its holders, run and
-        dropped), so no rank ever holds the full model; one that cannot be cut (tied weights, a custom forward) is whole."""
-        scale, gates = self.eval_factor()  # after calibration: no factor, its gates folded in (sdp_calibrate)
-        assert self.groups is not None
-        parts = PartwiseAssembly(skeleton=self.skeleton, pieces=self.pieces, layout=self.layout, plan=self.plan,
-                                 masking=self.mode, groups=self.groups, ctx=self.ctx, scale=scale, gates=gates)
-        if len(parts):  # no parts: the model cannot be cut (partwise_names)
-            try:
-                yield parts
-            finally:
-                self.eval_copy_bytes = max(self.eval_copy_bytes, parts.part_bytes)
-            return
-        with self.ctx.comm.phase_as("eval"):
-            full = self._assemble()
-            set_branch_scales(full, self.plan, scale=scale, gates=gates)
-        self.eval_copy_bytes = max(self.eval_copy_bytes, sum(t.numel() * t.element_size() for t in tensor_map(full).values()))
-        full.eval()
-        try:
-            yield full
-        finally:
-            del full
-
-    @contextmanager
-    def subnetwork_module(self) -> Iterator[nn.Module | None]:
-        """Under forward masking, the subnetwork this worker trained, evaluated as trained (its own
-        units, its ``rescale=train`` scales, no k/n): the model whose quality the assembly gap compares
-        the assembled one with; under ``eval.bn=average`` with the statistics of its units in the assembled
-        model (:func:`~sdp.subnet.assemble.own_evaluated`). Backward masking trains the full model on every worker: None."""
-        if self.mode != "forward":
-            yield None
-            return
-        assert self.module is not None and self.groups is not None
-        with own_evaluated(module=self.module, pieces=self.pieces, layout=self.layout, masking=self.mode, groups=self.groups,
-                           ctx=self.ctx, average=self.job.eval_bn == "average") as own:
-            yield own
 
     # ---- reporting ----------------------------------------------------------------------------------
     def summary_extra(self) -> dict[str, Any]:
