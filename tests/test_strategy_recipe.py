@@ -95,7 +95,7 @@ def test_the_docs_typed_strategy_is_one_module_and_one_yaml(tmp_path: Path) -> N
     line = refused.stderr.strip().splitlines()[-1]
     assert line == "sdp-plan: parallelism.reduce_dtype='fp8' is invalid: allowed: fp32, bf16, fp16", refused.stderr[-2000:]
 
-    tests = _run(["-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/test_typed_config.py", "-k",
+    tests = _run(["-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/test_typed_config.py", "tests/test_schema_fields.py", "-k",
                   f"{name} or written_once or docstring or numeric_field"], root=root, env=env)
     for test in (f"test_every_parallelism_preset_composes_into_its_schema[{name}]", "test_each_set_of_allowed_values_is_written_once",
                  "test_every_field_has_a_type_and_a_docstring", "test_every_numeric_field_has_a_range"):
