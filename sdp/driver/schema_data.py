@@ -49,8 +49,11 @@ class SyntheticArgs(ImageArgs):
 
 
 @dataclass
-class SyntheticTextArgs:
-    """``sdp.data.synthetic.build_text`` (``dataset=synthetic_text``)."""
+class GeneratedTextArgs:
+    """The keys every generated token dataset reads (``synthetic_text``, ``pointer``, ``automaton``): one
+    declaration of each, so a key means the same in all three. A task whose sequences need more room than one token
+    (the pointer's program and queries, the automaton's k-token and cells) raises its bound by declaring the field
+    again in its own schema, in the same place, with the same meaning."""
 
     num_samples: int = key(at_least=1)
     """Training sequences."""
@@ -61,7 +64,12 @@ class SyntheticTextArgs:
     vocab_size: int = key(at_least=1)
     """Token id range."""
     seed: int = key(at_least=0)
-    """Data generator seed."""
+    """Generator seed of both sets (independent of the run seed: every run reads the same sequences)."""
+
+
+@dataclass
+class SyntheticTextArgs(GeneratedTextArgs):
+    """``sdp.data.synthetic.build_text`` (``dataset=synthetic_text``): the generated keys as they are."""
 
 
 @dataclass
@@ -122,9 +130,11 @@ class StandInArgs:
 
 
 @dataclass
-class PointerArgs:
+class PointerArgs(GeneratedTextArgs):
     """``sdp.data.pointer.build`` (``dataset=pointer``: pointer chasing; the builder checks the rules of
-    several keys: the sequence fits the program and queries, the names are enough, the vocabulary holds them)."""
+    several keys: the sequence fits the program and queries, the names are enough, the vocabulary holds them).
+    ``seq_len`` and ``vocab_size`` are the generated keys with this task's floors (its program and its token kinds need
+    more than one token; the builder checks the exact rule of several keys)."""
 
     seq_len: int = key(at_least=4)
     """Tokens per sequence."""
@@ -140,18 +150,13 @@ class PointerArgs:
     """Bindings per chain: the most lookups a query needs."""
     queries: int = key(at_least=1)
     """Scored queries per sequence."""
-    num_samples: int = key(at_least=1)
-    """Training sequences."""
-    num_val: int = key(at_least=1)
-    """Validation sequences."""
-    seed: int = key(at_least=0)
-    """Generator seed of both sets (fixed: every run reads the same sequences)."""
 
 
 @dataclass
-class AutomatonArgs:
+class AutomatonArgs(GeneratedTextArgs):
     """``sdp.data.automaton.build`` (``dataset=automaton``: k steps of a causal cellular automaton; the builder
-    checks that the vocabulary holds the symbols and the k-tokens)."""
+    checks that the vocabulary holds the symbols and the k-tokens). ``seq_len`` and ``vocab_size`` are the generated
+    keys with this task's floors: a k-token and one cell; two symbols and one k."""
 
     seq_len: int = key(at_least=2)
     """Tokens per sequence: the k-token and seq_len - 1 cells."""
@@ -163,12 +168,6 @@ class AutomatonArgs:
     """k is drawn from 1..max_steps per sequence."""
     rule_seed: int = key(at_least=0)
     """Seed of the rule's table."""
-    num_samples: int = key(at_least=1)
-    """Training sequences."""
-    num_val: int = key(at_least=1)
-    """Validation sequences."""
-    seed: int = key(at_least=0)
-    """Generator seed of both sets (fixed: every run reads the same sequences)."""
 
 
 DATASETS: dict[str, type] = {"sdp.data.digits.build": DigitsArgs, "sdp.data.synthetic.build": SyntheticArgs,
