@@ -137,3 +137,30 @@ def test_every_number_and_boolean_of_a_built_node_has_its_schema(group: str) -> 
                 assert k in declared, f"conf/{group}/{path.name}: {k}={v!r} has no field in {schema_cls.__name__}"
                 checked += 1
     assert checked >= 5, f"only {checked} keys checked: the walk misses keys"
+
+
+def test_a_shared_key_is_declared_once() -> None:
+    """Schemas whose keys mean the same extend the one that declares them (DDP's presets ``DDPConfig``, the drop
+    baselines DDP's ``DDPReducerConfig``, the generated token datasets ``GeneratedTextArgs``), so a key is written
+    once; a field a schema declares again, over its base's, must change the rule (a tighter range), not copy it."""
+    from sdp.driver.schema_data import AutomatonArgs, GeneratedTextArgs, PointerArgs, SyntheticTextArgs
+    from sdp.parallel.ddp import DDPConfig, DDPReducerConfig
+    from sdp.parallel.ddp_ac import DDPACConfig
+    from sdp.parallel.ddp_drop import DropConfig
+    from sdp.parallel.powersgd import PowerSGDConfig
+
+    families = {DDPConfig: (DDPACConfig, PowerSGDConfig), DDPReducerConfig: (DDPConfig, DropConfig),
+                GeneratedTextArgs: (SyntheticTextArgs, PointerArgs, AutomatonArgs)}
+    for base, members in families.items():
+        apart = [m.__name__ for m in members if not issubclass(m, base)]
+        assert not apart, f"{apart} repeat {base.__name__}'s keys instead of extending it"
+    again = []
+    for cls, f, _ in schema_fields():
+        if f.name not in vars(cls).get("__annotations__", {}):
+            continue  # inherited: declared once, in the base
+        for base in cls.__mro__[1:]:
+            above = {g.name: g for g in dataclasses.fields(base)} if is_schema(base) else {}
+            if f.name in above and above[f.name].metadata == f.metadata:
+                again.append(f"{cls.__name__}.{f.name} (as in {base.__name__})")
+    assert not again, f"fields declared again with their base's rule: {again}"
+

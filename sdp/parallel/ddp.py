@@ -141,8 +141,9 @@ def ddp_peaks(*, job: JobFacts, model: SDPModel, eval_batch: int, prepare: Calla
 
 
 @dataclass
-class DDPConfig:
-    """``parallelism=ddp``: DistributedDataParallel, every rank holds the whole model."""
+class DDPReducerConfig:
+    """The keys of torch's DDP wrapper that every preset running it shares (``ddp``, ``ddp_ac``, ``powersgd``, the
+    drop baselines): declared once, so each means the same in all; a preset's schema adds its own keys after them."""
 
     name: str = key()
     """The strategy, looked up in sdp.parallel.STRATEGIES."""
@@ -150,6 +151,14 @@ class DDPConfig:
     """Gradient bucket size in MiB."""
     broadcast_buffers: bool = flag()
     """Broadcast BatchNorm buffers from rank 0 every forward (false: ranks keep their own)."""
+
+
+@dataclass
+class DDPConfig(DDPReducerConfig):
+    """``parallelism=ddp``: DistributedDataParallel, every rank holds the whole model (and the presets that are DDP
+    with one more setting: ``ddp_ac``, ``powersgd``). The drop baselines lack ``find_unused_parameters``: their
+    strategy sets it from the survival probability."""
+
     find_unused_parameters: bool = flag()
     """Only for models with parameters unused in some steps."""
 

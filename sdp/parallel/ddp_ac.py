@@ -10,25 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sdp.core.fields import Number, flag, key
-from sdp.parallel.ddp import DDPSpec, DDPStrategy
+from sdp.core.fields import key
+from sdp.parallel.ddp import DDPConfig, DDPSpec, DDPStrategy
 from sdp.parallel.spec import register
 
 
 @dataclass
-class DDPACConfig:
-    """``parallelism=ddp_ac``: a preset, DDP with ``train.ac=full`` at its own ``ac_every`` (sdp.parallel.job.ac_every)."""
+class DDPACConfig(DDPConfig):
+    """``parallelism=ddp_ac``: a preset, DDP (its keys, :class:`~sdp.parallel.ddp.DDPConfig`) with ``train.ac=full`` at
+    its own ``ac_every`` (sdp.parallel.job.ac_every)."""
 
-    name: str = key()
-    """The strategy, looked up in sdp.parallel.STRATEGIES."""
     ac_every: int = key(at_least=1)
     """Checkpoint blocks 0, k, 2k, ... (1: every block); read as train.ac_every."""
-    bucket_cap_mb: Number = key(above=0)
-    """Gradient bucket size in MiB."""
-    broadcast_buffers: bool = flag()
-    """As in parallelism=ddp."""
-    find_unused_parameters: bool = flag()
-    """As in parallelism=ddp."""
 
 
 @register("ddp_ac")

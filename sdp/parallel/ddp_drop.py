@@ -31,7 +31,7 @@ from sdp.metrics.flops import BlockShare, forward_fraction
 from sdp.metrics.timing import PhaseTimer
 from sdp.models.base import ResidualBlock, SDPModel
 from sdp.parallel.base import LossFn, OptimizerFactory, StepResult
-from sdp.parallel.ddp import DDPSpec, DDPStrategy
+from sdp.parallel.ddp import DDPReducerConfig, DDPSpec, DDPStrategy
 from sdp.parallel.spec import Coverage, register
 from sdp.parallel.job import JobFacts
 
@@ -112,21 +112,17 @@ class _DropStrategy(DDPStrategy):
 
 
 @dataclass
-class DropConfig:
-    """``parallelism=ddp_stochastic_depth`` (and :class:`LayerDropConfig`'s keys): DDP whose ranks skip residual branches."""
+class DropConfig(DDPReducerConfig):
+    """``parallelism=ddp_stochastic_depth`` (and :class:`LayerDropConfig`'s keys): DDP whose ranks skip residual branches
+    (DDP's reducer keys, :class:`~sdp.parallel.ddp.DDPReducerConfig`; ``find_unused_parameters`` is not a key: set
+    whenever p < 1)."""
 
-    name: str = key()
-    """The strategy, looked up in sdp.parallel.STRATEGIES."""
     survival_prob: Number = key(above=0, at_most=1)
     """p in (0, 1]: a block's survival probability (the last block's under linear decay)."""
     decay: str = key(choices=("uniform", "linear"))
     """uniform: p for every block | linear: block l of n survives with 1 - (l+1)/n (1 - p) (stochastic depth only)."""
     rescale: bool = flag()
     """Scale a kept branch by 1 / its survival probability."""
-    bucket_cap_mb: Number = key(above=0)
-    """Gradient bucket size in MiB."""
-    broadcast_buffers: bool = flag()
-    """As in parallelism=ddp."""
 
 
 @dataclass

@@ -37,7 +37,7 @@ from sdp.core.fields import Number, flag, key
 from sdp.errors import require
 from sdp.metrics.collectives import count_collectives
 from sdp.models.base import SDPModel
-from sdp.parallel.ddp import DDPSpec, DDPStrategy, ddp_bucket_members
+from sdp.parallel.ddp import DDPConfig, DDPSpec, DDPStrategy, ddp_bucket_members
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import Overlap, register
 from sdp.parallel.plan_entries import Entry, Record, comm_entry, nbytes
@@ -144,13 +144,11 @@ def compressed_step(params: list[torch.Tensor], *, cfg: DictConfig, world: int) 
 
 
 @dataclass
-class PowerSGDConfig:
-    """``parallelism=powersgd``: DDP whose buckets are all-reduced through torch's PowerSGD comm hook (low-rank
-    P and Q per gradient matrix, error feedback); ``start_iter`` >= 2 with error feedback or warm start is
-    a rule of several keys (:meth:`PowerSGDSpec.validate`)."""
+class PowerSGDConfig(DDPConfig):
+    """``parallelism=powersgd``: DDP (its keys, :class:`~sdp.parallel.ddp.DDPConfig`) whose buckets are all-reduced
+    through torch's PowerSGD comm hook (low-rank P and Q per gradient matrix, error feedback); ``start_iter`` >= 2
+    with error feedback or warm start is a rule of several keys (:meth:`PowerSGDSpec.validate`)."""
 
-    name: str = key()
-    """The strategy, looked up in sdp.parallel.STRATEGIES."""
     rank: int = key(at_least=1)
     """r >= 1: PowerSGDState.matrix_approximation_rank, the rank of each compressed gradient matrix."""
     warm_start: bool = flag()
@@ -161,13 +159,6 @@ class PowerSGDConfig:
     """Compress a matrix only where (n + m) x r x this < n x m; the rest is all-reduced whole."""
     use_error_feedback: bool = flag()
     """Add each rank's compression error of the last step to its next gradient."""
-    bucket_cap_mb: Number = key(above=0)
-    """Gradient bucket size in MiB."""
-    broadcast_buffers: bool = flag()
-    """As in parallelism=ddp."""
-    find_unused_parameters: bool = flag()
-    """As in parallelism=ddp."""
-
 
 
 @register("powersgd")
@@ -175,7 +166,7 @@ class PowerSGDSpec(DDPSpec):
     """PowerSGD in the driver: DDP's replica, its label with the rank, its compressed step's comm predicted."""
 
     label = "PowerSGD"
-    schema: type = PowerSGDConfig  # its own keys (not DDPConfig's, which it would inherit)
+    schema: type = PowerSGDConfig  # DDPConfig's keys and its own
     label_keys = ("rank",)
     runtime = PowerSGDStrategy
     # a bucket's three all-reduces are issued when backward fills it; the last bucket's three only when backward ends
