@@ -69,10 +69,13 @@ def eval_traffic(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel,
     on (``prepared``: the driver's, draw 0; later draws :func:`draw_at`) besides the protocol's own traffic: building the assembled
     model (:class:`sdp.subnet.assemble.PartwiseAssembly`, every part once per pass, or :func:`assemble` whole) and,
     under forward masking, the workers' own subnetworks (``eval.bn=average``: their statistics averaged,
-    :func:`~sdp.subnet.assemble.own_evaluated`). ``cfg``: the ``parallelism`` node."""
+    :func:`~sdp.subnet.assemble.own_evaluated`); after the consolidation switch (:func:`switched`) backward
+    masking's assembly (statistics averaged, nothing broadcast) and no worker model. ``cfg``: the ``parallelism`` node."""
     draw = draw_at(step=step - 1, every=cfg.get("resample_every"))
     plan = next(run_plans(model=model, cfg=cfg, first=prepared, draws=[draw]))
     world, mode = plan.world_size, M.masking_mode(masking=str(cfg.masking), refresh=str(cfg.refresh))
+    if switched(cfg=cfg, job=job, step=step):  # the consolidated model: backward masking's, no worker models of its own
+        mode = "backward"
     pieces, full = M.pieces(model, plan), tensor_map(model)
     if world == 1:
         return EvalTraffic(build=[[]], partwise=False, own=[[]] if mode == "forward" else None)
@@ -88,6 +91,12 @@ def eval_traffic(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel,
         own = [_statistics(pieces=[p for p in pieces if rank in p.holders], full=full, masking=mode, rank=rank,
                            world=world) if average else [] for rank in range(world)]
     return EvalTraffic(build=build_records, partwise=bool(names), own=own)
+
+
+def switched(*, cfg: DictConfig, job: JobFacts, step: int) -> bool:
+    """Whether the evaluation after 1-based ``step`` comes after the consolidation switch (``parallelism.consolidate``;
+    the switch precedes 0-based step ``job.phase_steps[0]``): the strategy then evaluates as backward masking does."""
+    return cfg.get("consolidate") is not None and len(job.phase_steps) == 2 and step > job.phase_steps[0]
 
 
 def checkpoint_tensors(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel, step: int,
