@@ -40,6 +40,9 @@ CASES = {
     "sdp_consolidate_llama": ["parallelism=sdp", *LLAMA, "train.steps=8", "parallelism.consolidate=0.5"],
     "sdp_consolidate_kd_llama": ["parallelism=sdp", *LLAMA, "train.steps=8", "parallelism.consolidate=0.5",
                                  "parallelism.distill_alpha=0.5"],
+    # assembly calibration (issue 39): the frozen assembled model (the blocks a rank lacks received), gates, checkpoints
+    "sdp_calibrate_llama": ["parallelism=sdp", *LLAMA, "parallelism.calibrate_steps=2"],
+    "sdp_calibrate": ["parallelism=sdp", *SMALL, "parallelism.calibrate_steps=2"],
 }
 PEAKS = ("setup_peak_bytes", "train_peak_bytes", "eval_peak_bytes")
 LOOSE = {("fsdp", "train_peak_bytes"): 0.15, ("fsdp_llama_bf16", "train_peak_bytes"): 0.15}
@@ -54,7 +57,7 @@ def test_predicted_peaks_match_the_cpu_tracker(name: str, tmp_path: Path) -> Non
     summary, _ = run_job(CASES[name], world=2, run_dir=tmp_path)
     plan = predict(compose_cfg([*CASES[name], "cluster.world_size=2"]))
     errors, checked = [], 0
-    keys = PEAKS + (("redraw_peak_bytes",) if "redraw" in name else ()) + (("consolidate_peak_bytes",) if "consolidate" in name else ())
+    keys = PEAKS + tuple(f"{phase}_peak_bytes" for phase in ("redraw", "consolidate", "calibrate") if phase in name)
     for pm, mm in zip(plan["memory"]["per_rank"], summary["memory"]["per_rank"]):
         assert mm["peak_source"] == "live_tensors", mm
         for key in keys:

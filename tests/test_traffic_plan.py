@@ -11,7 +11,8 @@ their ensemble) and predicts the same config with ``sdp.planning.planner.predict
   (:mod:`sdp.planning.plan_checkpoint` says why the rest of a file, its framing, is not predicted).
 
 The cases share one run each (checkpoints, evaluations and re-draws in the same 6 steps); ``resnet_sdp_redraw`` is in
-the default tier, the others are slow.
+the default tier, the others are slow. Issue 39's consolidation switch and assembly calibration have a run each
+(:func:`test_predicted_consolidation_and_calibration_traffic_equal_measured`, slow).
 """
 
 from __future__ import annotations
@@ -79,6 +80,47 @@ def test_predicted_traffic_and_checkpoints_equal_measured_per_rank_and_phase(cas
     assert expected == files, f"{case}: predicted checkpoint payload {expected} != written {files}"
     assert [r["bytes"] for r in plan["checkpoint"]["per_rank"]] == \
         [sum(sum(c["files"].values()) for c in f) for f in files], plan["checkpoint"]
+
+
+PHASED = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "train.batch_size=8", "train.eval_batch_size=64",
+          "train.steps=6", "train.warmup_steps=1", "train.eval_every=0", "train.budget=iterations", "cluster.world_size=4",
+          "parallelism=sdp"]
+PHASES = {"consolidate": [*PHASED, "parallelism.consolidate=0.5"], "calibrate": [*PHASED, "parallelism.calibrate_steps=3"]}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_predicted_consolidation_and_calibration_traffic_equal_measured(phase: str, tmp_path: Path) -> None:
+    """Issue 39's remedies on 4 ranks (k = 2, BatchNorm statistics averaged over holders): sdp-plan predicts comm phase
+    ``consolidate`` (the switch's broadcasts of the blocks each rank lacks, from their lowest holder) and ``calibrate``
+    (the assembly's broadcasts, then one float32 all-reduce of the gates' gradients and the loss per step) as the run
+    records them, per rank and byte for byte, besides its evaluation; with consolidation, the per-step fields are the
+    mean of both phases' steps over the measured ones (the refresh broadcasts of backward masking added in phase 2),
+    each phase's step in the plan's ``consolidate`` facts."""
+    from sdp.planning.planner import predict
+
+    summary, _ = run_job(PHASES[phase], run_dir=tmp_path / "run")
+    plan = predict(compose(PHASES[phase]))
+    measured = [r["outside_training"] for r in summary["comm"]["per_rank"]]
+    predicted = [r["outside_training"] for r in plan["comm"]["per_rank"]]
+    assert all(m.get(phase, {}).get("collectives") for m in measured), f"{phase}: not measured: {measured}"
+    assert predicted == measured, f"{phase}: predicted {predicted} != measured {measured}"
+    facts = plan[phase]["per_rank"]
+    lacked = [f["switch"]["lacked_bytes"] if phase == "consolidate" else f["lacked_bytes"] for f in facts]
+    assert all(lacked), f"{phase}: a rank lacks no block: {facts}"
+    for pc, mc in zip(plan["comm"]["per_rank"], summary["comm"]["per_rank"]):
+        for key in ("bytes_per_step", "wire_bytes_per_step", "collectives_per_step"):
+            assert pc[key] == pytest.approx(mc[key], rel=1e-12), f"{phase} rank {mc['rank']} {key}: {pc[key]} != {mc[key]}"
+    if phase == "consolidate":
+        info = plan["consolidate"]
+        assert info["phase_steps"] == [p["steps"] for p in summary["budget"]["phases"]], (info, summary["budget"])
+        n1, n2 = info["measured_steps"]
+        assert n1 + n2 == summary["comm"]["per_rank"][0]["measured_steps"] and n1 and n2, info
+        for f, mc in zip(info["per_rank"], summary["comm"]["per_rank"]):
+            total = n1 * f["train_bytes_per_step"] + n2 * f["consolidate_bytes_per_step"]
+            assert f["consolidate_collectives_per_step"] > f["train_collectives_per_step"], f  # the refresh broadcasts
+            assert round(mc["bytes_per_step"] * (n1 + n2)) == total, f"rank {mc['rank']}: measured {mc} vs phases {f}"
 
 
 def test_described_state_pickles_alike_whatever_its_keys_history() -> None:

@@ -36,6 +36,7 @@ class JobFacts:
     optimizer: Any = None  # the optim.optimizer node (sdp-plan: optimizer state bytes and rehearsal)
     ac_every: int = 0  # activation checkpointing: blocks 0, k, 2k, ... (0: none), from train.ac / train.ac_every
     steps: int = 0  # train.steps: the run's steps (on the ranks: as the budget resolved them; 0: not known)
+    warmup_steps: int = 0  # train.warmup_steps: the first steps, whose traffic the run's per-step means leave out
     phase_steps: tuple[int, ...] = ()  # each training phase's steps where the budget split the run (summary.json
     #                                    budget.phases, StrategySpec.later_phase); (): one phase, or not known
 
@@ -50,7 +51,7 @@ class JobFacts:
                    device=str(sel("cluster.device", cls.device)),
                    eval_bn=str(sel("eval.bn", cls.eval_bn)), model_name=str(sel("model.name", "") or ""),
                    optimizer=sel("optim.optimizer", None), ac_every=ac_every(cfg),
-                   steps=int(sel("train.steps", cls.steps)),
+                   steps=int(sel("train.steps", cls.steps)), warmup_steps=int(sel("train.warmup_steps", cls.warmup_steps)),
                    phase_steps=tuple(int(p["steps"]) for p in (budget or {}).get("phases") or ()))
 
 

@@ -69,21 +69,45 @@ def activations(module: torch.nn.Module, inputs: torch.Tensor, *, job: JobFacts 
         return forward_saved_bytes(module, inputs, loss=meta_loss if loss else None)
 
 
-def comm_entry(records: list[Record]) -> dict[str, Any]:
+def comm_entry(records: list[Record], *, weights: list[float] | None = None) -> dict[str, Any]:
     """The ``comm.per_rank`` fields of summary.json, from one step's records (``by_kind`` also with each kind's
-    ring wire bytes, what :mod:`sdp.planning.throughput` times)."""
+    ring wire bytes, what :mod:`sdp.planning.throughput` times). ``weights``: each record's share of a step, where
+    the run's steps differ and summary.json's fields are their mean (:func:`measured_mean`); default 1 each."""
+    weights = [1.0] * len(records) if weights is None else weights
+    assert len(weights) == len(records), f"{len(weights)} weights for {len(records)} records"
     by_kind: dict[str, dict[str, float]] = {}
     by_group: dict[str, dict[str, float]] = {}
-    for kind, payload, k in records:
+    for (kind, payload, k), w in zip(records, weights):
         for table, key in ((by_kind, kind), (by_group, str(k))):
             e = table.setdefault(key, {"bytes": 0.0, "count": 0.0})
-            e["bytes"] += payload
-            e["count"] += 1
+            e["bytes"] += w * payload
+            e["count"] += w
         kind_entry = by_kind[kind]
-        kind_entry["wire_bytes"] = kind_entry.get("wire_bytes", 0.0) + wire_bytes(kind=kind, payload=payload, group_size=k)
-    return {"bytes_per_step": float(sum(p for _, p, _ in records)),
-            "wire_bytes_per_step": sum(wire_bytes(kind=kd, payload=p, group_size=k) for kd, p, k in records),
-            "collectives_per_step": float(len(records)), "by_kind": by_kind, "by_group_size": by_group}
+        kind_entry["wire_bytes"] = kind_entry.get("wire_bytes", 0.0) + w * wire_bytes(kind=kind, payload=payload, group_size=k)
+    return {"bytes_per_step": float(sum(w * p for (_, p, _), w in zip(records, weights))),
+            "wire_bytes_per_step": sum(w * wire_bytes(kind=kd, payload=p, group_size=k) for (kd, p, k), w in zip(records, weights)),
+            "collectives_per_step": float(sum(weights)), "by_kind": by_kind, "by_group_size": by_group}
+
+
+def measured_steps(*, phase_steps: tuple[int, ...], warmup: int) -> list[int]:
+    """How many of each training phase's steps (``phase_steps``, in order) a run measures: all but the first
+    ``warmup`` steps of the run (``train.warmup_steps``: the comm counter's ``measuring``, :mod:`sdp.rank.trainer`)."""
+    out, start = [], 0
+    for n in phase_steps:
+        out.append(max(0, start + n - max(start, warmup)))
+        start += n
+    return out
+
+
+def measured_mean(phases: list[tuple[int, list[Record]]]) -> tuple[list[Record], list[float]]:
+    """The records and weights (:func:`comm_entry`) of a run whose measured steps are ``n`` steps of each phase's
+    one-step records, ``(n, records)`` in ``phases``: summary.json's per-step fields are the mean over the measured
+    steps (:meth:`sdp.metrics.comm.CommCounter.summary`; none measured: 0, as it reports)."""
+    total = sum(n for n, _ in phases)
+    if not total:
+        return [], []
+    records = [r for n, recs in phases if n for r in recs]
+    return records, [n / total for n, recs in phases if n for _ in recs]
 
 
 def communicators(*, per_group: int, groups: dict[str, Any] | None, world: int) -> list[dict[str, int]]:
@@ -102,9 +126,10 @@ def communicators(*, per_group: int, groups: dict[str, Any] | None, world: int) 
     return [{"process_groups": c, "communicator_bytes": c * per_group} for c in counts]
 
 
-def rank_entry(*, rank: int, params: int, grads: int, optim: int, acts: int, records: list[Record]) -> Entry:
+def rank_entry(*, rank: int, params: int, grads: int, optim: int, acts: int, records: list[Record],
+               weights: list[float] | None = None) -> Entry:
     mem = {"rank": rank, "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim, "activation_bytes": acts}
-    return mem, {"rank": rank, **comm_entry(records)}
+    return mem, {"rank": rank, **comm_entry(records, weights=weights)}
 
 
 # ---- checkpoint payloads: what each strategy's checkpoint_tensors hands sdp-plan (sdp.planning.plan_checkpoint) ----

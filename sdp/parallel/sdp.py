@@ -254,5 +254,5 @@ class SDPSpec(StrategySpec):
 
     @classmethod
     def format_facts(cls, facts: dict[str, Any]) -> list[str]:
-        """Lines ``sdp-plan`` prints after its table: the plan and the re-draw rule."""
-        return [sdp_plan.format_plan_summary(facts["plan"]), *sdp_redraw_plan.format_redraw(facts)]
+        """Lines ``sdp-plan`` prints after its table: the plan, the re-draw rule, consolidation and calibration."""
+        return [sdp_plan.format_plan_summary(facts["plan"]), *sdp_redraw_plan.format_redraw(facts), *sdp_traffic.format_phase_moves(facts)]

@@ -6,7 +6,8 @@ gradients (dropped: no step follows), plus the units it does not hold (received 
 the head are its own tensors), plus the peak of one calibration step on the assembled model: a meta rehearsal of
 :func:`sdp.parallel.sdp_calibrate.fit`'s step (every parameter frozen, the gate vector and its Adam state, every
 block checkpointed, the loss's backward to the gates) under the tracker that measures CPU runs, which only counts
-what the step allocates (the model's tensors exist before it).
+what the step allocates (the model's tensors exist before it: labelled uncounted, or their views, e.g. a frozen linear
+weight's transpose, would count the whole model a second time, as they did: about a quarter of the phase's peak).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import copy
 import torch
 
 from sdp.core.loss import loss_fn
-from sdp.metrics.live import LiveTensorTracker
+from sdp.metrics.live import IGNORED, LiveTensorTracker
 from sdp.models import gates as G
 from sdp.models.base import SDPModel
 from sdp.parallel.device_forward import Attention, device_forward
@@ -43,6 +44,9 @@ def step_peak(*, model: SDPModel, plan: Plan, batch: int, precision: str, device
     blocks = sorted(split_blocks(plan))
     tracker = LiveTensorTracker(device_type="meta")
     with tracker, Attention(device=device):  # around backward too: the recomputation runs the forward's kernel
+        # the model's tensors are the caller's (state, not-held blocks): known to the tracker and not counted, so that
+        # a view of a frozen weight (a linear layer's transpose) is not taken for a new storage the step allocates
+        tracker.label([*full.parameters(), *full.buffers()], IGNORED)
         vector, _ = G.attach(full, blocks=blocks, init=1.0, device=torch.device("meta"))
         optimizer = torch.optim.Adam([vector], lr=0.0)
         x = full.example_input(batch).to("meta")

@@ -8,7 +8,8 @@ finishes); evaluation builds the model part by part next to the rank's own state
 (:func:`sdp.parallel.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
 time); with ``resample_every`` every peak is the largest over the draws the run makes, and the re-draws between
 them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_redraw_plan.rehearse_redraw`); with
-``calibrate_steps`` the calibration after the last step (``calibrate_peak_bytes``: :mod:`sdp.parallel.sdp_calibrate_peaks`).
+``calibrate_steps`` the calibration after the last step (``calibrate_peak_bytes``: :mod:`sdp.parallel.sdp_calibrate_peaks`)
+and the last step's evaluation after it, on the rank's state without gradients (calibration drops them).
 With ``consolidate`` the consolidation phase's training peak (``consolidate_peak_bytes``: :func:`consolidate_peaks`, the
 backward-masked full model with every block checkpointed, and the teacher where ``distill_alpha`` > 0) and the
 evaluations after its switch on its state. ``tests/test_plan_peaks.py`` compares with the CPU tracker.
@@ -66,7 +67,8 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
     rehearsed: dict[Any, dict[str, int]] = {}
     evals: dict[Any, int] = {}
     out = [{"setup_peak_bytes": 0, "train_peak_bytes": 0, "eval_peak_bytes": 0} for _ in range(world)]
-    eval_draws = {draw_at(step=s - 1, every=every) for s in eval_steps}
+    calibrating = bool(int(pc.get("calibrate_steps") or 0))  # the last step's evaluation follows it, without gradients
+    eval_draws = {draw_at(step=s - 1, every=every) for s in eval_steps if not (calibrating and s == steps)}
     roles: list[set[Any]] = [set() for _ in range(world)]
 
     def visit(p: Plan, *, train: bool) -> None:
@@ -103,12 +105,16 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
     later = sorted(d for d in eval_draws if d > plans[-1].draw)  # evaluations after the rotation, in their own draws
     for p in run_plans(model=model, cfg=pc, first=plan, draws=later, costs=costs):
         visit(p, train=False)
-    if int(pc.get("calibrate_steps") or 0):  # assembly calibration after the last step, on its draw (sdp_calibrate_peaks)
+    if calibrating:  # assembly calibration after the last step, on its draw (sdp_calibrate_peaks), then its evaluation
         last = next(iter(run_plans(model=model, cfg=pc, first=plan, draws=[draw_at(step=steps - 1, every=every)], costs=costs)))
         step = step_peak(model=model, plan=last, batch=job.batch_size, precision=job.precision, device=job.device)
-        for r, got in _rank_peaks(cfg=pc, job=job, model=model, plan=last, pieces=M.pieces(model, last), mode=mode,
+        pieces = M.pieces(model, last)
+        extra = _eval_extra(job=job, model=model, flats=_part_flats(pieces, n=world, forward=mode == "forward"), eval_batch=eval_batch)
+        for r, got in _rank_peaks(cfg=pc, job=job, model=model, plan=last, pieces=pieces, mode=mode,
                                   eval_batch=eval_batch, rehearsed=rehearsed):
-            out[r]["calibrate_peak_bytes"] = got["state"] - got["grads"] + not_held_bytes(model=model, plan=last, rank=r) + step
+            state = got["state"] - got["grads"]  # calibration dropped the gradients (sdp_calibrate.calibrate)
+            out[r]["calibrate_peak_bytes"] = state + not_held_bytes(model=model, plan=last, rank=r) + step
+            out[r]["eval_peak_bytes"] = max(out[r]["eval_peak_bytes"], state + extra)
     if pc.get("consolidate") is not None:  # consolidation's steps, and the evaluations after its switch
         extra = _eval_extra(job=job, model=model, flats={}, eval_batch=eval_batch)
         for entry, (peak, state) in zip(out, consolidate_peaks(cfg=pc, job=job, model=model, plan=plan, eval_batch=eval_batch)):

@@ -17,11 +17,13 @@ from omegaconf import DictConfig
 
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.flops import BlockShare, forward_fraction
+from sdp.models import gates as G
 from sdp.models.base import SDPModel
 from sdp.parallel.job import JobFacts
-from sdp.parallel.plan_entries import Entry, Record, activations, nbytes, optim_bytes, rank_entry
+from sdp.parallel.plan_entries import Entry, Record, activations, measured_mean, measured_steps, nbytes, optim_bytes, rank_entry
 from sdp.registry import build
 from sdp.subnet import masking as M
+from sdp.subnet.assemble import split_blocks
 from sdp.parallel.sdp_redraw_plan import state_template
 from sdp.subnet.moves import moves, traffic
 from sdp.subnet.frontier import format_frontier, frontier
@@ -114,7 +116,8 @@ def plan_lists(plan: Plan) -> dict[str, Any]:
 def predict(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, facts: dict[str, Any]) -> list[Entry]:
     """SDP: this rank's masked subnetwork (the driver's ``plan`` and the strategy's masking applied on meta),
     owner-set gradient buckets and refresh broadcasts from :class:`sdp.subnet.sync.OwnerSetSync`
-    (``cfg``: the ``parallelism`` node)."""
+    (``cfg``: the ``parallelism`` node). With ``consolidate`` the comm fields are the mean over the measured steps
+    of both phases, as summary.json's (:func:`consolidation_steps`: each phase's step in ``facts["consolidate"]``)."""
     assert plan is not None, "SDP's prediction reads the driver's plan (sdp.driver.preflight), got none"
     pc, world = cfg, plan.world_size
     mode = M.masking_mode(masking=str(pc.masking), refresh=str(pc.refresh))
@@ -125,19 +128,82 @@ def predict(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, fact
     # the groups SDPStrategy creates (the same holder sets, the same rule): summary.json's process_groups
     facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets={p.holders for p in pieces},
                                                        refresh=mode == "backward")
-    groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
+    later = consolidation_steps(cfg=pc, job=job, model=model, plan=plan, pieces=pieces, facts=facts)
+    if (cal := calibration(cfg=pc, model=model, plan=plan, steps=job.steps)) is not None:
+        last = M.pieces(model, cal["plan"])
+        facts["calibrate"] = {"steps": cal["steps"], "gates": cal["gates"], "gate_bytes_per_step": cal["gate_bytes"],
+                              "per_rank": [{"rank": r, **fill_moves(pieces=last, rank=r, world=world)} for r in range(world)]}
     out = []
     for r, mine, layout, trained in M.rank_subnetworks(model, plan, mode=mode, all_pieces=pieces):
-        sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
-                            bucket_cap_mb=float(pc.bucket_cap_mb))
-        records: list[Record] = [("all_reduce", sum(p.nbytes for p in items), len(h)) for h, items in sync.grad_buckets]
-        records += [("broadcast", sum(p.nbytes for p in items) if r == min(h) else 0, len(groups.refresh_set(h)))
-                    for h, items in sync.refresh_buckets]
+        records = step_records(pieces=pieces, layout=layout, rank=r, world=world, mode=mode, bucket_cap_mb=float(pc.bucket_cap_mb))
+        weights = None
+        if later is not None:  # summary.json's per-step fields: the mean over both phases' measured steps
+            (n1, n2), step = later["measured_steps"], later["per_rank"][r]
+            step.update(train_bytes_per_step=float(sum(b for _, b, _ in records)), train_collectives_per_step=len(records))
+            records, weights = measured_mean([(n1, records), (n2, step.pop("records"))])
         acts = activations(mine, mine.example_input(job.batch_size).to("meta"), job=job)
         out.append(rank_entry(rank=r, params=nbytes(mine.parameters()), grads=nbytes(trained),
                               optim=optim_bytes(held=nbytes(trained), tensors=len(trained), optimizer=job.optimizer),
-                              acts=acts, records=records))
+                              acts=acts, records=records, weights=weights))
     return out
+
+
+def step_records(*, pieces: list[M.Piece], layout: dict[str, M.Local], rank: int, world: int, mode: str,
+                 bucket_cap_mb: float) -> list[Record]:
+    """One training step's records of ``rank`` (``layout``: its subnetwork masked by ``mode``): the owner-set
+    gradient all-reduces and, under backward masking, the refresh broadcasts of :class:`OwnerSetSync`, whose
+    source records the payload and each receiver 0, as the ranks record them."""
+    groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
+    sync = OwnerSetSync(rank=rank, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
+                        bucket_cap_mb=bucket_cap_mb)
+    records: list[Record] = [("all_reduce", sum(p.nbytes for p in items), len(h)) for h, items in sync.grad_buckets]
+    return records + [("broadcast", sum(p.nbytes for p in items) if rank == min(h) else 0, len(groups.refresh_set(h)))
+                      for h, items in sync.refresh_buckets]
+
+
+def fill_moves(*, pieces: list[M.Piece], rank: int, world: int) -> dict[str, int]:
+    """What :func:`sdp.subnet.assemble.fill` under forward masking moves to ``rank`` (the consolidation switch,
+    calibration's assembly): every piece some rank lacks is broadcast over the world from its lowest holder, so
+    ``rank`` receives each one whose lowest holder it is not (``received_bytes``), of which ``lacked_bytes`` are the
+    pieces it does not hold (the rest re-send its own values), and sends those it is the lowest holder of."""
+    lacking = [p for p in pieces if len(p.holders) < world]
+    return {"received_bytes": sum(p.nbytes for p in lacking if rank != min(p.holders)),
+            "lacked_bytes": sum(p.nbytes for p in lacking if rank not in p.holders),
+            "sent_bytes": sum(p.nbytes for p in lacking if rank == min(p.holders))}
+
+
+def calibration(*, cfg: DictConfig, model: SDPModel, plan: Plan, steps: int) -> dict[str, Any] | None:
+    """Assembly calibration (``parallelism.calibrate_steps``; else None) after the last of ``steps`` steps: its step
+    count, the plan it assembles (that step's draw), the unit blocks it gates, the gate count and the bytes each
+    calibration step all-reduces over the world (:func:`sdp.parallel.sdp_calibrate.fit`: the gates' float32
+    gradients and the loss)."""
+    count = int(cfg.get("calibrate_steps") or 0)
+    if not count:
+        return None
+    last = next(run_plans(model=model, cfg=cfg, first=plan, draws=[draw_at(step=steps - 1, every=cfg.get("resample_every"))]))
+    blocks = sorted(split_blocks(last))
+    gates = len(G.layout(model, blocks=blocks))
+    return {"steps": count, "plan": last, "blocks": blocks, "gates": gates, "gate_bytes": (gates + 1) * 4}
+
+
+def consolidation_steps(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, pieces: list[M.Piece],
+                        facts: dict[str, Any]) -> dict[str, Any] | None:
+    """``parallelism.consolidate`` (else None): per rank one consolidation step's records (``records``, the
+    backward-masked full model of the same plan: :func:`sdp.parallel.sdp_consolidate.widen`), what the switch moves
+    (:func:`fill_moves`), and how many steps of each phase the run measures (``job``: as the budget resolved it, as
+    ``sdp-plan`` hands it; a job without its phases: None, phase 1's step alone); kept in ``facts["consolidate"]``
+    (the records taken out by :func:`predict`)."""
+    if cfg.get("consolidate") is None or len(job.phase_steps) != 2:  # a job whose budget is not resolved: phase 1's
+        return None
+    world, out = plan.world_size, []
+    for r, _, layout, _ in M.rank_subnetworks(model, plan, mode="backward", all_pieces=pieces):
+        records = step_records(pieces=pieces, layout=layout, rank=r, world=world, mode="backward", bucket_cap_mb=float(cfg.bucket_cap_mb))
+        out.append({"rank": r, "records": records, "consolidate_bytes_per_step": float(sum(b for _, b, _ in records)),
+                    "consolidate_collectives_per_step": len(records), "switch": fill_moves(pieces=pieces, rank=r, world=world)})
+    facts["consolidate"] = {"start_step": job.phase_steps[0], "phase_steps": list(job.phase_steps),
+                            "measured_steps": measured_steps(phase_steps=job.phase_steps, warmup=job.warmup_steps),
+                            "per_rank": out}
+    return facts["consolidate"]
 
 
 def plan_frontier(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """SDP's traffic outside the training step, as ``sdp-plan`` predicts it: evaluating the assembled model and the
-workers' own subnetworks (comm phase "eval") and re-drawing the plan ("resample"); and what each rank writes in a
-checkpoint (:func:`checkpoint_tensors`).
+workers' own subnetworks (comm phase "eval"), re-drawing the plan ("resample"), the consolidation switch
+("consolidate") and assembly calibration ("calibrate"); and what each rank writes in a checkpoint (:func:`checkpoint_tensors`).
 
 Why a module of its own: the numbers come from the code the ranks run, asked dry, not from a second formula.
 Assembly and the ``eval.bn=average`` statistics call :func:`sdp.subnet.assemble.average_statistics` (the very
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from sdp.models.base import SDPModel
 from sdp.parallel.job import JobFacts
-from sdp.parallel.sdp_plan import draw_at, run_plans
+from sdp.parallel.sdp_plan import calibration, draw_at, run_plans
 from sdp.parallel.sdp_redraw_plan import rehearse_redraw, state_template
 from sdp.parallel.plan_entries import optimizer_state
 from sdp.parallel.plan_entries import EvalTraffic, Record
@@ -69,10 +69,13 @@ def eval_traffic(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel,
     on (``prepared``: the driver's, draw 0; later draws :func:`draw_at`) besides the protocol's own traffic: building the assembled
     model (:class:`sdp.subnet.assemble.PartwiseAssembly`, every part once per pass, or :func:`assemble` whole) and,
     under forward masking, the workers' own subnetworks (``eval.bn=average``: their statistics averaged,
-    :func:`~sdp.subnet.assemble.own_evaluated`). ``cfg``: the ``parallelism`` node."""
+    :func:`~sdp.subnet.assemble.own_evaluated`); after the consolidation switch (:func:`switched`) backward
+    masking's assembly (statistics averaged, nothing broadcast) and no worker model. ``cfg``: the ``parallelism`` node."""
     draw = draw_at(step=step - 1, every=cfg.get("resample_every"))
     plan = next(run_plans(model=model, cfg=cfg, first=prepared, draws=[draw]))
     world, mode = plan.world_size, M.masking_mode(masking=str(cfg.masking), refresh=str(cfg.refresh))
+    if switched(cfg=cfg, job=job, step=step):  # the consolidated model: backward masking's, no worker models of its own
+        mode = "backward"
     pieces, full = M.pieces(model, plan), tensor_map(model)
     if world == 1:
         return EvalTraffic(build=[[]], partwise=False, own=[[]] if mode == "forward" else None)
@@ -88,6 +91,12 @@ def eval_traffic(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel,
         own = [_statistics(pieces=[p for p in pieces if rank in p.holders], full=full, masking=mode, rank=rank,
                            world=world) if average else [] for rank in range(world)]
     return EvalTraffic(build=build_records, partwise=bool(names), own=own)
+
+
+def switched(*, cfg: DictConfig, job: JobFacts, step: int) -> bool:
+    """Whether the evaluation after 1-based ``step`` comes after the consolidation switch (``parallelism.consolidate``;
+    the switch precedes 0-based step ``job.phase_steps[0]``): the strategy then evaluates as backward masking does."""
+    return cfg.get("consolidate") is not None and len(job.phase_steps) == 2 and step > job.phase_steps[0]
 
 
 def checkpoint_tensors(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel, step: int,
@@ -109,8 +118,38 @@ def checkpoint_tensors(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDP
 
 def phase_traffic(spec: type, *, cfg: DictConfig, job: JobFacts, model: SDPModel, steps: int,
                   prepared: Plan) -> dict[str, list[list[Record]]]:
-    """``SDPSpec.phase_traffic``: the comm phase "resample", every re-draw of the run (:func:`redraw_traffic`)."""
-    return {"resample": redraw_traffic(cfg=cfg, job=job, model=model, plan=prepared, steps=steps)}
+    """``SDPSpec.phase_traffic``: the comm phases "resample", every re-draw of the run (:func:`redraw_traffic`),
+    "consolidate", the consolidation switch (:func:`switch_traffic`), and "calibrate" (:func:`calibrate_traffic`)."""
+    return {"resample": redraw_traffic(cfg=cfg, job=job, model=model, plan=prepared, steps=steps),
+            "consolidate": switch_traffic(cfg=cfg, job=job, model=model, plan=prepared),
+            "calibrate": calibrate_traffic(cfg=cfg, model=model, plan=prepared, steps=steps)}
+
+
+def switch_traffic(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan) -> list[list[Record]]:
+    """Per rank, the records of the consolidation switch (``parallelism.consolidate``; none without, or where the
+    budget left no second phase): :func:`sdp.parallel.sdp_consolidate.widen` fills the blocks each rank lacks from
+    the driver's plan (consolidation allows no re-draw), :func:`sdp.subnet.assemble.fill` of every piece in place."""
+    world = plan.world_size
+    if cfg.get("consolidate") is None or len(job.phase_steps) != 2:
+        return [[] for _ in range(world)]
+    pieces, full = M.pieces(model, plan), tensor_map(model)
+    return [_fill(pieces=pieces, full=full, masking="forward", rank=r, world=world, in_place=True) for r in range(world)]
+
+
+def calibrate_traffic(*, cfg: DictConfig, model: SDPModel, plan: Plan, steps: int) -> list[list[Record]]:
+    """Per rank, the records of assembly calibration (``parallelism.calibrate_steps``; none without) after the last of
+    ``steps`` steps, on that step's plan: :func:`sdp.parallel.sdp_calibrate.assembled` fills each unit block in
+    place, one :func:`sdp.subnet.assemble.fill` per block in order, then every calibration step all-reduces the gates'
+    gradients and the loss over the world in float32 (:func:`sdp.parallel.sdp_calibrate.fit`, recorded at any world)."""
+    world, cal = plan.world_size, calibration(cfg=cfg, model=model, plan=plan, steps=steps)
+    if cal is None:
+        return [[] for _ in range(world)]
+    pieces, full = M.pieces(model, cal["plan"]), tensor_map(model)
+    fills = [[rec for b in cal["blocks"] for rec in _fill(pieces=[p for p in pieces if p.name.startswith(f"blocks.{b}.")],
+                                                          full=full, masking="forward", rank=r, world=world, in_place=True)]
+             if world > 1 else [] for r in range(world)]  # fill moves nothing on one rank
+    gates = ("all_reduce", cal["gate_bytes"], world)
+    return [mine + [gates] * cal["steps"] for mine in fills]
 
 
 def redraw_traffic(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, steps: int) -> list[list[Record]]:
@@ -135,6 +174,26 @@ def redraw_traffic(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Pla
             if e["described_bytes"] is not None:  # every rank gathers, or none (the same moving pieces)
                 out[r].append(("all_gather", sum(g or 0 for g in gathered), world))
     return out
+
+
+def format_phase_moves(plan: dict[str, Any]) -> list[str]:
+    """``sdp-plan``'s lines on consolidation and calibration, where the plan has them: what each rank receives and
+    sends at the switch or the assembly (comm phase ``consolidate`` / ``calibrate``; the comm counter counts a
+    broadcast's bytes at its source only), and consolidation's step against phase 1's, or the gates' all-reduce."""
+    mib, lines = 2**20, []
+    if (c := plan.get("consolidate")) is not None:
+        lines.append(f"consolidation from step {c['start_step']} (phases of {c['phase_steps']} steps, {c['measured_steps']} "
+                     "measured; comm/step in the table: their mean), per rank:")
+        lines += [f"  rank {e['rank']}: switch receives {e['switch']['received_bytes'] / mib:.3f} MiB (blocks it lacks: "
+                  f"{e['switch']['lacked_bytes'] / mib:.3f}), sends {e['switch']['sent_bytes'] / mib:.3f} MiB; step "
+                  f"{e['consolidate_bytes_per_step'] / mib:.3f} MiB in {e['consolidate_collectives_per_step']} collectives "
+                  f"(phase 1: {e['train_bytes_per_step'] / mib:.3f} MiB in {e['train_collectives_per_step']})" for e in c["per_rank"]]
+    if (c := plan.get("calibrate")) is not None:
+        lines.append(f"calibration: {c['steps']} steps, {c['gates']} gates, each step all-reduces {c['gate_bytes_per_step']} "
+                     "bytes over the world (the gates' gradients and the loss, float32); the assembly, per rank:")
+        lines += [f"  rank {e['rank']}: receives {e['received_bytes'] / mib:.3f} MiB (blocks it lacks: "
+                  f"{e['lacked_bytes'] / mib:.3f}), sends {e['sent_bytes'] / mib:.3f} MiB" for e in c["per_rank"]]
+    return lines
 
 
 PLAN_HOOKS = (eval_traffic, phase_traffic, checkpoint_tensors)  # SDPSpec's, in this order

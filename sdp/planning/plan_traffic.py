@@ -16,7 +16,7 @@ are what a user reads before booking a cluster. Phases:
   chunk's float32 probabilities); counted with the evaluation code's own helpers (:func:`~sdp.rank.eval_parts.val_passes`,
   :func:`~sdp.rank.eval_parts.by_samples`, :func:`~sdp.rank.evaluation.calibration_steps`);
 - the strategy's other phases (:meth:`~sdp.parallel.spec.StrategySpec.phase_traffic`: SDP's ``resample``, every
-  re-draw of the run rehearsed).
+  re-draw of the run rehearsed; ``consolidate``, the consolidation switch; ``calibrate``, assembly calibration).
 
 Not predicted: comm phase ``checkpoint``, which a run records only when it resumes (DDP's bucket priming); checkpoint
 writes move no tensor between ranks (each rank writes its own files; their records meet in one small gather on a

@@ -63,7 +63,8 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
     is that validation's result), made by the strategy (:meth:`~sdp.parallel.spec.StrategySpec.predict`) from
     what the driver prepared for the ranks."""
     built = built if built is not None else validate(cfg, launching=False)
-    name, world, job = str(cfg.parallelism.name), int(cfg.cluster.world_size), built.job
+    cadence, job = run_cadence(cfg, built=built)  # the job as the ranks get it: its budget resolved
+    name, world = str(cfg.parallelism.name), int(cfg.cluster.world_size)
     spec, ready = STRATEGIES.get(name), built.prepared  # SDP's plan: the one validation drew
     with torch.device("meta"):
         model = build(cfg.model)  # a build of its own: a prediction may change it
@@ -71,7 +72,6 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
     facts: dict[str, Any] = {}  # strategy-specific facts for the plan (e.g. its unit plan)
     entries = spec.predict(cfg=cfg.parallelism, job=job, model=model, facts=facts, prepared=ready)
     assert built.val_samples is not None, "sdp-plan's evaluation peak needs the validation set's size: validate(cfg) builds it"
-    cadence = run_cadence(cfg, built=built)
     add_peaks(cfg=cfg, job=job, model=model, entries=entries, spec=spec, prepared=ready, val_samples=built.val_samples,
               cadence=cadence)
     outside, traffic_notes = predict_outside(cfg=cfg, job=job, spec=spec, model=model, prepared=ready, cadence=cadence,
@@ -93,12 +93,14 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
             "throughput": predict_throughput(cfg=cfg, built=built, spec=spec, comm=[c for _, c in entries])}
 
 
-def run_cadence(cfg: DictConfig, *, built: Preflight) -> Cadence:
+def run_cadence(cfg: DictConfig, *, built: Preflight) -> tuple[Cadence, JobFacts]:
     """The steps the run of ``cfg`` makes and those it evaluates after: its budget resolved into a copy of the config
     (:func:`sdp.driver.budget.apply`, as the driver resolves it into the config the ranks read), then the
-    trainer's own :class:`~sdp.rank.schedule.Cadence` of it."""
+    trainer's own :class:`~sdp.rank.schedule.Cadence` of it; and the job's facts as the ranks read them from that
+    config (:meth:`JobFacts.of` with the budget: its steps and each training phase's, e.g. SDP's consolidation)."""
     run = copy.deepcopy(cfg)
-    return Cadence.of(train=run.train, budget=apply_budget(run, preflight=built))
+    budget = apply_budget(run, preflight=built)
+    return Cadence.of(train=run.train, budget=budget), JobFacts.of(run, budget=budget)
 
 
 def eval_batch(*, eval_batch_size: int, val_samples: int, world: int) -> int:
