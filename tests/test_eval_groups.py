@@ -101,7 +101,8 @@ def test_each_groups_loss_is_its_samples_and_the_counts_weight_them_back_to_the_
     assert got.keys() == ref.keys() and all(got[k] == pytest.approx(ref[k], rel=1e-6) for k in ref), (got, ref)
     assert sum(by["count"].values()) == int(whole[2]), (by["count"], whole)
     weighted = sum(by["loss"][k] * c for k, c in by["count"].items() if c) / sum(by["count"].values())
-    assert weighted == pytest.approx(res.eval_loss, rel=1e-9), (weighted, res.eval_loss)
+    # eval_loss adds float32 chunk sums (loss_and_correct), the groups float64 per-target losses: float32's rounding
+    assert weighted == pytest.approx(res.eval_loss, rel=1e-6), (weighted, res.eval_loss)
 
 
 def test_a_dataset_without_groups_keeps_three_totals_and_reports_none() -> None:
@@ -192,4 +193,4 @@ def test_two_ranks_give_one_process_groups() -> None:
         n = sum(sdp["count"].values())
         for key, mean in (("loss", out["sdp"]["eval_loss"]), ("workers", out["sdp"]["eval_loss_workers"])):
             weighted = sum(sdp[key][k] * c for k, c in sdp["count"].items() if c) / n
-            assert weighted == pytest.approx(mean, rel=1e-9), (key, weighted, mean, sdp)
+            assert weighted == pytest.approx(mean, rel=1e-6), (key, weighted, mean, sdp)  # float32 chunk sums
