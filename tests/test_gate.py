@@ -127,3 +127,28 @@ def test_small_dense_model_has_its_own_row(tmp_path: Path) -> None:
     gate_run(tmp_path / "ddp", seed=0, blocks=8, loss=1.0, reference=False)
     assert row_name(load_run(tmp_path / "small" / "0")) == "DDP n_layers=4 (FLOP-matched to n_layers=8)"
     assert row_name(load_run(tmp_path / "ddp" / "0")) == "DDP"
+
+
+def test_the_loss_by_group_shows_where_depth_pays(tmp_path: Path) -> None:
+    """Runs that record ``eval_loss_by_group`` (automaton's k) add a table of DDP-8 / 4 / 2 per k, each cell the
+    mean over the seeds present; a task whose runs recorded none adds nothing to the section."""
+    import json
+
+    write_gate(tmp_path, "groups_task", {8: [1.0, 1.1], 4: [1.2, 1.3], 2: [1.4]})
+    write_gate(tmp_path, "plain_task", {8: [1.0], 4: [1.2], 2: [1.4]})
+    plain = "\n".join(gate_section(study_dir=tmp_path, study="lm"))
+    for path in (tmp_path / "runs" / "gate" / "groups_task").glob("seed-*/blocks-*/0/summary.json"):
+        blocks, seed = int(path.parent.parent.name.split("-")[1]), int(path.parent.parent.parent.name.split("-")[1])
+        summary = json.loads(path.read_text())
+        summary["final"]["eval_loss_by_group"] = {"name": "k", "loss": {"1": 0.1 * seed, "2": blocks + seed},
+                                                  "count": {"1": 630, "2": 640}}
+        path.write_text(json.dumps(summary))
+    section = gate_section(study_dir=tmp_path, study="lm")
+    text = "\n".join(section)
+    print(text)
+    assert text.startswith(plain.rstrip("\n")), "the gate's own table is unchanged"
+    at = section.index("| depth | k = 1 | k = 2 |")
+    assert section[at - 2].startswith("Eval loss by k (`groups_task`;") and "1: 630, 2: 640" in section[at - 2], section
+    assert section[at + 2 : at + 5] == ["| DDP-8 (n = 2) | 0.050 | 8.500 |", "| DDP-4 (n = 2) | 0.050 | 4.500 |",
+                                        "| DDP-2 (n = 1) | 0.000 | 2.000 |"], section[at:]
+    assert "plain_task`;" not in text, "a task without groups has no such table"

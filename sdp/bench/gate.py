@@ -24,10 +24,11 @@ a lock). The study's own task reuses its main sweep's DDP runs at its own depth 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sdp.bench.gate_groups import group_lines
 from sdp.report.runs import Run, find_runs, run_figures
 from sdp.report.stats import Paired, paired_difference
 
@@ -71,6 +72,7 @@ class Gate:
     settings: dict[str, Any]
     train_s: dict[int, list[float]]  # blocks -> each run's training seconds (steps x its median step time)
     commits: tuple[str, ...] = ()  # the code the runs were made at (a reference taken from the main sweep: its own)
+    groups: dict[int, dict[int, Any]] = field(default_factory=dict)  # blocks -> seed -> final eval_loss_by_group or None
 
     @property
     def deep(self) -> Paired:
@@ -155,15 +157,18 @@ def collect_gates(*, study_dir: Path, study: str) -> list[Gate]:
             runs += [r for r in find_runs(Path(study_dir) / "runs" / "main") if _is_reference_ddp(r, blocks=DEPTHS[-1])]
         losses: dict[int, dict[int, float | None]] = {}
         train_s: dict[int, list[float]] = {}
+        groups: dict[int, dict[int, Any]] = {}
         for r in runs:
             blocks, fig = int(r.flat["model.n_layers"]), run_figures(r.summary)
             losses.setdefault(blocks, {})[int(r.seed)] = fig["eval_loss"]
+            groups.setdefault(blocks, {})[int(r.seed)] = fig.get("eval_loss_by_group")
             if fig["step_s"] is not None and fig["steps"]:
                 train_s.setdefault(blocks, []).append(fig["step_s"] * fig["steps"])
         if runs:  # the settings of a reference-depth run where there is one (its steps are the budget's base)
             ref = next((r for r in runs if int(r.flat["model.n_layers"]) == DEPTHS[-1]), runs[0])
             commits = tuple(sorted({str(r.summary.versions.get("git_commit"))[:12] for r in runs}))
-            gates.append(Gate(task=task, losses=losses, settings=_settings(ref), train_s=train_s, commits=commits))
+            gates.append(Gate(task=task, losses=losses, settings=_settings(ref), train_s=train_s, commits=commits,
+                              groups=groups))
     return gates
 
 
@@ -181,7 +186,8 @@ def _loss(gate: Gate, blocks: int) -> str:
 
 
 def gate_section(*, study_dir: Path, study: str) -> list[str]:
-    """The report's first section: the rule, the verdict of the study's own task, the table of every task tried."""
+    """The report's first section: the rule, the verdict of the study's own task, the table of every task tried, and
+    for a task whose runs recorded ``eval_loss_by_group`` its loss by group per depth (:mod:`sdp.bench.gate_groups`)."""
     gates = collect_gates(study_dir=study_dir, study=study)
     if not gates:
         return []
@@ -210,7 +216,10 @@ def gate_section(*, study_dir: Path, study: str) -> list[str]:
                  *(_loss(g, d) for d in sorted(DEPTHS, reverse=True)), _pm(g.deep), _pm(g.mid),
                  "–" if g.seed_s is None else f"{g.seed_s:.0f}", g.verdict, " ".join(g.commits)]
         lines.append("| " + " | ".join(cells) + " |")
-    return [*lines, ""]
+    lines.append("")
+    for g in gates:  # where the runs recorded the loss by difficulty group: at which group depth pays
+        lines += group_lines(task=g.task, groups=g.groups, depths=DEPTHS)
+    return lines
 
 
 def no_gate_lines(*, study: str, ddp_accuracy: float | None) -> list[str]:

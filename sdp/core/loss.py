@@ -37,6 +37,24 @@ def loss_and_correct(out: torch.Tensor, target: torch.Tensor, *,
     return loss, correct
 
 
+def group_sums(out: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, *, groups: int,
+               chunk: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group: the summed cross-entropy and the scored count of ``out`` against ``target`` (as
+    :func:`loss_and_correct` and :func:`scored`, :data:`IGNORE_INDEX` targets skipped), ``ids`` giving each
+    target's group in ``[0, groups)`` (the targets' shape, or a prefix of it: one group per sample). Two float64
+    vectors of ``groups`` on ``out``'s device, chunked as :func:`loss_and_correct` and read back nowhere."""
+    ids = ids.reshape(ids.shape + (1,) * (target.dim() - ids.dim())).expand_as(target)
+    logits, labels, where = out.reshape(-1, out.shape[-1]), target.reshape(-1), ids.reshape(-1)
+    loss = torch.zeros(groups, dtype=torch.float64, device=out.device)
+    count = torch.zeros(groups, dtype=torch.float64, device=out.device)
+    for o, t, g in zip(logits.split(chunk), labels.split(chunk), where.split(chunk)):
+        keep = t != IGNORE_INDEX
+        per = F.cross_entropy(o, t, reduction="none")  # 0 where ignored; masked out below all the same
+        loss.index_add_(0, g[keep], per[keep].double())
+        count.index_add_(0, g[keep], torch.ones_like(per[keep], dtype=torch.float64))
+    return loss, count
+
+
 def scored(target: torch.Tensor) -> torch.Tensor:
     """How many of ``target``'s entries are scored (not :data:`IGNORE_INDEX`): the count a mean divides by."""
     return (target != IGNORE_INDEX).sum()

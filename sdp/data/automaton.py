@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
-from sdp.data.base import IGNORE_INDEX, DataBundle
+from sdp.data.base import IGNORE_INDEX, DataBundle, EvalGroups
 from sdp.errors import require
 
 
@@ -62,7 +62,9 @@ def build(*, seq_len: int, vocab_size: int, symbols: int, max_steps: int, rule_s
     h = rule(symbols=symbols, rule_seed=rule_seed)
     shape = dict(seq_len=seq_len, symbols=symbols, max_steps=max_steps, h=h)
     x, y, _ = sequences(n=num_samples, seed=seed, **shape)
-    xv, yv, _ = sequences(n=num_val, seed=seed + 1_000_003, **shape)  # a disjoint stream
+    xv, yv, kv = sequences(n=num_val, seed=seed + 1_000_003, **shape)  # a disjoint stream
+    # every scored cell of a sequence in its k's group: the loss by k says how many steps a depth runs
+    groups = EvalGroups(name="k", labels=tuple(str(k) for k in range(1, max_steps + 1)), ids=kv - 1)
     return DataBundle(train=TensorDataset(x, y), val=TensorDataset(xv, yv), task="lm", num_classes=vocab_size,
-                      input_shape=(seq_len,),
+                      input_shape=(seq_len,), eval_groups=groups,
                       notes=(f"automaton: {symbols} symbols, k = 1..{max_steps} steps of rule {rule_seed}, seed {seed}",))

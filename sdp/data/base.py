@@ -34,6 +34,25 @@ class BatchAugment(Protocol):
     def apply(self, x: torch.Tensor, params: torch.Tensor) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class EvalGroups:
+    """A task's difficulty groups of its validation targets, which the evaluation reports the loss of one by one.
+
+    Why: a mean loss does not say where a model fails; on a task whose items need 1, 2, .. sequential steps
+    (:mod:`sdp.data.automaton`'s k, :mod:`sdp.data.pointer`'s lookups) the loss per group says at which
+    difficulty a deeper model gains (the LM study's depth gate, :mod:`sdp.bench.gate`). ``ids`` are indexed by
+    validation sample like the validation tensors (:func:`val_group_ids` slices them as :func:`val_batches`
+    slices the samples): shape ``(n,)`` puts every scored target of a sample in its sample's group, shape
+    ``(n, T)`` (the targets' shape) one group per target; a scored target's id indexes ``labels``, an unscored
+    target's (:data:`IGNORE_INDEX`) id is never read."""
+
+    name: str
+    """What the groups are, e.g. ``"k"`` (the report's and summary.json's name)."""
+    labels: tuple[str, ...]
+    """Group ``i``'s label, e.g. ``("1", "2", "3")``: the keys of ``eval_loss_by_group``."""
+    ids: torch.Tensor
+
+
 @dataclass
 class DataBundle:
     """Train and validation sets plus what models and the trainer need to know about them.
@@ -52,6 +71,19 @@ class DataBundle:
     input_shape: tuple[int, ...]
     notes: tuple[str, ...] = ()
     augment: BatchAugment | None = None
+    eval_groups: EvalGroups | None = None
+    """The validation targets' groups (``eval_loss_by_group`` in summary.json), or None: the mean loss only."""
+
+    def __post_init__(self) -> None:
+        g = self.eval_groups
+        if g is None or not isinstance(self.val, TensorDataset):
+            return
+        y = self.val.tensors[1]
+        assert tuple(g.ids.shape) == tuple(y.shape[: g.ids.dim()]), \
+            f"eval_groups {g.name!r}: ids of shape {tuple(g.ids.shape)} do not index the validation targets {tuple(y.shape)}"
+        ids = g.ids.reshape(g.ids.shape + (1,) * (y.dim() - g.ids.dim())).expand_as(y)[y != IGNORE_INDEX]
+        assert ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < len(g.labels)), \
+            f"eval_groups {g.name!r}: scored ids span {int(ids.min())}..{int(ids.max())}, labels {g.labels}"
 
     @property
     def in_memory(self) -> bool:
@@ -135,12 +167,26 @@ def val_batches(
     bundle: DataBundle, *, rank: int, world_size: int, batch_size: int, num_workers: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The validation set sharded over ranks (``rank::world_size``), every sample exactly once."""
-    indices = list(range(rank, len(bundle.val), world_size))  # type: ignore[arg-type]
+    chunks = _val_chunks(bundle, rank=rank, world_size=world_size, batch_size=batch_size)
     if bundle.in_memory:
         x_all, y_all = bundle.val.tensors  # type: ignore[attr-defined]
-        for i in range(0, len(indices), batch_size):
-            idx = torch.tensor(indices[i : i + batch_size], dtype=torch.long)
+        for chunk in chunks:
+            idx = torch.tensor(chunk, dtype=torch.long)
             yield x_all[idx], y_all[idx]
         return
-    chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
     yield from DataLoader(bundle.val, batch_sampler=chunks, num_workers=num_workers)
+
+
+def val_group_ids(bundle: DataBundle, *, rank: int, world_size: int, batch_size: int) -> Iterator[torch.Tensor]:
+    """The group ids (:class:`EvalGroups`) of each batch :func:`val_batches` yields with the same arguments, in
+    its order: the same index chunks, so an id follows its sample through the sharding. Nothing without groups."""
+    if bundle.eval_groups is None:
+        return
+    for chunk in _val_chunks(bundle, rank=rank, world_size=world_size, batch_size=batch_size):
+        yield bundle.eval_groups.ids[torch.tensor(chunk, dtype=torch.long)]
+
+
+def _val_chunks(bundle: DataBundle, *, rank: int, world_size: int, batch_size: int) -> list[list[int]]:
+    """The validation indices of shard ``rank`` (``rank::world_size``) in batches of ``batch_size``."""
+    indices = list(range(rank, len(bundle.val), world_size))  # type: ignore[arg-type]
+    return [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]

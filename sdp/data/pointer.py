@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
-from sdp.data.base import IGNORE_INDEX, DataBundle
+from sdp.data.base import IGNORE_INDEX, DataBundle, EvalGroups
 from sdp.errors import require
 
 
@@ -78,8 +78,10 @@ def build(*, seq_len: int, vocab_size: int, names: int, values: int, chains: int
             f">= dataset.names + dataset.values + 2 = {tokens_needed(names=names, values=values)}")
     shape = dict(seq_len=seq_len, names=names, values=values, chains=chains, hops=hops, queries=queries)
     x, y, _ = programs(n=num_samples, seed=seed, **shape)
-    xv, yv, _ = programs(n=num_val, seed=seed + 1_000_003, **shape)  # a disjoint stream: no shared draw
+    xv, yv, lookups = programs(n=num_val, seed=seed + 1_000_003, **shape)  # a disjoint stream: no shared draw
+    # each scored query in the group of the lookups it needs (unscored positions: 0 lookups, never read)
+    groups = EvalGroups(name="lookups", labels=tuple(str(k) for k in range(1, hops + 1)), ids=(lookups - 1).clamp(min=0))
     return DataBundle(train=TensorDataset(x, y), val=TensorDataset(xv, yv), task="lm", num_classes=vocab_size,
-                      input_shape=(seq_len,),
+                      input_shape=(seq_len,), eval_groups=groups,
                       notes=(f"pointer chasing: {chains} chains of {hops} bindings, {queries} scored queries per "
                              f"sequence ({names} names, {values} digits), seed {seed}",))

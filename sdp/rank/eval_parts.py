@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkabl
 import torch
 from torch import nn
 
-from sdp.data.base import DataBundle, val_batches
+from sdp.data.base import DataBundle
 from sdp.core.distctx import DistContext
 from sdp.core.distctx import flatten, unflatten
 from sdp.models.base import batch_norms
-from sdp.rank.eval_ops import accumulate, bn_pass, gathered, ordered_mean
+from sdp.rank.eval_ops import accumulate, bn_pass, gathered, new_totals, ordered_mean, scored_batches
 
 
 @runtime_checkable
@@ -58,9 +58,9 @@ def partwise_totals(model: Partwise, *, bn: str, bn_batches: Callable[[], Iterab
     with ctx.comm.phase_as("eval"):  # building parts, statistics: evaluation traffic
         reestimate = bn == "reestimate" and model.has_batch_norm
         stats = _reestimated(model, batches=bn_batches(), ctx=ctx, limit=limit) if reestimate else None
-        out = torch.zeros(3, dtype=torch.float64, device=ctx.device)
-        val = ((x.to(ctx.device), y.to(ctx.device)) for x, y in
-               val_batches(data, rank=rank, world_size=world_size, batch_size=batch_size, num_workers=num_workers))
+        out = new_totals(data, device=ctx.device)
+        val = scored_batches(data, rank=rank, world_size=world_size, batch_size=batch_size, num_workers=num_workers,
+                             device=ctx.device)
         count = val_passes(num_val=len(data.val), world_size=world_size, batch_size=batch_size,  # type: ignore[arg-type]
                            part_batches=part_batches)
         for chunk in _passes(val, size=part_batches, count=count):
@@ -68,7 +68,7 @@ def partwise_totals(model: Partwise, *, bn: str, bn_batches: Callable[[], Iterab
     return out
 
 
-def _add_pass(out: torch.Tensor, *, model: Partwise, chunk: list[tuple[torch.Tensor, torch.Tensor]],
+def _add_pass(out: torch.Tensor, *, model: Partwise, chunk: list[tuple[torch.Tensor, tuple[torch.Tensor, Any]]],
               stats: list[dict[str, torch.Tensor]] | None) -> None:
     """One validation pass: ``chunk``'s batches through every part in turn, their sums added to ``out``.
     ``chunk`` is emptied (the caller's reference would keep the inputs alive for the whole pass); each
@@ -86,7 +86,7 @@ def _add_pass(out: torch.Tensor, *, model: Partwise, chunk: list[tuple[torch.Ten
             y = part(xs[j])
             xs[j] = y if i < last else None  # the input goes as soon as its output exists (as in a whole forward)
             if i == last:
-                accumulate(out, y, ys[j])
+                accumulate(out, y, *ys[j])  # the targets and their group ids
             del y
         del part
 

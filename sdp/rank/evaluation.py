@@ -58,7 +58,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdp.rank import eval_ensemble
-from sdp.data.base import DataBundle
+from sdp.data.base import DataBundle, EvalGroups
 from sdp.core.distctx import DistContext, flatten, unflatten
 from sdp.models.base import batch_norms
 from sdp.rank.eval_ops import bn_pass, gathered, ordered_mean, ordered_sum, statistics, val_totals
@@ -82,11 +82,13 @@ def protocol(cfg: DictConfig) -> dict[str, Any]:
             "ensemble": bool(ensemble(cfg))}
 
 
-def result(*, values: dict[str, list[float]], classify: bool) -> EvalResult:
+def result(*, values: dict[str, list[float]], classify: bool, groups: EvalGroups | None = None) -> EvalResult:
     """The evaluation's figures from its world-summed values, read once (:meth:`sdp.rank.trainer.Trainer.evaluate`):
-    ``full`` (loss sum, correct, count), and where evaluated ``workers`` / ``ensemble`` (mean loss, accuracy).
+    ``full`` (loss sum, correct, count, then with ``groups`` the groups' loss sums and counts:
+    :func:`~sdp.rank.eval_ops.new_totals`),
+    and where evaluated ``workers`` (:func:`worker_figures` summed over workers) / ``ensemble`` (mean loss, accuracy).
     The one place a figure is computed: a new metric is this and its :class:`EvalResult` field."""
-    loss, correct, count = values["full"]
+    loss, correct, count = values["full"][:3]
     workers, ensemble = values.get("workers"), values.get("ensemble")
 
     def acc(x: float | None) -> float | None:
@@ -98,7 +100,33 @@ def result(*, values: dict[str, list[float]], classify: bool) -> EvalResult:
         eval_accuracy_workers=None if workers is None else acc(workers[1]),
         assembly_gap=None if workers is None else loss / count - workers[0],
         eval_loss_ensemble=None if ensemble is None else ensemble[0],
-        eval_accuracy_ensemble=None if ensemble is None else acc(ensemble[1]))
+        eval_accuracy_ensemble=None if ensemble is None else acc(ensemble[1]),
+        eval_loss_by_group=None if groups is None else by_group(
+            groups, sums=values["full"][3:], workers=None if workers is None else workers[2:]))
+
+
+def by_group(groups: EvalGroups, *, sums: list[float], workers: list[float] | None) -> dict[str, Any]:
+    """``eval_loss_by_group``: each group's mean loss (its loss sum / its scored count; None for a group the
+    validation set has no scored target of) and count, keyed by label, and where evaluated the workers' mean of
+    their own per-group losses. ``sums``: the G loss sums then the G counts of :func:`~sdp.rank.eval_ops.new_totals`."""
+    g = len(groups.labels)
+    assert len(sums) == 2 * g and (workers is None or len(workers) == g), \
+        f"{len(sums)} group sums and {None if workers is None else len(workers)} workers' figures for {g} groups"
+    out: dict[str, Any] = {
+        "name": groups.name,
+        "loss": {k: (s / c if c else None) for k, s, c in zip(groups.labels, sums[:g], sums[g:])},
+        "count": {k: int(c) for k, c in zip(groups.labels, sums[g:])}}
+    if workers is not None:
+        out["workers"] = {k: (w if c else None) for k, w, c in zip(groups.labels, workers, sums[g:])}
+    return out
+
+
+def worker_figures(t: torch.Tensor) -> torch.Tensor:
+    """One worker's figures from its own :func:`own_totals` (whole validation set): mean loss, accuracy, then each
+    group's mean loss (0 for a group without a scored target: :func:`by_group` reports it None). The trainer
+    averages them over the workers."""
+    g = (len(t) - 3) // 2
+    return torch.cat([torch.stack([t[0] / t[2], t[1] / t[2]]), t[3 : 3 + g] / t[3 + g :].clamp(min=1)])
 
 
 def calibration_steps(*, fraction: Fraction, reference_steps: int, count: int) -> range:
@@ -115,7 +143,8 @@ def calibration_steps(*, fraction: Fraction, reference_steps: int, count: int) -
 def totals(source: nn.Module | Partwise, *, bn: str, bn_batches: Callable[[], Iterable[torch.Tensor]], ctx: DistContext,
            data: DataBundle, rank: int, world_size: int, batch_size: int, num_workers: int,
            part_batches: int = 1) -> torch.Tensor:
-    """(loss sum, correct, count) of the evaluated model on validation shard ``rank`` of ``world_size``
+    """(loss sum, correct, count; the groups' sums after them, :func:`~sdp.rank.eval_ops.new_totals`) of the
+    evaluated model on validation shard ``rank`` of ``world_size``
     under the protocol, calibrated on ``bn_batches()`` (this rank's shard of the calibration set; the
     statistics are the mean over every rank's): the one entry point the trainer calls for every
     strategy's model (:func:`world_sum` adds the ranks' totals). A plain module is run whole, batch by

@@ -285,13 +285,13 @@ class Trainer:
                                                        world_size=ctx.world_size, ensemble=ensemble, **common)
                     if workers:
                         with ctx.comm.phase_as("eval"):
-                            figures["workers"] = world_sum(torch.stack([t[0] / t[2], t[1] / t[2]]),
-                                                           ctx=ctx) / ctx.world_size
+                            figures["workers"] = world_sum(evaluation.worker_figures(t), ctx=ctx) / ctx.world_size
                     if ens is not None:  # the same totals on every rank
                         figures["ensemble"] = torch.stack([ens[0] / ens[2], ens[1] / ens[2]])
         flat = iter(torch.cat(list(figures.values())).tolist())  # the one read of the evaluation
         values = {name: [next(flat) for _ in range(len(t))] for name, t in figures.items()}
-        result = evaluation.result(values=values, classify=self.data.task == "classification")
+        result = evaluation.result(values=values, classify=self.data.task == "classification",
+                                   groups=self.data.eval_groups)
         row = {"step": self.state.step, **result.row()}
         self.state.last_eval = row
         self.logger.log(row)

@@ -2,7 +2,9 @@
 
 - ``config.yaml``: the resolved config, secrets removed (:func:`write_config`);
 - ``metrics.jsonl``: one JSON row per logged step from rank 0 (``step``, ``loss``, ``lr``,
-  ``samples_per_s``; eval rows with ``eval_loss``, ``eval_accuracy``) (:func:`read_metrics`);
+  ``samples_per_s``; eval rows with ``eval_loss``, ``eval_accuracy`` and the other measured fields of
+  :class:`sdp.results.evalresult.EvalResult`, e.g. ``eval_loss_by_group`` where the dataset declares groups)
+  (:func:`read_metrics`);
 - ``summary.json``: strategy, world size, steps, final losses, per-rank memory and communication,
   time, versions and machine info, and per rank how it was launched (host, pid, SLURM_*/torchrun
   variables): the typed :class:`sdp.results.summary.Summary`, every field documented there.

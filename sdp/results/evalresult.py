@@ -53,6 +53,13 @@ class EvalResult:
     runs, strategies whose workers train one model)."""
     eval_accuracy_ensemble: float | None = metric(percent=True)
     """Same, accuracy (arg-max of the mean probability)."""
+    eval_loss_by_group: dict[str, Any] | None = metric()
+    """Where the dataset declares evaluation groups (:class:`sdp.data.base.EvalGroups`: automaton's ``k``, pointer's
+    ``lookups``): ``{"name": .., "loss": {label: mean loss of the group's scored targets}, "count": {label: scored
+    targets}}`` of the evaluated model (whole or part by part), and with ``eval.subnetworks`` ``"workers"``: {label:
+    the workers' mean of their own subnetworks' group loss}; a group without a scored target's loss is None. The
+    counts weight the groups' losses back to ``eval_loss``. Not a table column (a report reads it by name,
+    :mod:`sdp.bench.gate_groups`); None for a dataset without groups and in older runs."""
 
     @classmethod
     def of(cls, obj: Mapping[str, Any] | None) -> Any:
@@ -65,8 +72,9 @@ class EvalResult:
         return {f.name: getattr(self, f.name) for f in _metrics(self)
                 if getattr(self, f.name) is not None or f.metadata["always"]}
 
-    def figures(self) -> dict[str, float | None]:
-        """The per-run figures the report aggregates, one per field (accuracies in percent)."""
+    def figures(self) -> dict[str, Any]:
+        """The per-run figures the report aggregates, one per field (accuracies in percent; a breakdown such as
+        ``eval_loss_by_group`` as recorded)."""
         return {f.name: _shown(getattr(self, f.name), f.metadata) for f in _metrics(self)}
 
 
@@ -75,7 +83,7 @@ def _metrics(record: Any) -> list[Any]:
     return [f for f in fields(record) if "always" in f.metadata]
 
 
-def _shown(value: float | None, meta: Mapping[str, Any]) -> float | None:
+def _shown(value: Any, meta: Mapping[str, Any]) -> Any:
     return None if value is None else 100.0 * value if meta["percent"] else value
 
 
