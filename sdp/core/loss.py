@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from sdp.data.base import IGNORE_INDEX
+from sdp.data.base import IGNORE_INDEX, per_target
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,7 @@ def group_sums(out: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, *, gr
     :func:`loss_and_correct` and :func:`scored`, :data:`IGNORE_INDEX` targets skipped), ``ids`` giving each
     target's group in ``[0, groups)`` (the targets' shape, or a prefix of it: one group per sample). Two float64
     vectors of ``groups`` on ``out``'s device, chunked as :func:`loss_and_correct` and read back nowhere."""
-    ids = ids.reshape(ids.shape + (1,) * (target.dim() - ids.dim())).expand_as(target)
-    logits, labels, where = out.reshape(-1, out.shape[-1]), target.reshape(-1), ids.reshape(-1)
+    logits, labels, where = out.reshape(-1, out.shape[-1]), target.reshape(-1), per_target(ids, target).reshape(-1)
     loss = torch.zeros(groups, dtype=torch.float64, device=out.device)
     count = torch.zeros(groups, dtype=torch.float64, device=out.device)
     for o, t, g in zip(logits.split(chunk), labels.split(chunk), where.split(chunk)):

@@ -81,7 +81,7 @@ class DataBundle:
         y = self.val.tensors[1]
         assert tuple(g.ids.shape) == tuple(y.shape[: g.ids.dim()]), \
             f"eval_groups {g.name!r}: ids of shape {tuple(g.ids.shape)} do not index the validation targets {tuple(y.shape)}"
-        ids = g.ids.reshape(g.ids.shape + (1,) * (y.dim() - g.ids.dim())).expand_as(y)[y != IGNORE_INDEX]
+        ids = per_target(g.ids, y)[y != IGNORE_INDEX]
         assert ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < len(g.labels)), \
             f"eval_groups {g.name!r}: scored ids span {int(ids.min())}..{int(ids.max())}, labels {g.labels}"
 
@@ -175,6 +175,12 @@ def val_batches(
             yield x_all[idx], y_all[idx]
         return
     yield from DataLoader(bundle.val, batch_sampler=chunks, num_workers=num_workers)
+
+
+def per_target(ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``ids`` (:class:`EvalGroups`: the targets' shape, or a prefix of it, one group per sample) as one id per
+    target: a view broadcast to ``target``'s shape."""
+    return ids.reshape(ids.shape + (1,) * (target.dim() - ids.dim())).expand_as(target)
 
 
 def val_group_ids(bundle: DataBundle, *, rank: int, world_size: int, batch_size: int) -> Iterator[torch.Tensor]:
