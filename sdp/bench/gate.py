@@ -219,8 +219,8 @@ def gate_section(*, study_dir: Path, study: str) -> list[str]:
     lines.append("")
     probes = study_dir / "depth_probes" / "probes.md"
     if probes.is_file():  # the cheaper screen that picks which tasks get the runs above (sdp.bench.depth_probe)
-        lines += [f"Tasks screened in one process on one seed before any gate run (`sdp-bench depth-probe`, "
-                  f"plumbing-grade, each with its loss by depth): [depth_probes/probes.md](depth_probes/probes.md).", ""]
+        lines += ["Tasks screened in one process on one seed before any gate run (`sdp-bench depth-probe`, "
+                  "plumbing-grade, each with its loss by depth): [depth_probes/probes.md](depth_probes/probes.md).", ""]
     for g in gates:  # where the runs recorded the loss by difficulty group: at which group depth pays
         lines += group_lines(task=g.task, groups=g.groups, depths=DEPTHS)
     return lines
