@@ -93,6 +93,16 @@ def test_the_ac_variants_are_their_strategy_with_train_ac_full() -> None:
     assert compose([*SMALL, "variant=fsdp_ac"]).parallelism == compose([*SMALL, "variant=fsdp"]).parallelism
 
 
+def test_a_checkpointed_run_is_labelled_plus_ac_whatever_its_strategy() -> None:
+    """train.ac is a training option, so the label summary.json records (report_facts) carries it: FSDP with
+    train.ac=full is FSDP+AC in every report, the ddp_ac preset stays DDP+AC (no doubled suffix)."""
+    for variant, label in (("fsdp_ac", "FSDP+AC"), ("fsdp", "FSDP"), ("ddp_ac", "DDP+AC"), ("ddp", "DDP")):
+        cfg = compose([*SMALL, f"variant={variant}"])
+        facts = STRATEGIES.get(str(cfg.parallelism.name)).report_facts(
+            cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size), ac=str(cfg.train.ac))
+        assert facts["label"] == label, (variant, facts, cfg.train.ac)
+
+
 def test_plan_step_time_adds_the_recomputed_forward() -> None:
     """FLOPs per sample stay the useful ones; compute time grows by one forward of the checkpointed blocks."""
     from sdp.models.base import forward_flop_counts

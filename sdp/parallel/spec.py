@@ -179,10 +179,15 @@ class StrategySpec:
 
     @classmethod
     def report_facts(cls, *, cfg: DictConfig, world_size: int, n_units: int | None = None,
-                     prepared: Any = None) -> dict[str, Any]:
-        """``label`` and ``coverage`` as summary.json records them (``cfg``: the ``parallelism`` node)."""
+                     prepared: Any = None, ac: str = "none") -> dict[str, Any]:
+        """``label`` and ``coverage`` as summary.json records them (``cfg``: the ``parallelism`` node; ``ac``:
+        ``train.ac``, a training option of every strategy, so a checkpointed run's label says "+AC" whatever its
+        strategy: FSDP with ``train.ac=full`` is the report's FSDP+AC, not FSDP)."""
         cov = cls.coverage(cfg=cfg, world_size=world_size, n_units=n_units, prepared=prepared)
-        return {"label": cls.method_label(cfg=cfg), "coverage": cov.summary() if cov else None}
+        label = cls.method_label(cfg=cfg)
+        if ac != "none" and not label.endswith("+AC"):
+            label += "+AC"
+        return {"label": label, "coverage": cov.summary() if cov else None}
 
     @classmethod
     def predict(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel, facts: dict[str, Any],

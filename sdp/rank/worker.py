@@ -223,7 +223,8 @@ def run_facts(*, cfg: DictConfig, world_size: int, prepared: Any, precision: str
     return dict(
         strategy=name,
         # label, coverage: the report's method and C columns (SDP's k / n: the plan the ranks ran)
-        **STRATEGIES.get(name).report_facts(cfg=cfg.parallelism, world_size=world_size, prepared=prepared),
+        **STRATEGIES.get(name).report_facts(cfg=cfg.parallelism, world_size=world_size, prepared=prepared,
+                                                  ac=str(cfg.train.get("ac", "none"))),
         model=str(cfg.model.get("name", "")), dataset=str(cfg.dataset.get("name", "")), world_size=world_size,
         steps=state["step"], skipped_steps=state["skipped_steps"], global_batch=global_batch_size(cfg), seed=int(cfg.seed),
         precision=precision, eval_protocol=evaluation.protocol(cfg),

@@ -57,7 +57,8 @@ def method_facts(run: Run) -> tuple[str, dict[str, Any] | None]:
     if name not in STRATEGIES:
         return name, None
     cfg = OmegaConf.create(run.config)
-    facts = STRATEGIES.get(name).report_facts(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size))
+    facts = STRATEGIES.get(name).report_facts(cfg=cfg.parallelism, world_size=int(cfg.cluster.world_size),
+                                               ac=str(cfg.get("train", {}).get("ac", "none")))
     return facts["label"], facts["coverage"]
 
 
