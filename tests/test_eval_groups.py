@@ -143,7 +143,8 @@ def test_summary_final_keeps_the_groups_as_written() -> None:
 
 LLAMA = ["model=llama_tiny", "model.dim=32", "model.hidden=64", "model.n_layers=2", "dataset=automaton",
          *(f"dataset.{k}={'null' if v is None else v}" for k, v in AUTOMATON.items()), "optim=adamw",
-         "train.batch_size=4", "train.steps=2", "train.warmup_steps=0", "train.eval_every=0", "train.eval_batch_size=5", "cluster.world_size=2"]
+         "train.batch_size=4", "train.steps=2", "train.warmup_steps=0", "train.eval_every=0", "train.eval_batch_size=5",
+         "cluster.world_size=2"]
 
 
 def _rows(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
