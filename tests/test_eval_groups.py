@@ -18,7 +18,8 @@ from sdp.data.base import IGNORE_INDEX, DataBundle
 from sdp.rank.eval_ops import ordered_sum, val_totals
 from sdp.rank.evaluation import result
 
-AUTOMATON = dict(seq_len=12, vocab_size=10, symbols=4, max_steps=5, rule_seed=0, num_samples=32, num_val=23, seed=0)
+AUTOMATON = dict(seq_len=12, vocab_size=10, symbols=4, max_steps=5, rule_seed=0, num_samples=32, num_val=23, seed=0,
+                 neighbours=2, density=None)
 POINTER = dict(seq_len=24, vocab_size=24, names=12, values=6, chains=2, hops=3, queries=4, num_samples=32,
                num_val=23, seed=0)
 
@@ -141,8 +142,9 @@ def test_summary_final_keeps_the_groups_as_written() -> None:
 
 
 LLAMA = ["model=llama_tiny", "model.dim=32", "model.hidden=64", "model.n_layers=2", "dataset=automaton",
-         *(f"dataset.{k}={v}" for k, v in AUTOMATON.items()), "optim=adamw", "train.batch_size=4", "train.steps=2",
-         "train.warmup_steps=0", "train.eval_every=0", "train.eval_batch_size=5", "cluster.world_size=2"]
+         *(f"dataset.{k}={'null' if v is None else v}" for k, v in AUTOMATON.items()), "optim=adamw",
+         "train.batch_size=4", "train.steps=2", "train.warmup_steps=0", "train.eval_every=0", "train.eval_batch_size=5",
+         "cluster.world_size=2"]
 
 
 def _rows(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -11,6 +11,8 @@ builders' own checks (:func:`sdp.data.common.preflight`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
 from sdp.core.fields import Number, flag, key
 
 
@@ -168,6 +170,10 @@ class AutomatonArgs(GeneratedTextArgs):
     """k is drawn from 1..max_steps per sequence."""
     rule_seed: int = key(at_least=0)
     """Seed of the rule's table."""
+    neighbours: int = key(at_least=1, at_most=4)
+    """Left neighbours the rule reads (the builder also bounds its table, symbols^neighbours entries)."""
+    density: Optional[Number] = key(above=0, at_most=1)
+    """Null: a dense table; q: an entry is a nonzero shift with probability q."""
 
 
 DATASETS: dict[str, type] = {"sdp.data.digits.build": DigitsArgs, "sdp.data.synthetic.build": SyntheticArgs,
