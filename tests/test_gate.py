@@ -67,7 +67,11 @@ def test_gate_from_run_dirs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("dataset", "corpus"), [
     ({"name": "pointer", "seq_len": 64, "chains": 3, "hops": 4, "queries": 13}, "pointer: 3 chains x 4 hops, 13 queries"),
-    ({"name": "automaton", "seq_len": 64, "symbols": 4, "max_steps": 8}, "automaton: 4 symbols, k = 1..8 steps")])
+    ({"name": "automaton", "seq_len": 64, "symbols": 4, "max_steps": 8}, "automaton: 4 symbols, k = 1..8 steps"),
+    ({"name": "automaton", "seq_len": 64, "symbols": 8, "max_steps": 8, "neighbours": 2, "density": 0.3},
+     "automaton: 8 symbols, k = 1..8 steps, 2 neighbours, density 0.3"),
+    ({"name": "automaton", "seq_len": 64, "symbols": 8, "max_steps": 8, "neighbours": 1, "density": None},
+     "automaton: 8 symbols, k = 1..8 steps, 1 neighbours, dense")])
 def test_a_synthetic_task_names_its_shape(tmp_path: Path, dataset: dict, corpus: str) -> None:
     """dataset=pointer and automaton have no corpus size: the table names their shape (from the run's config)."""
     write_gate(tmp_path, "task", {8: [1.0], 4: [1.1], 2: [1.2]})

@@ -131,6 +131,9 @@ def _settings(run: Run) -> dict[str, Any]:
         corpus = f"{corpus}: {f['dataset.chains']} chains x {f['dataset.hops']} hops, {f['dataset.queries']} queries"
     if f.get("dataset.max_steps") is not None:  # dataset=automaton (sdp/data/automaton.py)
         corpus = f"{corpus}: {f['dataset.symbols']} symbols, k = 1..{f['dataset.max_steps']} steps"
+        if f.get("dataset.neighbours") is not None:  # runs before the key read 2 neighbours, a dense table
+            density = f.get("dataset.density")
+            corpus += f", {f['dataset.neighbours']} neighbours, " + ("dense" if density is None else f"density {density:g}")
     budget = (run.summary.budget or {}) if run.summary else {}
     return {"corpus": corpus, "seq_len": seq, "tokens/step": tokens, "width": f"{f.get('model.dim')}/{f.get('model.hidden')}",
             "peak lr": f.get("optim.optimizer.lr"),
