@@ -10,8 +10,8 @@ and the study's gate runs.
 
 Tasks (``data``): ``bytes`` (the stand-in's stdlib text, :func:`sdp.data.standin.stdlib_bytes`), ``bpe`` (the
 same text through a byte-level BPE fit on its first half; needs ``pip install tokenizers``), ``automaton`` (a
-causal cellular automaton with ``nb`` left neighbours and a sparse rule of ``density``: the probe's own draw,
-fixed so that the committed figures reproduce; the study's task is :mod:`sdp.data.automaton`) and ``rhm`` (the
+causal cellular automaton of :mod:`sdp.data.automaton` with ``nb`` left neighbours and a sparse rule of
+``density``, drawn from fixed seeds so that the committed figures reproduce) and ``rhm`` (the
 random hierarchy model of Cagnetta et al.: the leaves of a random grammar of ``levels`` binary levels, ``v``
 symbols, ``m`` rules per symbol). Each run writes ``<out>/<name>.json``; ``--render`` writes ``<out>/probes.md``.
 
@@ -30,12 +30,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sdp.data.base import IGNORE_INDEX as IGNORE  # the automaton's unscored k-token target
+
 DEFAULTS: dict[str, Any] = dict(
     data="bytes", text_bytes=2_000_000, seq_len=64, tokens=2048, dim=64, hidden=176, heads=4, vocab=256,
     depths=[8, 4, 2], steps8=1000, lr=1e-3, warmup=0, seed=0, val_seqs=1024, symbols=8, nb=2, max_steps=8,
     density=0.3, pool=100_000, v=8, m=4, s=2, levels=6)
 OUT = Path("benchmarks/results/cpu-study/lm/depth_probes")
-IGNORE = -100
 
 
 def text_pairs(a: dict[str, Any]) -> tuple[torch.Tensor, int]:
@@ -61,23 +62,14 @@ def text_pairs(a: dict[str, Any]) -> tuple[torch.Tensor, int]:
 
 
 def automaton_pairs(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Rows of ``seq_len`` cells after k ~ U(1..max_steps) steps of ``x'_t = x_t + h[x_{t-nb} .. x_{t-1}] mod S``,
-    ``h`` nonzero with probability ``density``; input ``[k-token, row]``, target ``[ignored, row after k]``."""
-    S, nb, K, N = a["symbols"], a["nb"], a["max_steps"], a["pool"]
-    g = torch.Generator().manual_seed(1234)
-    shape = (S,) * nb
-    h = torch.randint(1, S, shape, generator=g) * (torch.rand(shape, generator=g) < a["density"])
-    g = torch.Generator().manual_seed(7)
-    x = torch.randint(S, (N, a["seq_len"]), generator=g)
-    k = torch.randint(1, K + 1, (N,), generator=g)
-    rows = [x]
-    for _ in range(K):
-        pad = torch.cat([torch.zeros(N, nb, dtype=x.dtype), rows[-1]], 1)
-        rows.append((rows[-1] + h[tuple(pad[:, i:i + x.shape[1]] for i in range(nb))]) % S)
-    after = torch.stack(rows, 1)[torch.arange(N), k]
-    inputs = torch.cat([(S + k - 1)[:, None], x], 1)
-    targets = torch.cat([torch.full((N, 1), IGNORE), after], 1)
-    return torch.stack([inputs, targets], 1), k, S + K
+    """The study's automaton (:func:`sdp.data.automaton.sequences`) with ``seq_len`` cells after the k-token, its
+    rule drawn from seed 1234 and its rows from seed 7 (the probes' fixed draw); ``(N, 2, seq_len + 1)`` pairs."""
+    from sdp.data.automaton import rule, sequences
+
+    h = rule(symbols=a["symbols"], rule_seed=1234, neighbours=a["nb"], density=a["density"])
+    inputs, targets, k = sequences(n=a["pool"], seed=7, seq_len=a["seq_len"] + 1, symbols=a["symbols"],
+                                   max_steps=a["max_steps"], h=h)
+    return torch.stack([inputs, targets], 1), k, a["symbols"] + a["max_steps"]
 
 
 def rhm_pairs(a: dict[str, Any]) -> tuple[torch.Tensor, int]:
@@ -215,5 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         result = probe({**DEFAULTS, **settings})
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "probes.md").write_text(render(args.out)) if args.out.is_dir() else None
+    if args.out.is_dir():
+        (args.out / "probes.md").write_text(render(args.out))
     return 0
