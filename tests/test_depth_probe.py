@@ -69,3 +69,10 @@ def test_an_unknown_setting_is_refused_naming_it(tmp_path: Path, capsys: pytest.
     with pytest.raises(SystemExit):
         dp.main(["--name", "x", "--out", str(tmp_path), "--set", '{"stepz": 3}'])
     assert "stepz" in capsys.readouterr().err
+
+
+def test_a_recorded_probe_is_never_rewritten(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "x.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        dp.main(["--name", "x", "--out", str(tmp_path), "--set", '{"steps8": 1}'])
+    assert "x.json exists" in capsys.readouterr().err and (tmp_path / "x.json").read_text() == "{}"

@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown or not args.name:
             ap.error(f"--set keys {unknown} are not settings (allowed: {sorted(DEFAULTS)})" if unknown
                      else "--name is required unless --render")
+        if (args.out / f"{args.name}.json").exists():  # a probe's record is never rewritten by a later probe
+            ap.error(f"--name {args.name}: {args.out / f'{args.name}.json'} exists; allowed: a new name")
         result = probe({**DEFAULTS, **settings})
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
