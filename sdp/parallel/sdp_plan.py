@@ -28,7 +28,7 @@ from sdp.parallel.sdp_redraw_plan import state_template
 from sdp.subnet.moves import moves, traffic
 from sdp.subnet.frontier import format_frontier, frontier
 from sdp.subnet.plan import Plan, build_plan, measure_block_costs
-from sdp.subnet.holder_groups import GroupSet, predicted_process_groups
+from sdp.subnet.holder_groups import GroupSet, predicted_process_groups, with_refresh_sets
 from sdp.subnet.sync import OwnerSetSync
 
 BALANCE_KEYS = ("params", "flops", "activations")
@@ -127,7 +127,7 @@ def predict(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, fact
     pieces = M.pieces(model, plan)
     # the groups SDPStrategy creates (the same holder sets, the same rule): summary.json's process_groups
     facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets={p.holders for p in pieces},
-                                                       refresh=mode == "backward")
+                                                       refresh=with_refresh_sets(mode=mode))
     later = consolidation_steps(cfg=pc, job=job, model=model, plan=plan, pieces=pieces, facts=facts)
     if (cal := calibration(cfg=pc, model=model, plan=plan, steps=job.steps)) is not None:
         last = M.pieces(model, cal["plan"])
