@@ -22,14 +22,14 @@ MLP = ["model=mlp", "dataset=digits", "model.hidden=64", "model.depth=6", "train
 
 def _live_groups_after_redraws(rank: int, world: int, config: dict) -> list[dict]:
     from sdp.metrics.groups import process_groups
-    from sdp.subnet.holder_groups import group_rank_sets
+    from sdp.subnet.holder_groups import group_rank_sets, with_refresh_sets
 
     strategy, _, _ = make_strategy(config, rank, world)
     out = []
     for draw in range(1, 5):
         strategy._redraw(draw=draw)
         plan_sets = group_rank_sets(world_size=world, holder_sets={p.holders for p in strategy.pieces},
-                                    refresh=strategy.mode == "backward")
+                                    refresh=with_refresh_sets(mode=strategy.mode))
         out.append({"plan": sorted(plan_sets), "held": sorted(strategy.groups.groups),
                     "live": process_groups()["count"], "mine": 1 + sum(rank in s for s in plan_sets)})
     return out

@@ -162,9 +162,11 @@ def test_comm_bytes_equal_analytic_bucket_sum(tmp_path, world: int, coverage: fl
         held = [u for u in plan["units"] if r in u["holders"]]
         expect = 4 * (plan["summary"]["shared_params"] + (sum(u["params"] for u in held) if k > 1 else 0))
         assert rank_comm["bytes_per_step"] == expect, (r, rank_comm, expect)
-        sets = {tuple(u["holders"]) for u in plan["units"] if r in u["holders"] and 1 < len(u["holders"]) < world}
+        holder_sets = {tuple(u["holders"]) for u in plan["units"]}  # and each one's refresh set: lowest holder + non-holders
+        refresh = {tuple(sorted({min(h)} | (set(range(world)) - set(h)))) for h in holder_sets if len(h) < world}
+        sets = {h for h in holder_sets | refresh if r in h and 1 < len(h) < world}
         groups = summary["process_groups"]["per_rank"][r]
-        assert groups["rank"] == r and groups["count"] == 1 + len(sets), (r, groups, sets)  # the default group + holder sets
+        assert groups["rank"] == r and groups["count"] == 1 + len(sets), (r, groups, sets)  # the default group + its sets
         assert groups["sizes"] == sorted([world] + [len(h) for h in sets], reverse=True), (r, groups, sets)
         if k == 1:  # single-holder units send nothing: only the shared (world) buckets remain, one per run
             assert rank_comm["collectives_per_step"] == _shared_runs(overrides) and rank_comm["by_group_size"].keys() == {str(world)}, \

@@ -2,7 +2,7 @@
 
 Why count groups: with NCCL every communicator holds device memory that PyTorch's caching allocator
 does not see (``cuda_max_allocated`` misses it), and SDP creates one group per distinct holder set
-(plus refresh sets under backward masking). summary.json therefore records, per rank, the groups
+(plus each one's refresh set, except under global refresh). summary.json therefore records, per rank, the groups
 this rank is a member of (the default group included) and their sizes (key ``process_groups``), and
 on CUDA the device memory in use from the driver (``torch.cuda.mem_get_info``) beside the allocator's
 figures.

@@ -42,7 +42,7 @@ from sdp.subnet import masking as M
 from sdp.subnet.assemble import split_blocks, tensor_map
 from sdp.subnet import redraw as R
 from sdp.subnet.plan import Plan
-from sdp.subnet.holder_groups import GroupSet, check_same_plan
+from sdp.subnet.holder_groups import GroupSet, check_same_plan, with_refresh_sets
 from sdp.subnet.sync import OwnerSetSync
 
 
@@ -92,11 +92,11 @@ class SDPStrategy(SC.Consolidating, sdp_calibrate.Calibrated, AssembledEval, Str
                 model.blocks[b].set_scale(len(units) / len(run) if split and run else plan.world_size / plan.k, split=split)
         self.module = model.to(ctx.device)
         self.layout = M.rebind(self.module, self.layout)  # the move replaced every buffer (BatchNorm statistics)
-        sets = {p.holders for p in self.pieces}
+        sets, refresh = {p.holders for p in self.pieces}, with_refresh_sets(mode=self.mode)  # forward: fill's broadcasts
         if self.groups is None:
-            self.groups = GroupSet(world_size=ctx.world_size, holder_sets=sets, refresh=self.mode == "backward")
+            self.groups = GroupSet(world_size=ctx.world_size, holder_sets=sets, refresh=refresh)
         else:  # a re-draw: new holder sets get their groups, unused ones are destroyed, in one order on every rank
-            self.groups.redraw(holder_sets=sets, refresh=self.mode == "backward")
+            self.groups.redraw(holder_sets=sets, refresh=refresh)
         if getattr(self, "sync", None) is not None:
             self.sync.close()  # a re-draw: the old subnetwork's gradient hooks go
         self.sync = OwnerSetSync(rank=ctx.rank, pieces=self.pieces, layout=self.layout, groups=self.groups, comm=ctx.comm,

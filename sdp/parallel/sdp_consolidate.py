@@ -151,8 +151,9 @@ class Consolidating:
 
     def _consolidate(self, *, resumed: bool) -> None:
         """The switch (module docstring): the teacher frozen first (``distill_alpha`` > 0), the steps from here on
-        measured as memory phase :data:`PHASE`, this rank's subnetwork widened in place (:func:`widen`), its groups
-        and sync rewired for backward masking (a refresh group per holder set); the held parameters, and so their
+        measured as memory phase :data:`PHASE`, this rank's subnetwork widened in place (:func:`widen`), its sync
+        rewired for backward masking (the refresh sets' groups exist from set-up: forward masking's fill uses them
+        too, so the switch creates none); the held parameters, and so their
         optimizer state, are the same objects. ``resumed``: the structure only, a checkpoint's values follow."""
         s: Any = self
         assert self.consolidation is not None and s.module is not None and s.groups is not None

@@ -38,7 +38,7 @@ from sdp.parallel.sdp_consolidate import distilled_loss, frozen_teacher
 from sdp.core.loss import loss_fn
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import partwise_names
-from sdp.subnet.holder_groups import GroupSet
+from sdp.subnet.holder_groups import GroupSet, refresh_set
 from sdp.subnet.plan import Plan
 from sdp.subnet.units import measure_block_costs
 from sdp.subnet.sync import OwnerSetSync
@@ -82,7 +82,7 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
                 entry["train_peak_bytes"] = max(entry["train_peak_bytes"], got["train"])
                 roles[r].add(_role(p, r))
             if p.draw in eval_draws:
-                flats = _part_flats(pieces, n=world, forward=mode == "forward")
+                flats = _part_flats(pieces, n=world, rank=r, forward=mode == "forward")
                 key = tuple(sorted(flats.items()))
                 if key not in evals:
                     evals[key] = _eval_extra(job=job, model=model, flats=flats, eval_batch=eval_batch)
@@ -109,9 +109,9 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
         last = next(iter(run_plans(model=model, cfg=pc, first=plan, draws=[draw_at(step=steps - 1, every=every)], costs=costs)))
         step = step_peak(model=model, plan=last, batch=job.batch_size, precision=job.precision, device=job.device)
         pieces = M.pieces(model, last)
-        extra = _eval_extra(job=job, model=model, flats=_part_flats(pieces, n=world, forward=mode == "forward"), eval_batch=eval_batch)
         for r, got in _rank_peaks(cfg=pc, job=job, model=model, plan=last, pieces=pieces, mode=mode,
                                   eval_batch=eval_batch, rehearsed=rehearsed):
+            extra = _eval_extra(job=job, model=model, flats=_part_flats(pieces, n=world, rank=r, forward=True), eval_batch=eval_batch)
             state = got["state"] - got["grads"]  # calibration dropped the gradients (sdp_calibrate.calibrate)
             out[r]["calibrate_peak_bytes"] = state + not_held_bytes(model=model, plan=last, rank=r) + step
             out[r]["eval_peak_bytes"] = max(out[r]["eval_peak_bytes"], state + extra)
@@ -286,14 +286,14 @@ def _overlap_stand_in(sync: Any) -> Callable[[], None]:
     return finish
 
 
-def _part_flats(pieces: list[Any], *, n: int, forward: bool) -> dict[str, int]:
-    """Per top-level part, the largest temporary that filling it allocates (sdp.subnet.assemble.fill
-    with ``in_place``: a piece lacked by some rank is broadcast straight into its tensor, except a
-    slice narrowed along a dimension other than the first, which goes through a contiguous copy;
-    only under forward masking)."""
+def _part_flats(pieces: list[Any], *, n: int, rank: int, forward: bool) -> dict[str, int]:
+    """Per top-level part, the largest temporary that filling it allocates on ``rank`` (sdp.subnet.assemble.fill
+    with ``in_place``: a piece lacked by some rank is broadcast straight into its tensor on the ranks of its
+    holders' refresh set, except a slice narrowed along a dimension other than the first, which goes through
+    a contiguous copy; only under forward masking)."""
     out: dict[str, int] = {}
     for p in pieces:
-        if forward and len(p.holders) < n and p.dim not in (None, 0):
+        if forward and len(p.holders) < n and p.dim not in (None, 0) and rank in refresh_set(p.holders, n=n):
             parts = p.name.split(".")
             name = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
             out[name] = max(out.get(name, 0), p.nbytes)

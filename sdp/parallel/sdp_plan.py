@@ -28,7 +28,7 @@ from sdp.parallel.sdp_redraw_plan import state_template
 from sdp.subnet.moves import moves, traffic
 from sdp.subnet.frontier import format_frontier, frontier
 from sdp.subnet.plan import Plan, build_plan, measure_block_costs
-from sdp.subnet.holder_groups import GroupSet, predicted_process_groups
+from sdp.subnet.holder_groups import GroupSet, predicted_process_groups, refresh_set, with_refresh_sets
 from sdp.subnet.sync import OwnerSetSync
 
 BALANCE_KEYS = ("params", "flops", "activations")
@@ -127,7 +127,7 @@ def predict(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, fact
     pieces = M.pieces(model, plan)
     # the groups SDPStrategy creates (the same holder sets, the same rule): summary.json's process_groups
     facts["process_groups"] = predicted_process_groups(world_size=world, holder_sets={p.holders for p in pieces},
-                                                       refresh=mode == "backward")
+                                                       refresh=with_refresh_sets(mode=mode))
     later = consolidation_steps(cfg=pc, job=job, model=model, plan=plan, pieces=pieces, facts=facts)
     if (cal := calibration(cfg=pc, model=model, plan=plan, steps=job.steps)) is not None:
         last = M.pieces(model, cal["plan"])
@@ -163,11 +163,13 @@ def step_records(*, pieces: list[M.Piece], layout: dict[str, M.Local], rank: int
 
 def fill_moves(*, pieces: list[M.Piece], rank: int, world: int) -> dict[str, int]:
     """What :func:`sdp.subnet.assemble.fill` under forward masking moves to ``rank`` (the consolidation switch,
-    calibration's assembly): every piece some rank lacks is broadcast over the world from its lowest holder, so
-    ``rank`` receives each one whose lowest holder it is not (``received_bytes``), of which ``lacked_bytes`` are the
-    pieces it does not hold (the rest re-send its own values), and sends those it is the lowest holder of."""
+    calibration's assembly): every piece some rank lacks is broadcast from its lowest holder over its refresh set
+    (that holder and the non-holders: :func:`~sdp.subnet.holder_groups.refresh_set`), so ``rank`` receives
+    (``received_bytes``) exactly the pieces it does not hold (``lacked_bytes``: the two are equal, no other holder is
+    sent values it holds) and sends those it is the lowest holder of. Both keys stay (plans already written read them):
+    when fill broadcast over the whole world, a holder other than the lowest received its own values again."""
     lacking = [p for p in pieces if len(p.holders) < world]
-    return {"received_bytes": sum(p.nbytes for p in lacking if rank != min(p.holders)),
+    return {"received_bytes": sum(p.nbytes for p in lacking if rank in refresh_set(p.holders, n=world) and rank != min(p.holders)),
             "lacked_bytes": sum(p.nbytes for p in lacking if rank not in p.holders),
             "sent_bytes": sum(p.nbytes for p in lacking if rank == min(p.holders))}
 

@@ -27,6 +27,7 @@ from sdp.parallel.plan_entries import EvalTraffic, Record
 from sdp.registry import build
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import average_statistics, partwise_names, tensor_map
+from sdp.subnet.holder_groups import refresh_set
 from sdp.subnet.masking import Piece
 from sdp.subnet.plan import Plan
 from sdp.subnet.redraw import masked_on_meta
@@ -52,15 +53,19 @@ def _statistics(*, pieces: list[Piece], full: dict[str, torch.Tensor], masking: 
 def _fill(*, pieces: list[Piece], full: dict[str, torch.Tensor], masking: str, rank: int, world: int,
           in_place: bool) -> list[Record]:
     """The records of :func:`sdp.subnet.assemble.fill` of ``pieces`` on ``rank``: the statistics' holder-set sums,
-    then under forward masking the broadcasts of what some rank lacks from its lowest holder (one per source rank,
-    or with ``in_place`` one per piece; a receiver records payload 0, as the ranks do)."""
+    then under forward masking the broadcasts of what some rank lacks from its lowest holder over its holder set's
+    refresh set, where ``rank`` is in it (one per holder set, or with ``in_place`` one per piece; a receiver records
+    payload 0, as the ranks do)."""
     out = _statistics(pieces=pieces, full=full, masking=masking, rank=rank, world=world)
     if masking != "forward":
         return out
-    for src in range(world):
-        items = [p for p in pieces if len(p.holders) < world and min(p.holders) == src]
-        sizes = [p.nbytes for p in items] if in_place else ([sum(p.nbytes for p in items)] if items else [])
-        out += [("broadcast", size if rank == src else 0, world) for size in sizes]
+    for h in sorted({p.holders for p in pieces if len(p.holders) < world}, key=lambda h: (len(h), h)):
+        ranks = refresh_set(h, n=world)
+        if rank not in ranks:
+            continue
+        items = [p for p in pieces if p.holders == h]
+        sizes = [p.nbytes for p in items] if in_place else [sum(p.nbytes for p in items)]
+        out += [("broadcast", size if rank == min(h) else 0, len(ranks)) for size in sizes]
     return out
 
 

@@ -12,9 +12,10 @@ Re-draws do not assemble: :mod:`sdp.subnet.redraw` moves only the pieces that ch
 
 Order: (1) every rank copies the pieces it has; (2) BatchNorm running statistics are averaged over
 the ranks that computed them (holders under forward masking, the world otherwise); (3) under
-forward masking each piece a rank lacks is broadcast from its lowest-rank holder, one flat
-broadcast per source rank. Rescaling is the strategy's (``set_branch_scales``); BatchNorm
-re-estimation is the evaluation protocol's (:mod:`sdp.rank.evaluation`), applied to every strategy.
+forward masking each piece a rank lacks is broadcast from its lowest-rank holder to the ranks that
+lack it (its holder set's refresh set, not the world), one flat broadcast per holder set. Rescaling
+is the strategy's (``set_branch_scales``); BatchNorm re-estimation is the evaluation protocol's
+(:mod:`sdp.rank.evaluation`), applied to every strategy.
 """
 
 from __future__ import annotations
@@ -68,11 +69,14 @@ def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[st
          groups: GroupSet, ctx: DistContext, in_place: bool = False) -> None:
     """Write ``pieces`` into ``state`` (full-model tensor names -> empty tensors): this rank's own
     pieces copied, floating-point buffers averaged over the ranks that computed them, the pieces this
-    rank lacks broadcast from their lowest-rank holder (one flat broadcast per source rank; with
-    ``in_place``, one broadcast per piece straight into its tensor, so no flat copy of the part exists
-    and none is left to the backend's worker thread to free: a part's evaluation peak is the part).
-    The same ``pieces`` list on every rank, so every rank takes part in the same collectives in the
-    same order."""
+    rank lacks broadcast from their lowest-rank holder over that holder set's refresh set (the source
+    and every non-holder, :func:`sdp.subnet.holder_groups.refresh_set`: the other holders already hold
+    the values, so they are not sent them again). One flat broadcast per holder set; with ``in_place``,
+    one broadcast per piece straight into its tensor, so no flat copy of the part exists and none is
+    left to the backend's worker thread to free: a part's evaluation peak is the part. ``groups`` must
+    hold the refresh sets (:func:`sdp.subnet.holder_groups.with_refresh_sets`). The same ``pieces`` list
+    on every rank and holder sets in one order (size, then ranks), so each rank's collectives are a
+    subsequence of one order over overlapping groups, which cannot deadlock."""
     n, rank = ctx.world_size, ctx.rank
 
     def target(p: Piece) -> torch.Tensor:
@@ -86,18 +90,20 @@ def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[st
         average_statistics(pieces=[p for p in pieces if not p.is_param and state[p.name].is_floating_point()],
                            target=target, masking=masking, rank=rank, world_size=n, reduce=_holder_sum(groups=groups, ctx=ctx))
     if masking == "forward" and n > 1:
-        world = tuple(range(n))
-        for src in range(n):
-            items = [p for p in pieces if len(p.holders) < n and min(p.holders) == src]
-            if items and not in_place:
-                broadcast_pieces(items, layout=layout, src=src, ranks=world, group=None, rank=rank,
+        for h in sorted({p.holders for p in pieces if len(p.holders) < n}, key=lambda h: (len(h), h)):
+            ranks, src = groups.refresh_set(h), min(h)
+            if rank not in ranks:  # a holder other than the source: it has these values, it takes no part
+                continue
+            items, group = [p for p in pieces if p.holders == h], groups.get(ranks)
+            if not in_place:
+                broadcast_pieces(items, layout=layout, src=src, ranks=ranks, group=group, rank=rank,
                                  comm=ctx.comm, targets=[target(p) for p in items])
             for p in items if in_place else ():
                 t = target(p)
                 buf = t if t.is_contiguous() else t.contiguous()  # a narrowed slice (neuron level) goes via a copy
                 ctx.comm.record(kind="broadcast", payload=buf.numel() * buf.element_size() if rank == src else 0,
-                                group_size=n)
-                dist.broadcast(buf, src=src)
+                                group_size=len(ranks))
+                dist.broadcast(buf, src=src, group=group)
                 if buf is not t:
                     t.copy_(buf)
 

@@ -1,10 +1,12 @@
 """The process groups of SDP's holder sets: which rank sets get one, in what order, and their lifetime.
 
 Why one process group per distinct holder set: a unit's gradient is averaged over its holders only
-(paper 1.4), so its all-reduce runs on exactly those ranks (:mod:`sdp.subnet.sync`); under backward
-masking each holder set also has a refresh set (its lowest holder and every non-holder) for the
-broadcast of updated values. ``new_group`` is collective over the world, so every rank creates every
-group, in one order derived from the plan alone (:func:`group_rank_sets`).
+(paper 1.4), so its all-reduce runs on exactly those ranks (:mod:`sdp.subnet.sync`); each holder set
+also has a refresh set (its lowest holder and every non-holder) for what its lowest holder broadcasts to
+the ranks that lack its values: the updated values after each step under backward masking, the
+assembled model's pieces under forward masking (:func:`sdp.subnet.assemble.fill`), so no other holder
+receives values it holds (:func:`with_refresh_sets`). ``new_group`` is collective over the world, so every
+rank creates every group, in one order derived from the plan alone (:func:`group_rank_sets`).
 
 Why a module of its own: which groups exist is a fact of the plan, asked also where nothing is
 synchronised: ``sdp-plan`` predicts summary.json's ``process_groups`` (:func:`predicted_process_groups`,
@@ -23,6 +25,18 @@ import torch
 import torch.distributed as dist
 
 from sdp.core.distctx import WHERE, DistContext, subgroup_kwargs
+
+
+def with_refresh_sets(*, mode: str) -> bool:
+    """Whether the groups of masking ``mode`` (:func:`sdp.subnet.masking.masking_mode`) include each holder set's
+    refresh set: under ``backward`` masking the refresh after every update (:meth:`sdp.subnet.sync.OwnerSetSync.refresh`),
+    under ``forward`` masking :func:`sdp.subnet.assemble.fill` (assembled evaluation, the consolidation switch,
+    calibration's assembly); ``global`` refresh broadcasts nothing (every rank keeps and updates every value).
+    Why at set-up with the holder sets' groups, not at the first assembly: creating a group is collective over the
+    world in one order (:func:`group_rank_sets`), a re-draw then keeps or destroys them with the rest
+    (:meth:`GroupSet.redraw`), and ``sdp-plan`` predicts summary.json's ``process_groups`` from this same rule."""
+    assert mode in ("forward", "backward", "global"), f"masking mode {mode!r} not in (forward, backward, global)"
+    return mode != "global"
 
 
 def group_rank_sets(*, world_size: int, holder_sets: Iterable[tuple[int, ...]], refresh: bool) -> list[tuple[int, ...]]:
@@ -83,7 +97,7 @@ def predicted_process_groups(*, world_size: int, holder_sets: Iterable[tuple[int
 
 
 class GroupSet:
-    """Process groups for holder sets and refresh sets, created in one global order.
+    """Process groups for holder sets and (``refresh``: :func:`with_refresh_sets`) refresh sets, created in one global order.
 
     Every group gets the default group's timeout (``cluster.timeout_s``) and, on NCCL, options that make
     it share the default communicator's resources (:func:`sdp.core.distctx.subgroup_kwargs`); its description
@@ -124,4 +138,8 @@ class GroupSet:
         """The group of ``ranks`` for a collective about to be issued: None (the default group) for the
         whole world. Noted in :data:`sdp.core.distctx.WHERE`, so a failure names the groups of its step."""
         WHERE.used(ranks, world=self.n)
-        return None if len(ranks) == self.n else self.groups[ranks]
+        if len(ranks) == self.n:
+            return None
+        assert ranks in self.groups, (f"no process group for ranks {ranks} (world {self.n}); made: {sorted(self.groups)} "
+                                      "(a refresh set exists only where with_refresh_sets(mode) made it)")
+        return self.groups[ranks]
