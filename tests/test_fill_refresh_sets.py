@@ -99,8 +99,9 @@ def test_fill_sends_each_piece_only_to_the_ranks_that_lack_it() -> None:
     with torch.device("meta"):
         model = build(cfg.model)
     plan = plan_for(model=model, cfg=cfg.parallelism, world_size=WORLD)  # every rank derives this plan (check_same_plan)
-    pieces, full = M.pieces(model, plan), tensor_map(model)
-    lacking = [p for p in pieces if len(p.holders) < WORLD]
+    pieces = M.pieces(model, plan)
+    dtypes = {t.dtype for name, t in tensor_map(model).items() if any(p.name == name and len(p.holders) < WORLD for p in pieces)}
+    assert torch.int64 in dtypes and torch.float32 in dtypes, f"no holder set mixes dtypes to send: {dtypes}"
     wasted = [(r, p.name) for p in pieces for r in p.holders if len(p.holders) < WORLD and r != min(p.holders)]
     assert wasted, f"no rank holds a piece it is not the lowest holder of: nothing to test (holders {plan.holders})"
     predicted = eval_traffic(None, cfg=cfg.parallelism, job=JobFacts.of(cfg), model=model, prepared=plan, step=1)
@@ -116,17 +117,13 @@ def test_fill_sends_each_piece_only_to_the_ranks_that_lack_it() -> None:
         moves = fill_moves(pieces=pieces, rank=r, world=WORLD)
         lacks = {"received": moves["lacked_bytes"], "sent": moves["sent_bytes"]}
         assert lacks["received"] > 0, f"rank {r} lacks nothing: {moves}"
-        # whole: one flat buffer per holder set, of its first piece's dtype (a BatchNorm count, int64, travels as
-        # float32), so it is held to the elements; part by part every piece travels in its own tensor: the bytes
-        elements = {"received": sum(p.nbytes // full[p.name].element_size() for p in lacking if r not in p.holders),
-                    "sent": sum(p.nbytes // full[p.name].element_size() for p in lacking if r == min(p.holders))}
+        # whole: one flat buffer per holder set and dtype (a BatchNorm count, int64, travels as int64: one cat of
+        # mixed pieces would send it as float32); part by part every piece travels in its own tensor: both in bytes
         for built in ("parts", "whole"):
-            log, at = res["logs"][built], 2 if built == "whole" else 1
-            measured = {"received": sum(e[at] for e in log if e[0] != r), "sent": sum(e[at] for e in log if e[0] == r)}
-            expect = elements if built == "whole" else lacks
-            unit = "elements" if at == 2 else "bytes"
-            assert measured == expect, (f"rank {r} {built}: received/sent {measured} ({unit}), but it lacks / is the "
-                                        f"lowest holder of {expect} (a holder was sent values it holds)")
+            log = res["logs"][built]
+            measured = {"received": sum(e[1] for e in log if e[0] != r), "sent": sum(e[1] for e in log if e[0] == r)}
+            assert measured == lacks, (f"rank {r} {built}: received/sent {measured} bytes, but it lacks / is the "
+                                       f"lowest holder of {lacks} (a holder was sent values it holds, or a dtype changed)")
         assert (moves["received_bytes"], moves["sent_bytes"]) == (lacks["received"], lacks["sent"]), \
             f"rank {r}: sdp-plan's fill_moves {moves}, measured (bytes) {lacks}"
     for r, res in enumerate(got):  # then the records: each broadcast's real group, and sdp-plan's prediction of them

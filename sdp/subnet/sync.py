@@ -239,7 +239,7 @@ class OwnerSetSync:
 def broadcast_pieces(items: list[Piece], *, layout: dict[str, Local], src: int, ranks: tuple[int, ...], group: Any,
                      rank: int, comm: CommCounter, targets: list[torch.Tensor] | None = None,
                      buffer: torch.Tensor | None = None) -> None:
-    """One flat broadcast of ``items`` from ``src`` to ``ranks``; receivers write into their local
+    """One flat broadcast of ``items`` from ``src`` to ``ranks`` (one per dtype where they mix); receivers write into their local
     storage (or into ``targets``, views in the same order, e.g. an assembled full model). ``buffer``:
     a flat tensor at least as large to use instead of a new one."""
     if rank not in ranks:
@@ -248,6 +248,13 @@ def broadcast_pieces(items: list[Piece], *, layout: dict[str, Local], src: int, 
         specs = [locate(p, layout) for p in items]
         assert all(s is not None for s in specs), f"rank {rank} lacks storage for {[p.name for p in items]}"
         targets = [view(t, d, s, n) for t, d, s, n in specs]  # type: ignore[misc]
+    dtypes = list(dict.fromkeys(t.dtype for t in targets))  # first-appearance order: the same on every rank
+    if len(dtypes) > 1:  # one flat per dtype: a single cat would promote an int64 count (BatchNorm's) to float32
+        for dtype in dtypes:
+            mine = [i for i, t in enumerate(targets) if t.dtype == dtype]
+            broadcast_pieces([items[i] for i in mine], layout=layout, src=src, ranks=ranks, group=group, rank=rank,
+                             comm=comm, targets=[targets[i] for i in mine], buffer=buffer)
+        return
     numel = sum(v.numel() for v in targets)
     if buffer is not None and buffer.numel() >= numel and buffer.dtype == targets[0].dtype:
         flat = buffer[:numel]
