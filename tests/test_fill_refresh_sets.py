@@ -90,7 +90,7 @@ def _assemble_logged(rank: int, world: int, config: dict[str, Any]) -> dict[str,
 def test_fill_sends_each_piece_only_to_the_ranks_that_lack_it() -> None:
     from sdp.parallel.job import JobFacts
     from sdp.parallel.sdp_plan import fill_moves, plan_for
-    from sdp.parallel.sdp_traffic import eval_traffic
+    from sdp.parallel.sdp_traffic import _fill, eval_traffic
     from sdp.registry import build
     from sdp.subnet import masking as M
     from sdp.subnet.assemble import tensor_map
@@ -99,8 +99,8 @@ def test_fill_sends_each_piece_only_to_the_ranks_that_lack_it() -> None:
     with torch.device("meta"):
         model = build(cfg.model)
     plan = plan_for(model=model, cfg=cfg.parallelism, world_size=WORLD)  # every rank derives this plan (check_same_plan)
-    pieces = M.pieces(model, plan)
-    dtypes = {t.dtype for name, t in tensor_map(model).items() if any(p.name == name and len(p.holders) < WORLD for p in pieces)}
+    pieces, full = M.pieces(model, plan), tensor_map(model)
+    dtypes = {t.dtype for name, t in full.items() if any(p.name == name and len(p.holders) < WORLD for p in pieces)}
     assert torch.int64 in dtypes and torch.float32 in dtypes, f"no holder set mixes dtypes to send: {dtypes}"
     wasted = [(r, p.name) for p in pieces for r in p.holders if len(p.holders) < WORLD and r != min(p.holders)]
     assert wasted, f"no rank holds a piece it is not the lowest holder of: nothing to test (holders {plan.holders})"
@@ -131,5 +131,7 @@ def test_fill_sends_each_piece_only_to_the_ranks_that_lack_it() -> None:
             sizes = [k for kind, _, k in res["records"][built] if kind == "broadcast"]
             assert sizes == [e[3] for e in log], f"rank {r} {built}: recorded group sizes {sizes}, broadcast on {log}"
             assert all(k < WORLD for k in sizes), f"rank {r} {built}: a broadcast over the world {log}"
+        whole = _fill(pieces=pieces, full=full, masking="forward", rank=r, world=WORLD, in_place=False)
+        assert res["records"]["whole"] == whole, f"rank {r}: whole-model records {res['records']['whole']}, sdp-plan predicts {whole}"
         assert res["records"]["parts"] == predicted.build[r], \
             f"rank {r}: part-by-part records {res['records']['parts']}, sdp-plan predicts {predicted.build[r]}"

@@ -54,7 +54,7 @@ def _fill(*, pieces: list[Piece], full: dict[str, torch.Tensor], masking: str, r
           in_place: bool) -> list[Record]:
     """The records of :func:`sdp.subnet.assemble.fill` of ``pieces`` on ``rank``: the statistics' holder-set sums,
     then under forward masking the broadcasts of what some rank lacks from its lowest holder over its holder set's
-    refresh set, where ``rank`` is in it (one per holder set, or with ``in_place`` one per piece; a receiver records
+    refresh set, where ``rank`` is in it (one per holder set and dtype, or with ``in_place`` one per piece; a receiver records
     payload 0, as the ranks do)."""
     out = _statistics(pieces=pieces, full=full, masking=masking, rank=rank, world=world)
     if masking != "forward":
@@ -64,7 +64,11 @@ def _fill(*, pieces: list[Piece], full: dict[str, torch.Tensor], masking: str, r
         if rank not in ranks:
             continue
         items = [p for p in pieces if p.holders == h]
-        sizes = [p.nbytes for p in items] if in_place else [sum(p.nbytes for p in items)]
+        if in_place:
+            sizes = [p.nbytes for p in items]
+        else:  # one flat per dtype, in first-appearance order (sdp.subnet.sync.broadcast_pieces)
+            dtypes = list(dict.fromkeys(full[p.name].dtype for p in items))
+            sizes = [sum(p.nbytes for p in items if full[p.name].dtype == d) for d in dtypes]
         out += [("broadcast", size if rank == min(h) else 0, len(ranks)) for size in sizes]
     return out
 
