@@ -170,11 +170,11 @@ def describe(a: dict[str, Any]) -> str:
 def render(out: Path) -> str:
     """``probes.md``: one row per committed probe, differences of the final loss between adjacent depths."""
     rows = ["# Depth-gate screening probes (`sdp-bench depth-probe`)", "",
-            "One process, one seed (0), every depth FLOP-matched to the 8-block model at its `steps8`: screening figures, plumbing-grade, not the "
+            "One process, one seed per probe (its `seed`: the initial weights and the data order), every depth FLOP-matched to the 8-block model at its `steps8`: screening figures, plumbing-grade, not the "
             "gate's verdict (that is the study report's first section, 5 seeds through the real trainer). Loss: final "
             "validation loss (nats per scored token). Generated from the JSON files next to this one.", "",
-            "| probe | task | seq_len | tokens/step | lr | DDP-8 steps | loss 8 / 4 / 2 | D8 − D4 | D4 − D2 | train s 8 / 4 / 2 |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| probe | task | seed | seq_len | tokens/step | lr | DDP-8 steps | loss 8 / 4 / 2 | D8 − D4 | D4 − D2 | train s 8 / 4 / 2 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(out.glob("*.json")):
         r = json.loads(path.read_text())
         a, d = r["settings"], r["depths"]
@@ -185,7 +185,7 @@ def render(out: Path) -> str:
         def diff(x: int, y: int) -> str:
             return "–" if str(x) not in d or str(y) not in d else f"{d[str(x)]['loss'] - d[str(y)]['loss']:+.4f}"
 
-        rows.append(f"| {path.stem} | {describe(a)} | {a['seq_len']} | {a['tokens']:,} | {a['lr']:g} | {a['steps8']} | "
+        rows.append(f"| {path.stem} | {describe(a)} | {a['seed']} | {a['seq_len']} | {a['tokens']:,} | {a['lr']:g} | {a['steps8']} | "
                     f"{' / '.join(cell('loss', x) for x in (8, 4, 2))} | {diff(8, 4)} | {diff(4, 2)} | "
                     f"{' / '.join(cell('train_s', x) for x in (8, 4, 2))} |")
     return "\n".join(rows) + "\n"

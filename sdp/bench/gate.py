@@ -40,7 +40,8 @@ DEPTHS = (2, 4, 8)  # blocks; the last is the reference every depth is FLOP-matc
 GATES: dict[str, dict[str, Any]] = {
     "lm": {"main": "cpu_study_lm", "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2, "cpu_gate_lr3": 2,
                                                    "cpu_gate_pointer": 1, "cpu_gate_automaton": 1,
-                                                   "cpu_gate_automaton_sparse": 5}},
+                                                   "cpu_gate_automaton_sparse": 1,
+                                                   "cpu_gate_automaton_sparse_k6": 5}},
 }
 
 
