@@ -71,6 +71,12 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
     eval_draws = {draw_at(step=s - 1, every=every) for s in eval_steps if not (calibrating and s == steps)}
     roles: list[set[Any]] = [set() for _ in range(world)]
 
+    def eval_extra(pieces: list[Any], *, rank: int) -> int:  # rehearsed once per distinct set of part buffers
+        flats = _part_flats(pieces, n=world, rank=rank, forward=mode == "forward")
+        if (key := tuple(sorted(flats.items()))) not in evals:  # ranks and draws share them
+            evals[key] = _eval_extra(job=job, model=model, flats=flats, eval_batch=eval_batch)
+        return evals[key]
+
     def visit(p: Plan, *, train: bool) -> None:
         pieces = M.pieces(model, p)
         for r, got in _rank_peaks(cfg=pc, job=job, model=model, plan=p, pieces=pieces, mode=mode, eval_batch=eval_batch,
@@ -82,11 +88,7 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
                 entry["train_peak_bytes"] = max(entry["train_peak_bytes"], got["train"])
                 roles[r].add(_role(p, r))
             if p.draw in eval_draws:
-                flats = _part_flats(pieces, n=world, rank=r, forward=mode == "forward")
-                key = tuple(sorted(flats.items()))
-                if key not in evals:
-                    evals[key] = _eval_extra(job=job, model=model, flats=flats, eval_batch=eval_batch)
-                entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["state"] + evals[key])
+                entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["state"] + eval_extra(pieces, rank=r))
 
     plans, pairs, rotated = [], set(), False
     base = {_role(plan, r) for r in range(world)}
@@ -111,10 +113,9 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
         pieces = M.pieces(model, last)
         for r, got in _rank_peaks(cfg=pc, job=job, model=model, plan=last, pieces=pieces, mode=mode,
                                   eval_batch=eval_batch, rehearsed=rehearsed):
-            extra = _eval_extra(job=job, model=model, flats=_part_flats(pieces, n=world, rank=r, forward=True), eval_batch=eval_batch)
             state = got["state"] - got["grads"]  # calibration dropped the gradients (sdp_calibrate.calibrate)
             out[r]["calibrate_peak_bytes"] = state + not_held_bytes(model=model, plan=last, rank=r) + step
-            out[r]["eval_peak_bytes"] = max(out[r]["eval_peak_bytes"], state + extra)
+            out[r]["eval_peak_bytes"] = max(out[r]["eval_peak_bytes"], state + eval_extra(pieces, rank=r))
     if pc.get("consolidate") is not None:  # consolidation's steps, and the evaluations after its switch
         extra = _eval_extra(job=job, model=model, flats={}, eval_batch=eval_batch)
         for entry, (peak, state) in zip(out, consolidate_peaks(cfg=pc, job=job, model=model, plan=plan, eval_batch=eval_batch)):
@@ -287,10 +288,9 @@ def _overlap_stand_in(sync: Any) -> Callable[[], None]:
 
 
 def _part_flats(pieces: list[Any], *, n: int, rank: int, forward: bool) -> dict[str, int]:
-    """Per top-level part, the largest temporary that filling it allocates on ``rank`` (sdp.subnet.assemble.fill
-    with ``in_place``: a piece lacked by some rank is broadcast straight into its tensor on the ranks of its
-    holders' refresh set, except a slice narrowed along a dimension other than the first, which goes through
-    a contiguous copy; only under forward masking)."""
+    """Per top-level part, the largest temporary that filling it allocates on ``rank`` (sdp.subnet.assemble.fill with
+    ``in_place``: a piece lacked by some rank is broadcast straight into its tensor on its holders' refresh set, except
+    a slice narrowed along a dimension other than the first, which goes through a contiguous copy; forward masking)."""
     out: dict[str, int] = {}
     for p in pieces:
         if forward and len(p.holders) < n and p.dim not in (None, 0) and rank in refresh_set(p.holders, n=n):

@@ -26,11 +26,12 @@ from sdp.parallel.plan_entries import optimizer_state
 from sdp.parallel.plan_entries import EvalTraffic, Record
 from sdp.registry import build
 from sdp.subnet import masking as M
-from sdp.subnet.assemble import average_statistics, partwise_names, tensor_map
+from sdp.subnet.assemble import average_statistics, fill_sends, partwise_names, tensor_map
 from sdp.subnet.holder_groups import refresh_set
 from sdp.subnet.masking import Piece
 from sdp.subnet.plan import Plan
 from sdp.subnet.redraw import masked_on_meta
+from sdp.subnet.sync import by_dtype
 
 
 def _statistics(*, pieces: list[Piece], full: dict[str, torch.Tensor], masking: str, rank: int,
@@ -59,16 +60,14 @@ def _fill(*, pieces: list[Piece], full: dict[str, torch.Tensor], masking: str, r
     out = _statistics(pieces=pieces, full=full, masking=masking, rank=rank, world=world)
     if masking != "forward":
         return out
-    for h in sorted({p.holders for p in pieces if len(p.holders) < world}, key=lambda h: (len(h), h)):
+    for h, items in fill_sends(pieces, world=world):
         ranks = refresh_set(h, n=world)
         if rank not in ranks:
             continue
-        items = [p for p in pieces if p.holders == h]
         if in_place:
             sizes = [p.nbytes for p in items]
-        else:  # one flat per dtype, in first-appearance order (sdp.subnet.sync.broadcast_pieces)
-            dtypes = list(dict.fromkeys(full[p.name].dtype for p in items))
-            sizes = [sum(p.nbytes for p in items if full[p.name].dtype == d) for d in dtypes]
+        else:  # one flat per dtype (sdp.subnet.sync.broadcast_pieces)
+            sizes = [sum(items[i].nbytes for i in mine) for mine in by_dtype([full[p.name].dtype for p in items])]
         out += [("broadcast", size if rank == min(h) else 0, len(ranks)) for size in sizes]
     return out
 

@@ -90,11 +90,11 @@ def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[st
         average_statistics(pieces=[p for p in pieces if not p.is_param and state[p.name].is_floating_point()],
                            target=target, masking=masking, rank=rank, world_size=n, reduce=_holder_sum(groups=groups, ctx=ctx))
     if masking == "forward" and n > 1:
-        for h in sorted({p.holders for p in pieces if len(p.holders) < n}, key=lambda h: (len(h), h)):
+        for h, items in fill_sends(pieces, world=n):
             ranks, src = groups.refresh_set(h), min(h)
             if rank not in ranks:  # a holder other than the source: it has these values, it takes no part
                 continue
-            items, group = [p for p in pieces if p.holders == h], groups.get(ranks)
+            group = groups.get(ranks)
             if not in_place:
                 broadcast_pieces(items, layout=layout, src=src, ranks=ranks, group=group, rank=rank,
                                  comm=ctx.comm, targets=[target(p) for p in items])
@@ -106,6 +106,14 @@ def fill(*, state: dict[str, torch.Tensor], pieces: list[Piece], layout: dict[st
                 dist.broadcast(buf, src=src, group=group)
                 if buf is not t:
                     t.copy_(buf)
+
+
+def fill_sends(pieces: list[Piece], *, world: int) -> list[tuple[tuple[int, ...], list[Piece]]]:
+    """What :func:`fill` broadcasts under forward masking, in its one order: each holder set of fewer than
+    ``world`` ranks (by size, then ranks) with its pieces, sent from the set's lowest rank over its refresh set.
+    Shared with ``sdp-plan``'s prediction of the same broadcasts (:mod:`sdp.parallel.sdp_traffic`)."""
+    sets = sorted({p.holders for p in pieces if len(p.holders) < world}, key=lambda h: (len(h), h))
+    return [(h, [p for p in pieces if p.holders == h]) for h in sets]
 
 
 def average_statistics(*, pieces: list[Piece], target: Callable[[Piece], torch.Tensor], masking: str, rank: int,

@@ -236,6 +236,12 @@ class OwnerSetSync:
                              buffer=buffer)
 
 
+def by_dtype(dtypes: list[torch.dtype]) -> list[list[int]]:
+    """The indices of ``dtypes`` grouped by dtype, in first-appearance order (the same on every rank, and in
+    ``sdp-plan``'s prediction, :mod:`sdp.parallel.sdp_traffic`): the flat buffers :func:`broadcast_pieces` sends."""
+    return [[i for i, d in enumerate(dtypes) if d == dtype] for dtype in dict.fromkeys(dtypes)]
+
+
 def broadcast_pieces(items: list[Piece], *, layout: dict[str, Local], src: int, ranks: tuple[int, ...], group: Any,
                      rank: int, comm: CommCounter, targets: list[torch.Tensor] | None = None,
                      buffer: torch.Tensor | None = None) -> None:
@@ -248,10 +254,9 @@ def broadcast_pieces(items: list[Piece], *, layout: dict[str, Local], src: int, 
         specs = [locate(p, layout) for p in items]
         assert all(s is not None for s in specs), f"rank {rank} lacks storage for {[p.name for p in items]}"
         targets = [view(t, d, s, n) for t, d, s, n in specs]  # type: ignore[misc]
-    dtypes = list(dict.fromkeys(t.dtype for t in targets))  # first-appearance order: the same on every rank
-    if len(dtypes) > 1:  # one flat per dtype: a single cat would promote an int64 count (BatchNorm's) to float32
-        for dtype in dtypes:
-            mine = [i for i, t in enumerate(targets) if t.dtype == dtype]
+    flats = by_dtype([t.dtype for t in targets])
+    if len(flats) > 1:  # one flat per dtype: a single cat would promote an int64 count (BatchNorm's) to float32
+        for mine in flats:
             broadcast_pieces([items[i] for i in mine], layout=layout, src=src, ranks=ranks, group=group, rank=rank,
                              comm=comm, targets=[targets[i] for i in mine], buffer=buffer)
         return
