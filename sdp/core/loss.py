@@ -37,6 +37,14 @@ def loss_and_correct(out: torch.Tensor, target: torch.Tensor, *,
     return loss, correct
 
 
+def target_logprobs(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's float32 log-probabilities (rows x classes, whatever dtype autocast made ``out``) and each row's
+    log-probability of its target in float64: what the ensemble of the workers combines
+    (:func:`sdp.rank.eval_ensemble.add_batch`), here so that sdp-plan's rehearsal allocates what the ranks do."""
+    probs = F.log_softmax(out, dim=-1, dtype=torch.float32)
+    return probs, probs.gather(1, target[:, None]).squeeze(1).double()
+
+
 def group_sums(out: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, *, groups: int,
                chunk: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group: the summed cross-entropy and the scored count of ``out`` against ``target`` (as

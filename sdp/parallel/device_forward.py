@@ -14,7 +14,11 @@ device's forward does:
   (a cast of a parameter, :class:`sdp.metrics.activations._WeightCopies`, is model state, not an
   activation, but is live memory the peaks include); the ops autocast runs in float32 (the losses; on
   CUDA also softmax and the normalisations) get their bf16 inputs cast up. Everything else runs in
-  the dtype its inputs promote to, as under autocast.
+  the dtype its inputs promote to, as under autocast. The cross-entropy on CUDA is not cast whole: torch's
+  CUDA autocast lets it decompose, its ``log_softmax`` (asked for in the input's own dtype, which the
+  ``fp32_set_opt_dtype`` policy keeps) runs in bf16 and only ``nll_loss``'s input is cast up and saved
+  (measured on an H200: benchmarks/results/gpu/h200_check.md, the peak_trace section); casting the logits
+  first, as on the CPU, would count two float32 copies of the vocabulary-sized logits where CUDA holds one.
 - :class:`Attention` routes SDPA to the op the device runs, whose autograd node saves what that
   kernel saves: ``cpu``: ``_scaled_dot_product_flash_attention_for_cpu`` (grouped-query too: the CPU
   kernel takes unequal head counts); ``cuda``: ``_scaled_dot_product_flash_attention`` in bf16 (q, k, v,
@@ -30,7 +34,6 @@ against a real CPU autocast forward, saved bytes for saved bytes.
 
 from __future__ import annotations
 
-import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
@@ -49,21 +52,51 @@ _FP32 = {"cpu": (F.cross_entropy, F.nll_loss, F.mse_loss),
 DEVICES = tuple(_FP32)  # cluster.device's values (its schema field names this tuple)
 
 
-def _cast(value: Any, *, to: torch.dtype, frm: torch.dtype, cache: dict[int, tuple[weakref.ref, Tensor]] | None) -> Any:
+def _cast(value: Any, *, to: torch.dtype, frm: torch.dtype, cache: dict[int, tuple[Tensor, Tensor]] | None) -> Any:
     """``value`` with its ``frm`` floating tensors cast to ``to`` (lists and tuples walked), a leaf that
-    requires grad (a weight) cast once per region when ``cache`` is given, as autocast's cast cache does
-    (the cast is held until the region ends, its source only weakly: a part dropped mid-region leaves its cast)."""
+    requires grad (a weight) cast once per region when ``cache`` is given, as autocast's cast cache does: the
+    cast and its source are both held until the region ends (torch's cache keeps the source's storage alive
+    too, measured: a part dropped mid-region stays in memory; :func:`sdp.subnet.assemble.frozen_part`)."""
     if isinstance(value, (list, tuple)):
         return type(value)(_cast(v, to=to, frm=frm, cache=cache) for v in value)
     if not isinstance(value, Tensor) or value.dtype != frm:
         return value
     if cache is not None and value.is_leaf and value.requires_grad:
-        ref, cast = cache.get(id(value), (None, None))
-        if ref is None or ref() is not value:  # a weak key, as autocast's: the cast outlives its source
-            ref, cast = weakref.ref(value), value.to(to)
-            cache[id(value)] = (ref, cast)
+        source, cast = cache.get(id(value), (None, None))
+        if source is not value:
+            source, cast = value, value.to(to)
+            cache[id(value)] = (source, cast)
         return cast
     return value.to(to)
+
+
+def _cuda_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: Any = None,
+                        ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                        label_smoothing: float = 0.0) -> Tensor:
+    """``F.cross_entropy`` as CUDA's autocast runs it (the module docstring): log-softmax in the input's dtype, the
+    negative log-likelihood on a float32 copy of it (which autograd saves). Label smoothing adds terms CUDA
+    computes on the same log-probabilities; only the copy's dtype matters here, so it is passed through."""
+    assert size_average is None and reduce is None, "the deprecated size_average/reduce arguments are not emulated"
+    logp = F.log_softmax(input, dim=1 if input.dim() >= 2 else 0, dtype=input.dtype).float()
+    w = weight.float() if weight is not None else None
+    if label_smoothing:
+        return F.cross_entropy(logp, target, weight=w, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+    return F.nll_loss(logp, target, weight=w, ignore_index=ignore_index, reduction=reduction)
+
+
+def device_optimizer(*, factory: Any, params: list[Tensor], device: str) -> Any:
+    """The optimizer ``factory`` builds over ``params``, with the implementation it picks on ``device``: torch's
+    optimizers left at ``foreach=None`` (and not fused) run the multi-tensor (foreach) step on CUDA and the
+    per-tensor loop on the CPU and on meta. The foreach step holds a temporary as large as the state it
+    reads (AdamW's ``_foreach_sqrt`` of ``exp_avg_sq``: a float32 copy of every parameter it updates, measured on
+    an H200), which a meta rehearsal sees only if it runs foreach too; foreach ops run on meta tensors."""
+    opt = factory(params)
+    if device == "cuda":
+        for group in opt.param_groups:
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
+    return opt
 
 
 class Autocast(TorchFunctionMode):
@@ -73,11 +106,13 @@ class Autocast(TorchFunctionMode):
     def __init__(self, *, device: str, dtype: torch.dtype) -> None:
         super().__init__()
         assert device in DEVICES, f"device={device!r} not in {DEVICES}"
-        self.dtype, self.fp32 = dtype, _FP32[device]
-        self._cache: dict[int, tuple[weakref.ref, Tensor]] = {}
+        self.dtype, self.fp32, self.device = dtype, _FP32[device], device
+        self._cache: dict[int, tuple[Tensor, Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func is F.cross_entropy and self.device == "cuda":
+            return _cuda_cross_entropy(*args, **kwargs)
         if func in _LOWER:
             args = _cast(args, to=self.dtype, frm=torch.float32, cache=self._cache)
             kwargs = {k: _cast(v, to=self.dtype, frm=torch.float32, cache=self._cache) for k, v in kwargs.items()}

@@ -197,7 +197,8 @@ def fsdp_peaks(*, job: JobFacts, model: SDPModel, eval_batch: int, state: list[d
     """FSDP2 on top of the compute replica's rehearsal (:func:`compute_replica`: parameters in the policy's
     ``param_dtype``): the model is sharded on the meta device and each rank materialises its shards only
     (set-up: the shards, the unsharded buffers and one module's full tensors in flight,
-    :func:`sdp.models.init.materialise_sharded`); a training step holds the sharded float32 state, the
+    :func:`sdp.models.init.materialise_sharded`, which builds that module on the CPU: host memory on a GPU run,
+    outside the device's peak, as an H200 measured); a training step holds the sharded float32 state, the
     replica's activation transient, the root unsharded, and for the largest block its unsharded
     parameters twice (running + prefetched) and its unsharded gradients, all in ``param_dtype``, and its
     reduce-scatter input in ``reduce_dtype`` (float32); evaluation unshards every unit (the full
@@ -217,7 +218,7 @@ def fsdp_peaks(*, job: JobFacts, model: SDPModel, eval_batch: int, state: list[d
     out = []
     for mem in state:
         held = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
-        out.append({"setup_peak_bytes": mem["param_bytes"] + buffers + one_module,
+        out.append({"setup_peak_bytes": mem["param_bytes"] + buffers + (one_module if job.device == "cpu" else 0),
                     "train_peak_bytes": held + (full["train"] - full["state"]) + root + 3 * largest + largest_reduce,
                     "eval_peak_bytes": held + params_full + (full["eval"] - full["state"]) + largest})
     return out

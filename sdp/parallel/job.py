@@ -32,6 +32,8 @@ class JobFacts:
     precision: str = "fp32"  # train.precision
     device: str = "cpu"  # cluster.device: what the planner's meta rehearsal reproduces (sdp.parallel.device_forward)
     eval_bn: str = "reestimate"  # eval.bn: how evaluation treats BatchNorm statistics
+    eval_subnetworks: bool = False  # eval.subnetworks: also evaluate each worker's own subnetwork (forward masking)
+    eval_ensemble: bool = False  # eval.ensemble: also evaluate the ensemble of the workers' subnetworks (same pass)
     model_name: str = ""  # model.name, for messages and plan titles
     optimizer: Any = None  # the optim.optimizer node (sdp-plan: optimizer state bytes and rehearsal)
     ac_every: int = 0  # activation checkpointing: blocks 0, k, 2k, ... (0: none), from train.ac / train.ac_every
@@ -49,7 +51,8 @@ class JobFacts:
         return cls(world_size=int(cfg.cluster.world_size), batch_size=int(cfg.train.batch_size),
                    seed=int(sel("seed", cls.seed)), precision=str(sel("train.precision", cls.precision)),
                    device=str(sel("cluster.device", cls.device)),
-                   eval_bn=str(sel("eval.bn", cls.eval_bn)), model_name=str(sel("model.name", "") or ""),
+                   eval_bn=str(sel("eval.bn", cls.eval_bn)), eval_subnetworks=bool(sel("eval.subnetworks", False)),
+                   eval_ensemble=bool(sel("eval.ensemble", False)), model_name=str(sel("model.name", "") or ""),
                    optimizer=sel("optim.optimizer", None), ac_every=ac_every(cfg),
                    steps=int(sel("train.steps", cls.steps)), warmup_steps=int(sel("train.warmup_steps", cls.warmup_steps)),
                    phase_steps=tuple(int(p["steps"]) for p in (budget or {}).get("phases") or ()))

@@ -30,9 +30,9 @@ from torch import nn
 
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
-from sdp.parallel.device_forward import Attention, device_forward
-from sdp.subnet.assemble import partwise_names
-from sdp.core.loss import loss_and_correct, loss_fn
+from sdp.parallel.device_forward import Attention, device_forward, device_optimizer
+from sdp.subnet.assemble import frozen_part, partwise_names
+from sdp.core.loss import LOSS_CHUNK_TOKENS, loss_and_correct, loss_fn, target_logprobs
 from sdp.registry import build
 
 
@@ -55,7 +55,7 @@ def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[t
         with tracker, device_forward(precision=precision, device=device), torch.no_grad():  # run copies its skeleton; to_empty allocates
             x = example(size).to("meta")
             for i, name in enumerate(names):
-                part, skeletons[i] = skeletons[i].to_empty(device="meta").eval(), None  # dropped after its forward
+                part, skeletons[i] = frozen_part(skeletons[i].to_empty(device="meta")), None  # dropped after its forward
                 flat = torch.empty(flats.get(name, 0), dtype=torch.uint8, device="meta")
                 del flat
                 for m in part.modules():  # re-estimation: BatchNorm in training mode, as bn_pass runs it (its
@@ -73,20 +73,22 @@ def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[t
 def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, eval_batch: int, optimizer: Any,
              example: Callable[[int], torch.Tensor], precision: str, device: str,
              after_backward: Callable[[], None] | None = None,
-             loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn) -> dict[str, int]:
+             loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn, ensemble: bool = False) -> dict[str, int]:
     """Live meta bytes of ``module``: at set-up (module state), the peak of a training step after one
     warm-up step, and the peak of one evaluation forward; plus the persistent state after a step
     (no ``trainable``: evaluation only; ``optimizer``: the ``optim.optimizer`` node, built over ``trainable``).
     ``after_backward`` stands for the strategy's gradient sync; ``loss``: the step's loss of the module's output and
     the targets (default the cross-entropy; SDP's distillation adds its KL term). The forward and the loss run as the ranks
     run them on ``device`` (``cluster.device``) under ``precision`` (``train.precision``:
-    :func:`~sdp.parallel.device_forward.device_forward`), evaluation too (the trainer evaluates under autocast)."""
+    :func:`~sdp.parallel.device_forward.device_forward`), evaluation too (the trainer evaluates under autocast);
+    ``ensemble``: the evaluation also computes, chunk by chunk, what the workers' ensemble combines
+    (:func:`sdp.core.loss.target_logprobs`: a chunk's float32 log-probabilities, vocabulary-sized for an LM)."""
 
     tracker = LiveTensorTracker(device_type="meta")
     with tracker, Attention(device=device):
         tracker.label(list(module.parameters()) + list(module.buffers()), "parameters")
         setup = tracker.total
-        opt = build(optimizer)(trainable) if trainable else None
+        opt = device_optimizer(factory=build(optimizer), params=trainable, device=device) if trainable else None
         x = example(batch).to("meta")
         for step in range(2 if opt is not None else 0):
             if step == 1:
@@ -94,8 +96,9 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
             with device_forward(precision=precision, device=device, attention=False):
                 out = module(x)
                 total = loss(out, _targets(out))
+                del out  # as the trainer's step (_forward_loss returns the loss alone): the output is not held in backward
             total.backward()
-            del out, total
+            del total
             if after_backward is not None:
                 after_backward()
             opt.step()  # type: ignore[union-attr]
@@ -107,6 +110,10 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
         with torch.no_grad(), device_forward(precision=precision, device=device, attention=False):
             out = module(example(eval_batch).to("meta"))
             loss_and_correct(out, _targets(out))
+            if ensemble:  # sdp.rank.eval_ensemble.add_batch's chunks, after the batch's loss (as own_totals runs them)
+                for o in out.reshape(-1, out.shape[-1]).split(LOSS_CHUNK_TOKENS):
+                    probs, mine = target_logprobs(o, _targets(o))
+                    del probs, mine
             del out
         module.train(was)
         evaluation = tracker.peak

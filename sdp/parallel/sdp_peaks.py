@@ -70,6 +70,9 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
     calibrating = bool(int(pc.get("calibrate_steps") or 0))  # the last step's evaluation follows it, without gradients
     eval_draws = {draw_at(step=s - 1, every=every) for s in eval_steps if not (calibrating and s == steps)}
     roles: list[set[Any]] = [set() for _ in range(world)]
+    # sdp.rank.trainer.Trainer.evaluate: under forward masking (SDPEval.subnetwork_module) a second pass runs each
+    # worker's own subnetwork, as trained, for eval.subnetworks and eval.ensemble
+    own = mode == "forward" and (job.eval_subnetworks or job.eval_ensemble)
 
     def eval_extra(pieces: list[Any], *, rank: int) -> int:  # rehearsed once per distinct set of part buffers
         flats = _part_flats(pieces, n=world, rank=rank, forward=mode == "forward")
@@ -89,6 +92,8 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
                 roles[r].add(_role(p, r))
             if p.draw in eval_draws:
                 entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["state"] + eval_extra(pieces, rank=r))
+                if own:  # then each worker's own subnetwork on the whole set (and the ensemble's chunks): its own peak
+                    entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["own_eval"])
 
     plans, pairs, rotated = [], set(), False
     base = {_role(plan, r) for r in range(world)}
@@ -203,10 +208,10 @@ def _rank_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, 
         if key not in rehearsed:
             res = rehearse(module=mine, trainable=trained, batch=job.batch_size, eval_batch=eval_batch,
                            optimizer=job.optimizer, example=mine.example_input, precision=job.precision, device=job.device,
-                           after_backward=_overlap_stand_in(sync) if overlap else None)
+                           after_backward=_overlap_stand_in(sync) if overlap else None, ensemble=job.eval_ensemble)
             flats = [sum(q.nbytes for q in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
             rehearsed[key] = {"setup": res["setup"], "train": max(res["train"], res["state"] + max(flats, default=0)),
-                              "state": res["state"], "grads": nbytes(trained)}
+                              "state": res["state"], "grads": nbytes(trained), "own_eval": res["eval"]}
         yield r, rehearsed[key]
 
 

@@ -35,10 +35,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 
 from sdp.core.distctx import DistContext
-from sdp.core.loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS
+from sdp.core.loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS, target_logprobs
 
 
 def add_batch(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor, *, ctx: DistContext, argmax: bool,
@@ -54,8 +53,7 @@ def add_batch(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor, *, 
         if not bool(keep.all()):
             logits, labels = logits[keep], labels[keep]
         for o, t in zip(logits.split(chunk), labels.split(chunk)):
-            probs = F.log_softmax(o, dim=-1, dtype=torch.float32)  # float32 whatever autocast made the logits
-            mine = probs.gather(1, t[:, None]).squeeze(1).double()  # this worker's log-probability of each target
+            probs, mine = target_logprobs(o, t)  # this worker's log-probability of each target (float64)
             if argmax:
                 probs.exp_()  # in place: the chunk's probabilities are the one chunk-sized tensor held
                 _all_reduce(probs, op=dist.ReduceOp.SUM, ctx=ctx)  # the sum over workers: its arg-max is the mean's
