@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from gpu_io import _max, _mib, _opt, _verdict, append, last_error, plan, state, summary
@@ -60,13 +61,26 @@ def cmd_verdict(a: argparse.Namespace) -> None:  # noqa: C901 - one branch per c
     if a.kind == "bn":
         ddp, sdp = (got[n]["final"]["eval_loss"] for n in need)
         gap = abs(sdp - ddp) / max(abs(ddp), 1e-12)
+        first = [_first_loss(runs / n / "metrics.jsonl") for n in need]  # identical weights and batch: equal unless the
+        same = "equal" if first[0] == first[1] else "differ: the arithmetic differs before any statistics do"  # kernels differ
         return _verdict(a, gap < 0.01, f"eval.bn=average at C=1: {need[1]} eval loss {sdp:.4f} vs {need[0]} {ddp:.4f} "
-                                       f"(relative gap {gap:.2e}; stale statistics after the move to the GPU show as a large gap)")
+                                       f"(relative gap {gap:.2e}; stale statistics after the move to the GPU show as a large gap); "
+                                       f"step-1 training losses {first[1]} vs {first[0]} ({same})")
     if a.kind == "peaks":
         return _verdict_peaks(a, got)
     if a.kind == "mfu":
         return _verdict_mfu(a, got)
     raise SystemExit(f"unknown verdict {a.kind!r}")
+
+
+def _first_loss(path: Path) -> float | None:
+    """The first training step's loss in a run's metrics.jsonl (None: no such row)."""
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("step") == 1 and "loss" in row:
+                return float(row["loss"])
+    return None
 
 
 PEAKS = ("setup_peak_bytes", "train_peak_bytes", "eval_peak_bytes")

@@ -6,6 +6,8 @@
 #                                                            results in a temporary folder unless RESULTS_DIR is set)
 #   WHEELS=dir bash benchmarks/gpu/h200_check.sh           (a machine without a package index, such as the lent
 #                                                            H200: the wheels of `bash benchmarks/gpu/wheels.sh dir`)
+#   ONLY="bn trace" bash benchmarks/gpu/h200_check.sh      (only the named items: groups lm memory fsdp bn det trace;
+#                                                            for a session with little device time left)
 # The package itself is imported from the checkout (PYTHONPATH), never installed there. With WHEELS, its missing
 # dependencies (benchmarks/gpu/wheels.txt) are installed from that folder alone (--no-index --no-deps, into a
 # folder of their own); without it, the README's command (`pip install -e .`) runs only when they do not import.
@@ -35,7 +37,11 @@
 #   - FSDP set-up peak: 4 gloo ranks, FSDP built on meta holds one rank's shards plus one module, never the
 #     full fp32 model (set-up peak < DDP's parameter bytes);
 #   - stale BatchNorm statistics after the move to the GPU: SDP at C=1 (world 1, NCCL) with eval.bn=average
-#     evaluates like DDP (ResNet-18 width 16);
+#     evaluates like DDP (ResNet-18 width 16), both with train.deterministic=true and train.tf32=false: with TF32
+#     on, the two runs' step-1 losses already differed (3.6e-5, identical weights: a different cuDNN kernel) and
+#     30 steps amplified it to a 2 % eval gap, which says nothing about the statistics;
+#   - where the plan's train peak and CUDA's part (peak_trace.py): the rehearsal's two steps of the LM on CUDA under
+#     real autocast and on meta under the plan's emulation, live bytes op by op, the first gaps printed;
 #   - deterministic mode on CUDA: train.deterministic=true either trains or is refused before any rank starts
 #     (never raises inside the ranks at the first step).
 # Not checkable on one GPU: NCCL sub-communicators of several ranks (and their split_share), because NCCL refuses
@@ -105,28 +111,52 @@ planned() {  # planned NAME overrides...: sdp-plan's prediction for the run (NAM
   run "$@"
 }
 verdict() { timeout -k 5 20 $PY benchmarks/gpu/rows.py --results "$RESULTS" --runs "$RUNS" verdict "$@"; }
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }  # want ITEM: ONLY unset, or ITEM named in it
 
 SDP_HALF="parallelism=sdp parallelism.coverage=0.5"
-timeout -k 5 90 $PY benchmarks/gpu/nccl_groups.py $NCCL_GROUPS --out "$RUNS/nccl_groups.json" > "$RUNS/nccl_groups.log" 2>&1
-ROWS groups
-run nccl_ddp_lm_w1 parallelism=ddp cluster.world_size=1 $NCCL $LM_RUN
-verdict tf32 nccl_ddp_lm_w1
-run nccl_ddp_lm_half_w1 parallelism=ddp cluster.world_size=1 $NCCL $LM_RUN model.n_layers=$HALF_LAYERS
-verdict mfu nccl_ddp_lm_w1 nccl_ddp_lm_half_w1
-planned gloo_ddp_lm parallelism=ddp cluster.world_size=$W $GPU $LM_RUN
-planned gloo_sdp_lm $SDP_HALF cluster.world_size=$W $GPU $LM_RUN
-ROWS floor --ddp gloo_ddp_lm --sdp gloo_sdp_lm $LM_RUN cluster.world_size=$W $GPU > "$RUNS/floor.log" 2>&1 \
-  || echo "floor failed: $(tail -3 "$RUNS/floor.log")" | tee -a "$RESULTS"
-verdict memory gloo_ddp_lm gloo_sdp_lm
-planned gloo_fsdp_lm parallelism=fsdp cluster.world_size=$W $GPU $LM_RUN
-verdict fsdp_setup gloo_ddp_lm gloo_fsdp_lm
-verdict peaks gloo_ddp_lm gloo_fsdp_lm gloo_sdp_lm
-[ -n "${DRY_RUN:-}" ] || verdict device_figures nccl_ddp_lm_w1 gloo_ddp_lm gloo_sdp_lm gloo_fsdp_lm
-run nccl_ddp_bn_w1 parallelism=ddp cluster.world_size=1 $NCCL $BN eval.bn=average $COMMON
-run nccl_sdp_bn_w1 parallelism=sdp parallelism.coverage=1.0 cluster.world_size=1 $NCCL $BN eval.bn=average $COMMON
-verdict bn nccl_ddp_bn_w1 nccl_sdp_bn_w1
-run nccl_det_w1 parallelism=ddp cluster.world_size=1 $NCCL $LM_SMALL train.deterministic=true $COMMON
-verdict deterministic nccl_det_w1
+if want groups; then
+  timeout -k 5 90 $PY benchmarks/gpu/nccl_groups.py $NCCL_GROUPS --out "$RUNS/nccl_groups.json" > "$RUNS/nccl_groups.log" 2>&1
+  ROWS groups
+fi
+if want lm; then
+  run nccl_ddp_lm_w1 parallelism=ddp cluster.world_size=1 $NCCL $LM_RUN
+  verdict tf32 nccl_ddp_lm_w1
+  run nccl_ddp_lm_half_w1 parallelism=ddp cluster.world_size=1 $NCCL $LM_RUN model.n_layers=$HALF_LAYERS
+  verdict mfu nccl_ddp_lm_w1 nccl_ddp_lm_half_w1
+fi
+if want memory; then
+  planned gloo_ddp_lm parallelism=ddp cluster.world_size=$W $GPU $LM_RUN
+  planned gloo_sdp_lm $SDP_HALF cluster.world_size=$W $GPU $LM_RUN
+  ROWS floor --ddp gloo_ddp_lm --sdp gloo_sdp_lm $LM_RUN cluster.world_size=$W $GPU > "$RUNS/floor.log" 2>&1 \
+    || echo "floor failed: $(tail -3 "$RUNS/floor.log")" | tee -a "$RESULTS"
+  verdict memory gloo_ddp_lm gloo_sdp_lm
+fi
+if want fsdp; then
+  planned gloo_fsdp_lm parallelism=fsdp cluster.world_size=$W $GPU $LM_RUN
+  verdict fsdp_setup gloo_ddp_lm gloo_fsdp_lm
+  verdict peaks gloo_ddp_lm gloo_fsdp_lm gloo_sdp_lm
+  [ -n "${DRY_RUN:-}" ] || verdict device_figures nccl_ddp_lm_w1 gloo_ddp_lm gloo_sdp_lm gloo_fsdp_lm
+fi
+if want bn; then  # exact arithmetic, so that only the statistics can differ (the header says why)
+  EXACT="train.deterministic=true train.tf32=false"
+  run nccl_ddp_bn_w1 parallelism=ddp cluster.world_size=1 $NCCL $BN eval.bn=average $EXACT $COMMON
+  run nccl_sdp_bn_w1 parallelism=sdp parallelism.coverage=1.0 cluster.world_size=1 $NCCL $BN eval.bn=average $EXACT $COMMON
+  verdict bn nccl_ddp_bn_w1 nccl_sdp_bn_w1
+fi
+if want det; then
+  run nccl_det_w1 parallelism=ddp cluster.world_size=1 $NCCL $LM_SMALL train.deterministic=true $COMMON
+  verdict deterministic nccl_det_w1
+fi
+if want trace; then  # the plan's train step against the device's, op by op (peak_trace.py)
+  TRACE_DEV=cuda; [ -z "${DRY_RUN:-}" ] || TRACE_DEV=cpu
+  TR=$(printf '%s ' $LM optim=adamw train.precision=bf16)
+  timeout -k 5 120 $PY benchmarks/gpu/peak_trace.py --device $TRACE_DEV --out "$RUNS/trace_$TRACE_DEV.json" $TR > "$RUNS/trace.log" 2>&1 \
+    && timeout -k 5 120 $PY benchmarks/gpu/peak_trace.py --device meta --target $TRACE_DEV --out "$RUNS/trace_meta.json" $TR >> "$RUNS/trace.log" 2>&1 \
+    && { echo; echo '```'; echo "peak_trace ($TRACE_DEV vs the plan's meta rehearsal): $TR"; \
+         timeout -k 5 60 $PY benchmarks/gpu/peak_trace.py --compare "$RUNS/trace_$TRACE_DEV.json" "$RUNS/trace_meta.json"; echo '```'; } >> "$RESULTS" \
+    || echo "trace failed: $(tail -3 "$RUNS/trace.log")" | tee -a "$RESULTS"
+  pack
+fi
 ROWS caveats
 pack
 echo "total $(( $(date +%s) - START ))s; results: $RESULTS and $RESULTS_DIR/runs-$STAMP.tar.gz" | tee -a "$RESULTS"
