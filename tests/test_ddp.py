@@ -98,3 +98,38 @@ def test_inside_torchrun_it_does_not_spawn_again(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["world_size"] == 2 and not (run_dir / "rank_logs").exists(), "spawned its own ranks under torchrun"
+
+
+def _wrapped_on_rank(rank: int, world: int) -> dict:
+    """Each rank builds its module from its own seed; after wrap_ddp every rank holds rank 0's values, and the
+    sync allocated nothing beyond the module (no flat broadcast copy, so DDP's set-up peak is params + buckets)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from sdp.metrics.comm import CommCounter
+    from sdp.metrics.live import LiveTensorTracker
+    from sdp.parallel.ddp import sync_in_place
+
+    torch.manual_seed(rank)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    net[1].running_mean.fill_(float(rank))
+    tracker = LiveTensorTracker()
+    with tracker:
+        tracker.label([*net.parameters(), *net.buffers()], "parameters")
+        before = tracker.total
+        sync_in_place(net, process_group=None, buffers=False)
+    from sdp.parallel.ddp import wrap_ddp  # the whole wrapper too: it must keep working without DDP's own sync
+    cfg = OmegaConf.create({"broadcast_buffers": False, "bucket_cap_mb": 25, "find_unused_parameters": False})
+    wrap_ddp(net, cfg=cfg, comm=CommCounter(), device=torch.device("cpu"))
+    return {"weight": net[0].weight.detach().clone(), "mean": net[1].running_mean.clone(), "allocated": tracker.peak - before}
+
+
+def test_ddp_starts_every_rank_from_rank_0_without_a_flat_copy() -> None:
+    import torch
+
+    from tests.helpers.ranks import spawn
+
+    out = spawn(_wrapped_on_rank, world=2, timeout_s=120)
+    assert torch.equal(out[0]["weight"], out[1]["weight"]), "rank 1's parameters are not rank 0's after wrap_ddp"
+    assert float(out[1]["mean"][0]) == 1.0, "broadcast_buffers=false: rank 1 keeps its own buffers"
+    assert [o["allocated"] for o in out] == [0, 0], [o["allocated"] for o in out]

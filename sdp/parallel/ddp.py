@@ -62,6 +62,7 @@ def wrap_ddp(model: torch.nn.Module, *, cfg: Any, comm: CommCounter, device: tor
 
 
 def _ddp(model: torch.nn.Module, *, cfg: Any, device: torch.device, process_group: Any) -> DistributedDataParallel:
+    sync_in_place(model, process_group=process_group, buffers=bool(cfg.broadcast_buffers))
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -70,7 +71,20 @@ def _ddp(model: torch.nn.Module, *, cfg: Any, device: torch.device, process_grou
         bucket_cap_mb=float(cfg.bucket_cap_mb),
         gradient_as_bucket_view=True,
         find_unused_parameters=bool(cfg.find_unused_parameters),
+        init_sync=False,  # done by sync_in_place
     )
+
+
+def sync_in_place(model: torch.nn.Module, *, process_group: Any, buffers: bool) -> None:
+    """Rank 0's parameters (and with ``buffers`` its buffers) on every rank, broadcast tensor by tensor into the
+    tensors themselves: what DDP's own initial sync does, without its flat copy. Why: DDP flattens them into
+    broadcast buckets (up to 250 MB) that gloo's worker thread may free only after the reducer has allocated its
+    gradient buckets, so the set-up peak was params + buckets or, under load, one flat copy more (the flaky
+    DDP set-up cases of tests/test_plan_peaks.py: measured 1.5x the predicted peak on one rank at a time)."""
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    with torch.no_grad():
+        for t in [*model.parameters(), *(model.buffers() if buffers else ())]:
+            dist.broadcast(t.data, src=src, group=process_group)
 
 
 def prime_buckets(ddp: DistributedDataParallel, *, example: torch.Tensor, comm: CommCounter) -> None:
