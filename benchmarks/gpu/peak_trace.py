@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from contextlib import ExitStack
 from difflib import SequenceMatcher
 from pathlib import Path
@@ -30,14 +29,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from sdp.bench.runs import compose  # noqa: E402
-from sdp.core.loss import loss_fn  # noqa: E402
-from sdp.core.precision import autocast  # noqa: E402
-from sdp.metrics.live import LiveTensorTracker  # noqa: E402
-from sdp.parallel.device_forward import Attention, device_forward, device_optimizer  # noqa: E402
-from sdp.registry import build  # noqa: E402
+from sdp.bench.runs import compose
+from sdp.core.loss import loss_fn
+from sdp.core.precision import autocast
+from sdp.metrics.live import LiveTensorTracker
+from sdp.parallel.device_forward import Attention, device_forward, device_optimizer
+from sdp.registry import build
 
 
 class OpLog(TorchDispatchMode):

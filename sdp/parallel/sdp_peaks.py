@@ -4,10 +4,9 @@ strategy it predicts; :mod:`sdp.parallel.plan_peaks` holds the generic rehearsal
 Each rank's subnetwork is the strategy's own masking of the driver's plan on the meta device
 (:func:`sdp.subnet.masking.rank_subnetworks`), with the buckets of :class:`sdp.subnet.sync.OwnerSetSync`
 (the largest flat buffer of a step, or under ``parallelism.overlap`` every launched bucket until the sync
-finishes); evaluation builds the model part by part next to the rank's own state
-(:func:`sdp.parallel.plan_peaks.rehearse_partwise`: one part, its broadcast buffer and one batch's activations at a
-time); with ``resample_every`` every peak is the largest over the draws the run makes, and the re-draws between
-them are rehearsed too (``redraw_peak_bytes``: :func:`sdp.parallel.sdp_redraw_plan.rehearse_redraw`); with
+finishes); evaluation: part by part next to the rank's state (:func:`sdp.parallel.plan_peaks.rehearse_partwise`), then
+under forward masking the worker's own subnetwork (``eval.subnetworks``, ``eval.ensemble``); with ``resample_every`` every
+peak is the largest over the run's draws, re-draws rehearsed (``redraw_peak_bytes``: :mod:`sdp.parallel.sdp_redraw_plan`); with
 ``calibrate_steps`` the calibration after the last step (``calibrate_peak_bytes``: :mod:`sdp.parallel.sdp_calibrate_peaks`)
 and the last step's evaluation after it, on the rank's state without gradients (calibration drops them).
 With ``consolidate`` the consolidation phase's training peak (``consolidate_peak_bytes``: :func:`consolidate_peaks`, the
@@ -24,9 +23,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from sdp.models.base import batch_norms
 from sdp.metrics.comm import CommCounter
-from sdp.models.base import SDPModel
+from sdp.models.base import SDPModel, batch_norms
 from sdp.parallel.job import JobFacts
 from sdp.parallel.sdp_calibrate_peaks import not_held_bytes, step_peak
 from sdp.parallel.sdp_plan import draw_at, run_plans
@@ -70,9 +68,7 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
     calibrating = bool(int(pc.get("calibrate_steps") or 0))  # the last step's evaluation follows it, without gradients
     eval_draws = {draw_at(step=s - 1, every=every) for s in eval_steps if not (calibrating and s == steps)}
     roles: list[set[Any]] = [set() for _ in range(world)]
-    # sdp.rank.trainer.Trainer.evaluate: under forward masking (SDPEval.subnetwork_module) a second pass runs each
-    # worker's own subnetwork, as trained, for eval.subnetworks and eval.ensemble
-    own = mode == "forward" and (job.eval_subnetworks or job.eval_ensemble)
+    own = mode == "forward" and (job.eval_subnetworks or job.eval_ensemble)  # Trainer.evaluate's own-subnetwork pass
 
     def eval_extra(pieces: list[Any], *, rank: int) -> int:  # rehearsed once per distinct set of part buffers
         flats = _part_flats(pieces, n=world, rank=rank, forward=mode == "forward")
@@ -92,8 +88,7 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
                 roles[r].add(_role(p, r))
             if p.draw in eval_draws:
                 entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["state"] + eval_extra(pieces, rank=r))
-                if own:  # then each worker's own subnetwork on the whole set (and the ensemble's chunks): its own peak
-                    entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["own_eval"])
+                entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["own_eval"] if own else 0)
 
     plans, pairs, rotated = [], set(), False
     base = {_role(plan, r) for r in range(world)}
