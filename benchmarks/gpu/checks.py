@@ -61,7 +61,7 @@ def cmd_verdict(a: argparse.Namespace) -> None:  # noqa: C901 - one branch per c
     if a.kind == "bn":
         ddp, sdp = (got[n]["final"]["eval_loss"] for n in need)
         gap = abs(sdp - ddp) / max(abs(ddp), 1e-12)
-        first = [_first_loss(runs / n / "metrics.jsonl") for n in need]  # identical weights and batch: equal unless the
+        first = [_first_loss(runs / n) for n in need]  # identical weights and batch: equal unless the
         same = "equal" if first[0] == first[1] else "differ: the arithmetic differs before any statistics do"  # kernels differ
         return _verdict(a, gap < 0.01, f"eval.bn=average at C=1: {need[1]} eval loss {sdp:.4f} vs {need[0]} {ddp:.4f} "
                                        f"(relative gap {gap:.2e}; stale statistics after the move to the GPU show as a large gap); "
@@ -73,14 +73,11 @@ def cmd_verdict(a: argparse.Namespace) -> None:  # noqa: C901 - one branch per c
     raise SystemExit(f"unknown verdict {a.kind!r}")
 
 
-def _first_loss(path: Path) -> float | None:
-    """The first training step's loss in a run's metrics.jsonl (None: no such row)."""
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row.get("step") == 1 and "loss" in row:
-                return float(row["loss"])
-    return None
+def _first_loss(run_dir: Path) -> float | None:
+    """The first training step's loss in a run's metrics (None: no such row)."""
+    from sdp.results.contract import read_metrics  # the package from the checkout (PYTHONPATH), as rows.py's imports
+
+    return next((float(r["loss"]) for r in read_metrics(run_dir) if r.get("step") == 1 and "loss" in r), None)
 
 
 PEAKS = ("setup_peak_bytes", "train_peak_bytes", "eval_peak_bytes")

@@ -2,8 +2,8 @@
 
 Why: the one-GPU check (h200_check.sh, ``peaks``) found the plan's train peaks above CUDA's allocator peaks
 (benchmarks/results/gpu/h200_check.md) while the same rehearsal matches the CPU tracker. This script runs the
-rehearsal's two training steps (:func:`sdp.parallel.plan_peaks.rehearse`: the model, the loss, the optimizer, a
-warm-up step, ``zero_grad(set_to_none=False)``) on a real device under the real autocast, and on the meta
+rehearsal's two training steps (:func:`sdp.parallel.plan_peaks.train_step`, the step :func:`~sdp.parallel.plan_peaks.rehearse`
+runs: a warm-up step, then the measured one) on a real device under the real autocast, and on the meta
 device under the plan's emulation (:func:`sdp.parallel.device_forward.device_forward`), logging the live bytes
 after every op of the second step; ``--compare`` lines the two logs up and prints where they first differ and
 what each holds at its peak.
@@ -34,6 +34,7 @@ from sdp.core.loss import loss_fn
 from sdp.core.precision import autocast
 from sdp.metrics.live import LiveTensorTracker
 from sdp.parallel.device_forward import Attention, device_forward, device_optimizer
+from sdp.parallel.plan_peaks import train_step
 from sdp.registry import build
 
 
@@ -77,16 +78,9 @@ def trace(*, overrides: list[str], device: str, target: str) -> dict[str, Any]:
         for step in range(2):
             if step == 1:
                 log.on, base = True, int(live())
-            ctx = (device_forward(precision=precision, device=target, attention=False) if device == "meta"
-                   else autocast(precision=precision, device=dev))
-            with ctx:
-                out = model(x)
-                total = loss_fn(out, torch.zeros(out.shape[:-1], dtype=torch.long, device=dev))
-                del out  # as the trainer and the plan: the output is not held in backward
-            total.backward()
-            del total
-            opt.step()
-            opt.zero_grad(set_to_none=False)
+            region = (device_forward(precision=precision, device=target, attention=False) if device == "meta"
+                      else autocast(precision=precision, device=dev))
+            train_step(module=model, x=x, loss=loss_fn, optimizer=opt, region=region)  # the rehearsal's own step
         log.on = False
     peak = max((b for _, b in log.rows), default=base)
     return {"device": device, "target": target, "overrides": overrides, "start": base, "peak": peak,

@@ -37,7 +37,25 @@ from sdp.registry import build
 
 
 def _targets(out: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(out.shape[:-1], dtype=torch.long, device="meta")
+    return torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device)
+
+
+def train_step(*, module: nn.Module, x: torch.Tensor, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               optimizer: Any, region: Any, after_backward: Callable[[], None] | None = None) -> None:
+    """One training step as the trainer runs it (:meth:`sdp.parallel.base.Strategy.train_step`): forward and loss inside
+    ``region`` (the autocast the ranks enter, or its emulation), the output dropped before backward (the step's
+    ``_forward_loss`` returns the loss alone), ``after_backward`` for the gradient sync, the update, gradients zeroed in
+    place. Shared by :func:`rehearse` and benchmarks/gpu/peak_trace.py, which runs it on a real device beside the rehearsal."""
+    with region:
+        out = module(x)
+        total = loss(out, _targets(out))
+        del out
+    total.backward()
+    del total
+    if after_backward is not None:
+        after_backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
 
 
 def rehearse_partwise(*, model: SDPModel, flats: dict[str, int], batches: list[tuple[int, bool]],
@@ -93,16 +111,8 @@ def rehearse(*, module: nn.Module, trainable: list[nn.Parameter], batch: int, ev
         for step in range(2 if opt is not None else 0):
             if step == 1:
                 tracker.reset_peak()
-            with device_forward(precision=precision, device=device, attention=False):
-                out = module(x)
-                total = loss(out, _targets(out))
-                del out  # as the trainer's step (_forward_loss returns the loss alone): the output is not held in backward
-            total.backward()
-            del total
-            if after_backward is not None:
-                after_backward()
-            opt.step()  # type: ignore[union-attr]
-            opt.zero_grad(set_to_none=False)
+            train_step(module=module, x=x, loss=loss, optimizer=opt, after_backward=after_backward,
+                       region=device_forward(precision=precision, device=device, attention=False))
         train, state = tracker.peak, tracker.total
         was = module.training
         module.eval()

@@ -87,8 +87,8 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
                 entry["train_peak_bytes"] = max(entry["train_peak_bytes"], got["train"])
                 roles[r].add(_role(p, r))
             if p.draw in eval_draws:
-                entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["state"] + eval_extra(pieces, rank=r))
-                entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["own_eval"] if own else 0)
+                entry["eval_peak_bytes"] = max(entry["eval_peak_bytes"], got["state"] + eval_extra(pieces, rank=r),
+                                               got["own_eval"] if own else 0)
 
     plans, pairs, rotated = [], set(), False
     base = {_role(plan, r) for r in range(world)}
