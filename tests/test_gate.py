@@ -27,7 +27,10 @@ MAIN = GATES["lm"]["main"]
      "FAIL (DDP-8 − DDP-4 interval above −0.05) (screening: 1 of 5 seeds at every depth)"),
     (Paired(-0.04, 0.03, 5), Paired(-0.05, 0.01, 5), 5, "not resolved"),  # gain may reach the margin, below it on average
     (Paired(-0.08, 0.10, 5), Paired(-0.05, 0.01, 5), 5, "not resolved"),  # interval contains 0
-    (Paired(-0.08, None, 1), Paired(-0.05, None, 1), 1, "not resolved (fewer than 2 paired seeds)"),
+    (Paired(-0.08, None, 1), Paired(-0.05, None, 1), 1,
+     "not resolved (DDP-8 − DDP-4: 1 paired seed; DDP-4 − DDP-2: 1 paired seed) (screening: 1 of 5 seeds at every depth)"),
+    (Paired(-0.056, 0.086, 5), Paired(-0.18, None, 1), 1,  # five seeds at 8 and 4 blocks, one at 2
+     "not resolved (DDP-4 − DDP-2: 1 paired seed) (screening: 1 of 5 seeds at every depth)"),
 ])
 def test_gate_verdict(deep: Paired, mid: Paired, n: int, expected: str) -> None:
     assert gate_verdict(deep=deep, mid=mid, n=n) == expected

@@ -138,3 +138,34 @@ def test_the_evaluation_batch_is_a_rank_s_share_of_the_real_validation_set() -> 
                                       "cluster.world_size=4"]))
     assert synthetic.val_samples == 40 and eval_batch(eval_batch_size=256, val_samples=40, world=4) == 10
     assert eval_batch(eval_batch_size=256, val_samples=41, world=4) == 11, "rank 0 holds the largest share"
+
+
+def test_the_evaluation_after_calibration_counts_the_workers_own_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``parallelism.calibrate_steps`` the last evaluation follows the calibration, which dropped the gradients;
+    forward-masked SDP's evaluation then also runs each worker's own subnetwork (eval.subnetworks, eval.ensemble), so
+    that pass, less the gradients, bounds the predicted evaluation peak from below. Isolated here by a part-by-part
+    evaluation that costs nothing (at the CPU cases' shapes the assembled model's parts outweigh the own pass, so
+    test_predicted_peaks_match_the_cpu_tracker cannot tell)."""
+    import sdp.parallel.sdp_peaks as sp
+    from sdp.driver.config import validate
+
+    steps = 4
+    cfg = compose_cfg(["parallelism=sdp", *LLAMA, "parallelism.calibrate_steps=2", "eval.subnetworks=true",
+                       "cluster.world_size=2"])
+    built = validate(cfg)
+    seen: dict[int, dict[str, int]] = {}
+    real = sp._rank_peaks
+
+    def spy(**kw: object):  # noqa: ANN202 - records what each rank's rehearsal gave
+        for r, got in real(**kw):
+            seen[r] = got
+            yield r, got
+
+    monkeypatch.setattr(sp, "_eval_extra", lambda **_: 0)
+    monkeypatch.setattr(sp, "_rank_peaks", spy)
+    out = sp.sdp_peaks(cfg=cfg.parallelism, job=built.job, model=built.model, plan=built.prepared, eval_batch=4,
+                       steps=steps, eval_steps=frozenset({steps}))
+    for r, entry in enumerate(out):
+        own = seen[r]["own_eval"] - seen[r]["grads"]
+        assert own > seen[r]["state"] - seen[r]["grads"], (r, seen[r])  # the pass allocates: the case can tell
+        assert entry["eval_peak_bytes"] == own, (r, entry["eval_peak_bytes"], own, seen[r])

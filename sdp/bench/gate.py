@@ -41,7 +41,8 @@ GATES: dict[str, dict[str, Any]] = {
     "lm": {"main": "cpu_study_lm", "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2, "cpu_gate_lr3": 2,
                                                    "cpu_gate_pointer": 1, "cpu_gate_automaton": 1,
                                                    "cpu_gate_automaton_sparse": 1,
-                                                   "cpu_gate_automaton_sparse_k6": 5}},
+                                                   "cpu_gate_automaton_sparse_k6": 5,
+                                                   "cpu_gate_automaton_sparse_k6_8k": 5}},
 }
 
 
@@ -115,8 +116,10 @@ def gate_verdict(*, deep: Paired, mid: Paired, n: int, margin: float = MARGIN, s
     screening = "" if n >= seeds_for_pass else f" (screening: {n} of {seeds_for_pass} seeds at every depth)"
     if why:
         return f"FAIL ({'; '.join(why)}){screening}"
-    if deep.half_width is None or mid.half_width is None:
-        return "not resolved (fewer than 2 paired seeds)"
+    short = [f"{name}: {d.n} paired seed{'' if d.n == 1 else 's'}" for name, d in
+             (("DDP-8 − DDP-4", deep), ("DDP-4 − DDP-2", mid)) if d.half_width is None]
+    if short:  # no interval yet: say which difference lacks seeds (the other may be resolved already)
+        return f"not resolved ({'; '.join(short)}){screening}"
     if deep.mean <= -margin and deep.resolved and mid.mean < 0 and mid.resolved:
         return "PASS" if not screening else f"screening pass ({n} seeds; {seeds_for_pass} needed for PASS)"
     return f"not resolved{screening}"

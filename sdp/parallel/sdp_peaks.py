@@ -8,11 +8,10 @@ finishes); evaluation: part by part next to the rank's state (:func:`sdp.paralle
 under forward masking the worker's own subnetwork (``eval.subnetworks``, ``eval.ensemble``); with ``resample_every`` every
 peak is the largest over the run's draws, re-draws rehearsed (``redraw_peak_bytes``: :mod:`sdp.parallel.sdp_redraw_plan`); with
 ``calibrate_steps`` the calibration after the last step (``calibrate_peak_bytes``: :mod:`sdp.parallel.sdp_calibrate_peaks`)
-and the last step's evaluation after it, on the rank's state without gradients (calibration drops them).
-With ``consolidate`` the consolidation phase's training peak (``consolidate_peak_bytes``: :func:`consolidate_peaks`, the
-backward-masked full model with every block checkpointed, and the teacher where ``distill_alpha`` > 0) and the
-evaluations after its switch on its state. ``tests/test_plan_peaks.py`` compares with the CPU tracker.
-"""
+and the last step's evaluation after it (the own pass too), on the rank's state without gradients (calibration drops
+them). With ``consolidate`` the consolidation phase's training peak (``consolidate_peak_bytes``: :func:`consolidate_peaks`,
+the backward-masked full model with every block checkpointed, and the teacher where ``distill_alpha`` > 0) and the
+evaluations after its switch on its state. ``tests/test_plan_peaks.py`` compares with the CPU tracker."""
 
 from __future__ import annotations
 
@@ -115,7 +114,8 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
                                   eval_batch=eval_batch, rehearsed=rehearsed):
             state = got["state"] - got["grads"]  # calibration dropped the gradients (sdp_calibrate.calibrate)
             out[r]["calibrate_peak_bytes"] = state + not_held_bytes(model=model, plan=last, rank=r) + step
-            out[r]["eval_peak_bytes"] = max(out[r]["eval_peak_bytes"], state + eval_extra(pieces, rank=r))
+            out[r]["eval_peak_bytes"] = max(out[r]["eval_peak_bytes"], state + eval_extra(pieces, rank=r),
+                                            got["own_eval"] - got["grads"] if own else 0)
     if pc.get("consolidate") is not None:  # consolidation's steps, and the evaluations after its switch
         extra = _eval_extra(job=job, model=model, flats={}, eval_batch=eval_batch)
         for entry, (peak, state) in zip(out, consolidate_peaks(cfg=pc, job=job, model=model, plan=plan, eval_batch=eval_batch)):
