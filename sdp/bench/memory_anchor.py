@@ -1,0 +1,107 @@
+"""``sdp-bench memory-anchor``: ``sdp-plan``'s predicted training peak at paper scale against published measurements,
+torchtitan's Llama-3.1-8B FSDP jobs on H100s (``benchmarks/llama3_h100_202412_torchtitan.md`` of pytorch/torchtitan,
+Tables 1 and 3: local batch 2, sequence 8192, bf16, selective op activation checkpointing, on 8 and on 128 GPUs).
+
+Why: the planner's rules were read off one H200 trace of a 134M model (``docs/gpu.md``); users plan 1B-8B models on
+8-128 GPUs, so its figures must also meet a figure nobody here measured. What can be compared, and what cannot:
+
+- **the 8 -> 128 GPU difference** is the one clean check: the two jobs differ only in the world size, so the
+  activations, the loss and the all-gathered blocks cancel, and what is left is the sharded model state (fp32
+  parameters, gradients and AdamW's two moments, 16 bytes a parameter over the world). Predicted and published
+  differences are compared, their ratio printed;
+- **the absolute figure** only brackets: torchtitan's selective *op* checkpointing saves a subset of each block's
+  activations that this suite has no option for (``train.ac``: none, or whole blocks, every k-th), so the published
+  peak must lie between the plan with ``train.ac=full`` and with ``train.ac=none`` (``ac_every=2``, torchtitan's
+  selective *layer* option 2, is printed too). Two known differences push torchtitan's figure up: its memory is
+  the allocator's reserved peak (``memory: max_reserved_gib`` in its log, fragmentation included; the plan
+  counts live tensors), and its loss casts the logits to fp32 before the cross-entropy (``pred.float()``: two
+  fp32 copies of the 2 x 8192 x 128,256 logits, 7.8 GiB each, where this suite's trainer under autocast holds one).
+
+Nothing runs: every figure is ``sdp-plan``'s, for ``cluster.device=cuda`` (its CUDA rules), the same as
+``sdp-plan <ANCHOR> cluster.world_size=W train.ac=...`` prints.
+
+    sdp-bench memory-anchor --out benchmarks/results/memory-anchor
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from sdp.bench.runs import compose
+from sdp.results.contract import provenance
+
+GIB = 2**30
+# Llama-3.1-8B (torchtitan's llama3 "8B" flavor: dim 4096, 32 layers, 32 heads, 8 kv heads, FFN 14,336, vocabulary
+# 128,256) at its llama3_8b.toml's sequence length, Tables 1 and 3's local batch, bf16 FSDP2 with AdamW
+ANCHOR = ["model=llama_1b", "model.dim=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8",
+          "model.hidden=14336", "dataset=synthetic_text", "dataset.vocab_size=128256", "dataset.seq_len=8192",
+          "train.batch_size=2", "parallelism=fsdp", "train.precision=bf16", "optim=adamw", "cluster.device=cuda"]
+# GPUs -> published memory (GiB, torchtitan's max reserved), FSDP without compile or Float8 (Tables 1 and 3)
+PUBLISHED = {8: 82.4, 128: 67.0}
+AC = {"none": ["train.ac=none"], "every 2nd block": ["train.ac=full", "train.ac_every=2"], "every block": ["train.ac=full"]}
+SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torch 1963fc8, torchtitan 9dec370, "
+          "2024-12), Tables 1 and 3, row FSDP")
+TOLERANCE = 0.10  # the difference check: predicted within 10 % of the published difference
+
+
+def predicted(overrides: list[str]) -> dict[str, float]:
+    """The fullest rank's predicted training peak and model state (GiB) of ``sdp-plan`` for ``overrides``."""
+    from sdp.planning.planner import predict
+
+    ranks = predict(compose(overrides))["memory"]["per_rank"]
+    state = [m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in ranks]
+    return {"train_peak_gib": max(m["train_peak_bytes"] for m in ranks) / GIB, "model_state_gib": max(state) / GIB}
+
+
+def checks(grid: dict[int, dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """The difference check (per AC option: the difference must not depend on it) and the bracket per world size."""
+    small, large = sorted(PUBLISHED)
+    pub = PUBLISHED[small] - PUBLISHED[large]
+    diff = {ac: grid[small][ac]["train_peak_gib"] - grid[large][ac]["train_peak_gib"] for ac in AC}
+    ratio = {ac: d / pub for ac, d in diff.items()}
+    bracket = {w: grid[w]["every block"]["train_peak_gib"] <= PUBLISHED[w] <= grid[w]["none"]["train_peak_gib"]
+               for w in PUBLISHED}
+    return {"published_difference_gib": pub, "predicted_difference_gib": diff, "ratio": ratio,
+            "difference_ok": all(abs(r - 1) <= TOLERANCE for r in ratio.values()), "bracket_ok": bracket}
+
+
+def render(results: dict[str, Any]) -> str:
+    grid, c = results["grid"], results["checks"]
+    small, large = sorted(PUBLISHED)
+    lines = ["# sdp-plan against torchtitan's measured Llama-3.1-8B FSDP memory", "",
+             f"Published: {SOURCE}: local batch 2, sequence 8192, bf16, selective op activation checkpointing, "
+             "memory = the allocator's reserved peak. Predicted: `sdp-plan` (live tensors, CUDA rules) for "
+             f"`{' '.join(ANCHOR)}` at each world size and `train.ac` option (this suite has no selective op "
+             "checkpointing: the published figure can only be bracketed). Written by "
+             "`sdp-bench memory-anchor --out benchmarks/results/memory-anchor`; why each comparison is or is not "
+             "like for like: `sdp/bench/memory_anchor.py`.", "",
+             "| GPUs | published GiB | predicted train peak GiB: " + " | ".join(f"ac {a}" for a in AC)
+             + " | predicted model state GiB | published within [every block, none] |",
+             "|---|---|" + "---|" * len(AC) + "---|---|"]
+    for w in sorted(PUBLISHED):
+        cells = [f"{grid[w][a]['train_peak_gib']:.1f}" for a in AC]
+        lines.append(f"| {w} | {PUBLISHED[w]:.1f} | " + " | ".join(cells)
+                     + f" | {grid[w]['none']['model_state_gib']:.1f} | {'yes' if c['bracket_ok'][w] else 'NO'} |")
+    lines += ["", f"**Difference {small} -> {large} GPUs** (the sharded model state; activations and loss cancel): "
+              f"published {c['published_difference_gib']:.1f} GiB; predicted "
+              + ", ".join(f"{d:.1f} GiB (ac {a}: {c['ratio'][a]:.2f}x)" for a, d in c["predicted_difference_gib"].items())
+              + f". Within {TOLERANCE:.0%}: {'yes' if c['difference_ok'] else 'NO'}.",
+              "", f"Commit: {results['provenance']['versions'].get('git_commit')}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sdp-bench memory-anchor", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for memory_anchor.md and memory_anchor.json")
+    args = ap.parse_args(argv)
+    grid = {w: {a: predicted([*ANCHOR, *o, f"cluster.world_size={w}"]) for a, o in AC.items()} for w in sorted(PUBLISHED)}
+    results = {"anchor": ANCHOR, "published": PUBLISHED, "source": SOURCE, "grid": grid, "checks": checks(grid),
+               "provenance": provenance()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "memory_anchor.json").write_text(json.dumps(results, indent=1, default=str))
+    (args.out / "memory_anchor.md").write_text(render(results))
+    print(render(results))
+    return 0
