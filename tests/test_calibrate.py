@@ -226,6 +226,7 @@ def test_a_resumed_run_ends_with_the_same_gates_and_evaluation(tmp_path: Path) -
             assert resumed["strategy_info"]["calibrate"] == full["strategy_info"]["calibrate"], resumed["strategy_info"]
         else:  # nothing left to run: the summary is rebuilt from the final checkpoint, which holds the gates
             assert resumed["rebuilt"], resumed
+            assert resumed["strategy_info"] == full["strategy_info"], (resumed["strategy_info"], full["strategy_info"])
             for rank in range(2):
                 state = torch.load(again / "checkpoints" / "step_00000006" / rank_file(rank), weights_only=True)
                 assert state["local"]["extra"]["calibrate"] == full["strategy_info"]["calibrate"], state["local"]["extra"]

@@ -8,8 +8,8 @@ re-draws of no step). Here instead (:func:`finish`):
 - the run directory holds a complete ``summary.json``: nothing is written (``config.yaml``, ``metrics.jsonl`` and
   the summary stay byte-identical), the job says so and returns that summary;
 - it holds none (a job stopped between its final checkpoint and its summary): the summary is rebuilt from what the
-  run recorded, the checkpoint's counters (steps, final losses and evaluation, skipped steps), the config (strategy,
-  plan facts, evaluation protocol) and the driver's budget; ``Summary.rebuilt`` says what only the live ranks had
+  run recorded, the checkpoint's counters (steps, final losses and evaluation, skipped steps) and rank 0's
+  ``strategy_info`` as it wrote them, the config (strategy, plan facts, evaluation protocol) and the driver's budget; ``Summary.rebuilt`` says what only the live ranks had
   measured and is therefore absent (per-rank memory, communication, time). ``metrics.jsonl`` keeps every logged
   step as the run wrote it.
 
@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from sdp.driver.sweep import complete_summary
 from sdp.errors import ConfigError
-from sdp.rank.checkpoint import TRAIN, read_meta
+from sdp.rank.checkpoint import STRATEGY_INFO, TRAIN, read_meta
 from sdp.rank.worker import run_facts
 from sdp.results.rundir import SHARED_FILE, RunDir, run_of_checkpoint
 from sdp.results.summary import Summary
@@ -79,8 +79,9 @@ def train_state(ckpt: Path) -> dict[str, Any]:
 def rebuilt(*, cfg: DictConfig, run_dir: Path, ckpt: Path, budget: dict[str, Any] | None, prepared: Any) -> Summary:
     """The summary of the finished run in ``run_dir`` rebuilt from ``ckpt`` (its final checkpoint), the config, the
     driver's ``budget`` and the strategy's ``prepared`` plan (the fields rank 0 fills from them: :func:`run_facts`)."""
-    world = int(read_meta(ckpt)["world_size"])
-    facts = run_facts(cfg=cfg, world_size=world, prepared=prepared, precision=str(cfg.train.precision),
+    meta = read_meta(ckpt)
+    facts = run_facts(cfg=cfg, world_size=int(meta["world_size"]), prepared=prepared, precision=str(cfg.train.precision),
                       state=train_state(ckpt))
     return Summary(**facts, time={"warmup_steps": int(cfg.train.warmup_steps)}, run_dir=str(run_dir), budget=budget,
+                   strategy_info=meta.get(STRATEGY_INFO, {}),  # rank 0's at the checkpoint ({}: written before it was kept)
                    rebuilt=REBUILT.format(ckpt=os.path.relpath(ckpt, run_dir), steps=int(cfg.train.steps)))

@@ -218,6 +218,12 @@ class Strategy(ABC):
         """Strategy-specific facts for summary.json (plans, stage cuts, ...)."""
         return {}
 
+    def info(self) -> dict[str, Any]:
+        """summary.json's ``strategy_info`` as of now: :meth:`summary_extra` and the checkpointed blocks. Rank 0's
+        summary writes it and every checkpoint's meta.json keeps it, so a summary rebuilt from the final checkpoint
+        (:mod:`sdp.driver.finished`) carries what the ranks recorded, not a reconstruction."""
+        return {**self.summary_extra(), **({"checkpointed_blocks": self.checkpointed} if self.checkpointed else {})}
+
     def save_artifacts(self, *, run_dir: Path) -> None:
         """Write strategy-specific files into the run directory (SDP's plan.json); rank 0 only."""
 

@@ -13,7 +13,8 @@ Layout of ``<run_dir>/checkpoints/step_00000012/``:
 - ``sharded/`` (strategies with DTensor state, FSDP2): ``torch.distributed.checkpoint`` files;
 - ``meta.json``: step, world size, strategy, the data-order key, the values of :data:`RESUME_KEYS`
   (LR schedule, optimizer and model hyper-parameters), the trainer's counters (``train``: step, last loss,
-  last evaluation, samples seen, skipped steps) and every file's size and SHA-256
+  last evaluation, samples seen, skipped steps), rank 0's ``strategy_info`` (what its summary would write: a
+  summary rebuilt from the final checkpoint reads it) and every file's size and SHA-256
   (:mod:`sdp.rank.checkpoint_io`), so a resume can be checked, and the checkpoint found whole, before anything
   is loaded.
 
@@ -58,6 +59,7 @@ RESUME_KEYS: dict[str, str] = {
     "model": "the checkpoint's weights and optimizer state are those of that model",
 }
 RESUME_KEY = "resume_key"  # meta.json: {key: value} of RESUME_KEYS, nodes flattened (a leaf per key)
+STRATEGY_INFO = "strategy_info"  # meta.json: Strategy.info() of rank 0 at the checkpoint (sdp.driver.finished)
 TRAIN = "train"  # meta.json (and shared.pt): the trainer's counters, readable without loading a tensor (sdp.driver.finished)
 
 
@@ -149,8 +151,8 @@ def save(
 
         meta = {"step": step, "world_size": ctx.world_size, "strategy": strategy.name, "data_key": data_key,
                 RESUME_KEY: resume_key, "wandb_run_id": stored_run_id(run_dir), TRAIN: train_state,
-                checkpoint_io.FILES: checkpoint_io.record(root=tmp, known=written)}
-        checkpoint_meta(tmp).write_text(json.dumps(meta, indent=2))
+                STRATEGY_INFO: strategy.info(), checkpoint_io.FILES: checkpoint_io.record(root=tmp, known=written)}
+        checkpoint_meta(tmp).write_text(json.dumps(meta, indent=2, default=str))  # default: as summary.json writes it
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for _, old in checkpoints(run_dir)[:-keep] if keep > 0 else []:

@@ -238,7 +238,7 @@ def collect_summary(
     """Gather every rank's measurements and fill the run's :class:`Summary` (meaningful on rank 0); ``versions``:
     the commit and tree state taken when the run started."""
     warmup = int(cfg.train.warmup_steps)
-    extra = {**strategy.summary_extra(), **({"checkpointed_blocks": strategy.checkpointed} if strategy.checkpointed else {})}
+    extra = strategy.info()
     mine = {
         "rank": ctx.rank,
         "memory": memory_record(rank=ctx.rank, strategy=strategy, activation_bytes=trainer.activation_bytes, peak=peak,
