@@ -18,7 +18,9 @@ finished job and resumes a checkpointed one when the command is run again):
   the image study runs them for DDP and B-SDP C = 0.5 only, the pair its target is about);
 - ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
   rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``) and
-  the small dense model (``variant=ddp_small_c50``, seeds 0-2: DDP at one worker's depth, FLOP-matched);
+  the small dense model (``variant=ddp_small_c50``, seeds 0-2: DDP at one worker's depth, FLOP-matched) and the
+  baselines of :data:`LM_BASELINES` (DDP+AC, FSDP+AC, local SGD, DiLoCo, PowerSGD; seeds 0-2; their peaks and step
+  times in ``runs/peaks`` and ``runs/timing`` as every method's);
 - ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth (the
   main sweep gives 8 blocks);
 - ``runs/remedies`` (LM, issue 28; the image study: the LM's best two rules, seeds 0-2): B-SDP C = 0.5 with plan re-draws (``parallelism.redraw=shuffle|rolling``,
@@ -65,6 +67,9 @@ PEAK_STEPS, TIMING_STEPS = 20, 60
 PEAK_CONSOLIDATE = 0.7
 PEAK_CALIBRATE_STEPS = 5  # calibration's peak is that of one step (its gates' Adam state is a few floats)
 
+# issue 38's baselines: activation checkpointing on DDP and FSDP, local SGD and DiLoCo (H = 8), PowerSGD (rank 4)
+LM_BASELINES = ["ddp_ac", "fsdp_ac", "local_sgd_h8", "diloco_h8", "powersgd_r4"]
+
 # In the sweeps below the seed is the outer loop, so that a stage stopped early has every rule (every depth)
 # for the seeds it finished: a row with fewer seeds than its neighbours pairs over fewer seeds, not other ones.
 STUDIES = {
@@ -72,7 +77,10 @@ STUDIES = {
            "extras": [["variant=fsdp", "seed=0"],
                       ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
                       # issue 38: the small dense model, DDP on one B-SDP C = 0.5 worker's 4 of 8 blocks, FLOP-matched
-                      ["variant=ddp_small_c50", "seed=0,1,2"]],
+                      ["variant=ddp_small_c50", "seed=0,1,2"],
+                      # issue 38: the baselines a reviewer asks for, FLOP-matched (AC's recomputation charged)
+                      [f"variant={','.join(LM_BASELINES)}", "seed=0,1,2"]],
+           "peak_extras": LM_BASELINES,  # their training peaks and step times too (runs/peaks, runs/timing)
            "depth": ["variant=b_sdp_c50", "seed=0,1,2", "model.n_layers=4,12"],
            # issue 28: B-SDP C = 0.5 with plan re-draws (shuffled and rolling, every 50 and 200 steps) and the
            # fixed plan once more (its ensemble column); one sweep per seed and period
@@ -116,7 +124,7 @@ def sweep_variants(experiment: str) -> list[str]:
 def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     spec = STUDIES[study]
     exp = spec["experiment"]
-    peak_variants = [v for v in sweep_variants(exp) if not v.endswith("_iters")] + ["fsdp"]
+    peak_variants = [v for v in sweep_variants(exp) if not v.endswith("_iters")] + ["fsdp", *spec.get("peak_extras", [])]
     common = [f"experiment={exp}", "train.skip_done=true"]
     out_runs = out / study / "runs"
     result = gate_stages(study=study, out_runs=out_runs, common=common[1:])
