@@ -66,6 +66,12 @@ def test_gate_from_run_dirs(tmp_path: Path) -> None:
     assert flat.verdict.startswith("FAIL (DDP-8 − DDP-4 interval above −0.05)"), (flat.deep, flat.verdict)
     assert deep.settings == {"corpus": "text, 4.5 MB", "seq_len": 64, "tokens/step": 4096, "width": "32/88", "peak lr": None, "DDP-8 steps": 100}
     assert deep.seed_s == pytest.approx(sum(0.1 * 100 * 8 // d for d in DEPTHS)), deep.train_s  # step_s x steps
+    rows = {line.split(" | ")[0].strip("| `"): line for line in gate_section(study_dir=tmp_path, study="lm")
+            if line.startswith("| `")}
+    assert " | 0,1,2,3,4 | 5/5/5 | " in rows["deep_task"] and " | 0,1,2 | 3/3/3 | " in rows["flat_task"], rows
+    write_gate(tmp_path, "uneven_task", {8: [1.0, 1.1, 1.0], 4: [1.1, 1.2, 1.1], 2: [1.3]})  # one seed at 2 blocks
+    rows = [line for line in gate_section(study_dir=tmp_path, study="lm") if line.startswith("| `uneven_task`")]
+    assert " | 0 | 3/3/1 | " in rows[0], rows
 
 
 @pytest.mark.parametrize(("dataset", "corpus"), [

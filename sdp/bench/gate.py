@@ -214,13 +214,16 @@ def gate_section(*, study_dir: Path, study: str) -> list[str]:
             lines += [f"**The study's task (`{main}`, the table below): {g.verdict}** — DDP-{DEPTHS[2]} − "
                       f"DDP-{DEPTHS[1]} {_pm(g.deep)} nats, DDP-{DEPTHS[1]} − DDP-{DEPTHS[0]} {_pm(g.mid)} nats "
                       f"(n = {len(g.seeds)}; its DDP-{DEPTHS[-1]} runs are the main sweep's DDP rows).", ""]
-    head = ["task", "corpus", "seq_len", "tokens/step", "width (dim/hidden)", "peak lr", "DDP-8 steps", "seeds",
+    per_depth = "/".join(map(str, sorted(DEPTHS, reverse=True)))
+    head = ["task", "corpus", "seq_len", "tokens/step", "width (dim/hidden)", "peak lr", "DDP-8 steps",
+            "seeds at every depth", f"seeds at {per_depth} blocks",
             *(f"DDP-{d} loss" for d in sorted(DEPTHS, reverse=True)), "DDP-8 − DDP-4", "DDP-4 − DDP-2", "train s per seed", "verdict", "commits"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in gates:
         s = g.settings
         cells = [f"`{g.task}`", str(s["corpus"]), str(s["seq_len"]), f"{s['tokens/step']:,}" if s["tokens/step"] else "–",
                  s["width"], f"{s['peak lr']:g}" if s["peak lr"] is not None else "–", str(s["DDP-8 steps"]), ",".join(map(str, g.seeds)) or "–",
+                 "/".join(str(sum(v is not None for v in g.losses.get(d, {}).values())) for d in sorted(DEPTHS, reverse=True)),
                  *(_loss(g, d) for d in sorted(DEPTHS, reverse=True)), _pm(g.deep), _pm(g.mid),
                  "–" if g.seed_s is None else f"{g.seed_s:.0f}", g.verdict, " ".join(g.commits)]
         lines.append("| " + " | ".join(cells) + " |")
