@@ -108,3 +108,31 @@ def test_activation_checkpointing_under_emulated_bf16_is_planned(parallelism: st
     (p,), (a,) = ([m for m in x["memory"]["per_rank"] if m["rank"] == 0] for x in (plain, ac))
     assert a["activation_bytes"] < 0.6 * p["activation_bytes"], (a["activation_bytes"], p["activation_bytes"])
     assert a["train_peak_bytes"] < p["train_peak_bytes"], (a["train_peak_bytes"], p["train_peak_bytes"])
+
+
+def test_cuda_rms_norm_is_the_fused_kernel_on_meta() -> None:
+    """On ``cluster.device=cuda`` an RMSNorm forward holds what CUDA's ``_fused_rms_norm`` holds (the H200 trace: its
+    output and a float32 rstd per row; input and weight saved), not meta's decomposition, which also saves the
+    normalised input; its backward gives gradients of the input's and the weight's shapes. The CPU keeps the
+    decomposition (the CPU emulation is checked against real CPU autocast above)."""
+    from sdp.metrics.live import LiveTensorTracker
+    from sdp.parallel.device_forward import Attention
+
+    norm = torch.nn.RMSNorm(64, eps=1e-6, device="meta")
+    x = torch.empty(8, 32, 64, device="meta", requires_grad=True)
+    held = {}
+    for device in ("cuda", "cpu"):
+        tracker = LiveTensorTracker(device_type="meta")
+        with tracker:
+            tracker.label([norm.weight, x], "parameters")
+            start = tracker.total
+            with Attention(device=device):
+                out = norm(x)
+            held[device] = tracker.total - start
+            out.sum().backward()
+            assert x.grad.shape == x.shape and norm.weight.grad.shape == norm.weight.shape, (x.grad, norm.weight.grad)
+            x.grad, norm.weight.grad = None, None
+            del out
+    rows, size = 8 * 32, 8 * 32 * 64 * 4
+    assert held["cuda"] == size + 4 * rows, held  # the output and rstd
+    assert held["cpu"] >= 2 * size, held  # the decomposition: the normalised input is saved beside the output

@@ -5,7 +5,8 @@ training step (bf16 autocast, AdamW, batch 8 x 512 tokens, vocabulary 32,000) on
 ``benchmarks/gpu/peak_trace.py --device cuda`` (benchmarks/gpu/h200_check.sh, item ``trace``). No GPU is needed
 here: the same step is rehearsed on meta as sdp-plan rehearses it for ``cluster.device=cuda`` and compared.
 
-- The step's peak above its start is the measured one within 8 % (before the fixes below it was 19 % above);
+- The step's peak above its start is the measured one within 4 % (before the fixes below it was 19 % above; with
+  them but meta's decomposed RMSNorm 7.8 % above, with CUDA's fused one 1.5 % below), as many ops as CUDA ran;
 - the loss's ops (log-softmax to its backward) are CUDA's, in CUDA's order (log-softmax in bf16, only
   ``nll_loss``'s input cast to float32), and so are the bytes each adds;
 - the optimizer runs foreach where CUDA does, and its step then holds a copy of the parameters (AdamW's
@@ -51,7 +52,8 @@ def _loss_region(t: dict) -> list[tuple[str, int]]:
 def test_the_planned_cuda_step_matches_the_h200_trace() -> None:
     cuda, meta = _meta_trace()
     measured, planned = cuda["peak"] - cuda["start"], meta["peak"] - meta["start"]
-    assert abs(planned / measured - 1) <= 0.08, \
+    assert len(meta["rows"]) == len(cuda["rows"]), (len(meta["rows"]), len(cuda["rows"]))  # one op each per CUDA op
+    assert abs(planned / measured - 1) <= 0.04, \
         f"planned step peak {planned / 2**20:.1f} MiB vs the H200's {measured / 2**20:.1f} MiB ({planned / measured:.3f}x)"
     assert _loss_region(meta) == _loss_region(cuda), (_loss_region(meta), _loss_region(cuda))
 
