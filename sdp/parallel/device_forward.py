@@ -162,8 +162,10 @@ class Attention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func is F.rms_norm and self.device == "cuda" and args[0].device.type == "meta":
-            return _FusedRMSNorm.apply(*_rms_norm_args(*args, **kwargs))
+        if func is F.rms_norm and self.device == "cuda":
+            norm_args = _rms_norm_args(*args, **kwargs)
+            if norm_args[0].device.type == "meta":
+                return _FusedRMSNorm.apply(*norm_args)
         if func is not F.scaled_dot_product_attention or len(args) != 3 or kwargs.get("attn_mask") is not None \
                 or kwargs.get("dropout_p") or kwargs.get("scale") is not None:
             return func(*args, **kwargs)
