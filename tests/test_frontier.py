@@ -56,3 +56,22 @@ def test_frontier_points_and_predicted_time(study: Path) -> None:  # noqa: F811 
     lines = frontier_lines(st)
     assert lines[2].startswith("| DDP | ") and len(lines) == 2 + len(points), lines
     assert plot_frontier(st, path=study / "frontier.png").stat().st_size > 0
+
+
+def test_the_predicted_time_computes_activation_checkpointings_recomputation(study: Path) -> None:  # noqa: F811
+    """A run with ``train.ac`` computes its recomputation every step (its budget records it apart, model FLOPs
+    unchanged): the predicted time is that of the FLOPs plus the recomputed ones; a checkpointed run recorded before
+    the budget kept them gives no time rather than DDP's."""
+    add_comm_and_shape(study)
+    path = study / "runs" / "main" / "0"
+    cfg = yaml.safe_load((path / "config.yaml").read_text())
+    cfg["train"] |= {"ac": "full", "ac_every": 1}
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert predicted_run_s(load_run(path), link="nvlink") is None
+    summary = json.loads((path / "summary.json").read_text())
+    summary["budget"]["recompute_flops_per_step"] = 3.0
+    (path / "summary.json").write_text(json.dumps(summary))
+    one = rank_times(flops_per_step=(10.0 + 3.0) / 4, peak_flops=gpus()[GPU].peak_flops["fp32"], mfu=default_mfu(),
+                     by_kind={"all_reduce": {"wire_bytes": WIRE["ddp"], "count": 1.0}},
+                     bus_bytes_per_s=links()["nvlink"].bus_bytes_per_s, overlap=STRATEGIES.get("ddp").overlap)["step_s"]
+    assert predicted_run_s(load_run(path), link="nvlink") == pytest.approx(100 * one)

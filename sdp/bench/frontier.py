@@ -8,7 +8,8 @@ baseline) each win on their own axis; one column of the table (the loss) hides t
 - wire bytes per trained token (the main runs' ring-model wire bytes per step on the fullest rank / the tokens
   (samples) one step trains over all ranks);
 - the predicted training time on two links (:data:`LINKS`): the run's steps x ``sdp-plan``'s step time
-  (:func:`sdp.planning.throughput.rank_times`: the run's counted FLOPs per rank and step on :data:`GPU` at the
+  (:func:`sdp.planning.throughput.rank_times`: the run's counted FLOPs per rank and step, with ``train.ac``'s
+  recomputation (``budget.recompute_flops_per_step``), on :data:`GPU` at the
   run's ``plan.mfu`` (conf/config.yaml's for runs recorded before the ``plan`` node), its measured wire bytes per collective kind, the strategy's stated overlap), slowest rank.
   The study's own shape (its model, batch, FLOPs and measured bytes), not a paper-scale one: the point is each
   method's cost from the very runs its quality comes from; at this tiny shape a step is microseconds on a GPU,
@@ -29,6 +30,7 @@ from omegaconf import OmegaConf
 from sdp.metrics.flops import matmul_dtype
 from sdp.metrics.hardware import gpus, links
 from sdp.parallel import STRATEGIES
+from sdp.parallel.job import ac_every
 from sdp.planning.throughput import rank_times
 from sdp.bench.runs import ROOT
 from sdp.bench.study_report import _order
@@ -73,7 +75,10 @@ def predicted_run_s(run: Run, *, link: str) -> float | None:
     if overlap is None:
         return None
     dtype = matmul_dtype(precision=str(cfg.train.precision), tf32=bool(cfg.train.get("tf32", False)))
-    per_rank = float(budget["flops_per_step"]) / int(cfg.cluster.world_size)
+    recompute = budget.get("recompute_flops_per_step")  # the step computes train.ac's recomputation too
+    if recompute is None and ac_every(cfg):
+        return None  # checkpointed, recorded before the budget kept its recomputation: not guessed
+    per_rank = (float(budget["flops_per_step"]) + float(recompute or 0.0)) / int(cfg.cluster.world_size)
     mfu = float(OmegaConf.select(cfg, "plan.mfu", default=None) or default_mfu())
     steps = [rank_times(flops_per_step=per_rank, peak_flops=gpus()[GPU].peak_flops[dtype], mfu=mfu,
                         by_kind=_wire_by_kind(r), bus_bytes_per_s=links()[link].bus_bytes_per_s, overlap=overlap)["step_s"]

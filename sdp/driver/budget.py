@@ -16,7 +16,8 @@ the result and recorded in ``config.yaml``, the details in ``summary.json["budge
   worker computes per step, e.g. the driver's SDP plan's k / n, a mean survival probability for a drop
   baseline; :meth:`~sdp.parallel.spec.StrategySpec.flops_fraction`: the measured ``r``). A strategy without a
   coverage computes the full model: ``r = 1`` (activation recomputation is not counted: budgets count
-  model FLOPs). A phase a strategy runs after its last training step
+  model FLOPs; ``recompute_flops_per_step`` records it apart, a forward of the checkpointed blocks' share, for
+  the step time). A phase a strategy runs after its last training step
   (:meth:`~sdp.parallel.spec.StrategySpec.post_training`: SDP's assembly calibration, whose every forward,
   recomputation included, it declares) is charged: the training steps shrink by its FLOPs over one training
   step's (:func:`post_training_steps`), recorded in ``summary.json["budget"]["post_training"]``;
@@ -64,7 +65,8 @@ from sdp.errors import ConfigError, one_of, positive_int, require
 from sdp.metrics.flops import BlockShare, unit_shares
 from sdp.models.base import forward_flop_counts
 from sdp.parallel import STRATEGIES
-from sdp.parallel.job import JobFacts
+from sdp.parallel.ac import recompute_share
+from sdp.parallel.job import JobFacts, ac_every
 from sdp.registry import build
 
 SEQ_LEN_KEYS = ("dataset.seq_len", "model.seq_len", "model.max_seq_len")
@@ -210,8 +212,10 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
                         if later is not None else fraction)  # a two-phase run: the mean of its steps
         info["flops_per_step"] = global_batch * per_sample * run_fraction
         info["total_flops"] = steps * info["flops_per_step"] + (info["post_training"]["flops"] if post is not None else 0)
+        # train.ac's recomputation, outside the budget (model FLOPs) but part of a step's time (sdp.bench.frontier)
+        info["recompute_flops_per_step"] = info["flops_per_step"] * recompute_share(model=model, every=ac_every(cfg)) / 3.0
     else:
-        info["flops_per_step"] = info["total_flops"] = None
+        info["flops_per_step"] = info["total_flops"] = info["recompute_flops_per_step"] = None
         info["flops_note"] = flops_error or "fraction unknown"
     return steps, info
 

@@ -5,7 +5,7 @@ Why FLOPs from the model's count rather than a profiler: ``flops_per_sample`` (f
 model the workers compute (:meth:`sdp.parallel.spec.StrategySpec.flops_fraction`: 1 for a strategy that
 runs the whole model) is the useful work of a step, the same for every strategy; activation
 recomputation (``train.ac``) is overhead, not useful work, as in the usual MFU definition (``sdp-plan``'s step
-time adds it: :func:`sdp.planning.throughput.recompute_share`). The budget module
+time adds it: :func:`sdp.parallel.ac.recompute_share`). The budget module
 already counts it once per run in the driver (``summary.json["budget"]["flops_per_step"]``);
 :func:`block_shares` are each block's shares of the model that a strategy with a coverage scales (per
 level: at neuron level only the declared split sub-branches), and :func:`forward_fraction` what a worker

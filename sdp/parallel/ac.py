@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sdp.metrics.activations import note_retained
+from sdp.models.base import forward_flop_counts
 
 
 @contextmanager
@@ -118,3 +119,16 @@ def apply_checkpointing(model: nn.Module, *, every: int) -> list[int]:
         block = model.blocks[i]
         block.__class__ = checkpointed_class(type(block))
     return chosen
+
+
+def recompute_share(*, model: Any, every: int) -> float:
+    """Share of ``model``'s forward FLOPs that activation checkpointing recomputes in backward: the blocks
+    ``train.ac`` checkpoints (:func:`sdp.parallel.ac.chosen_blocks`; ``every`` = 0: none), each run once more."""
+    chosen = chosen_blocks(n_blocks=len(model.blocks), every=every)
+    if not chosen:
+        return 0.0
+    counts = forward_flop_counts(model)
+    prefix, total = type(model).__name__, counts["Global"]
+    share = sum(counts.get(f"{prefix}.blocks.{i}", 0) for i in chosen) / total if total else 0.0
+    assert 0 <= share <= 1, f"checkpointed blocks {chosen}: {share} of the forward FLOPs"
+    return share

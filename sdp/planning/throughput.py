@@ -39,8 +39,7 @@ from omegaconf import DictConfig
 
 from sdp.metrics.flops import matmul_dtype
 from sdp.metrics.hardware import gpus, links
-from sdp.models.base import forward_flop_counts
-from sdp.parallel.ac import chosen_blocks
+from sdp.parallel.ac import recompute_share
 from sdp.parallel.spec import Overlap, StrategySpec
 from sdp.driver.budget import resolve_steps
 
@@ -81,19 +80,6 @@ def rank_times(*, flops_per_step: float, peak_flops: float | None, mfu: float, b
         comm, exposed = comm_times(by_kind=by_kind, bus_bytes_per_s=bus_bytes_per_s, overlap=overlap, compute_s=compute)
     step = compute + exposed if compute is not None and exposed is not None else None
     return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "step_s": step}
-
-
-def recompute_share(*, model: Any, every: int) -> float:
-    """Share of ``model``'s forward FLOPs that activation checkpointing recomputes in backward: the blocks
-    ``train.ac`` checkpoints (:func:`sdp.parallel.ac.chosen_blocks`; ``every`` = 0: none), each run once more."""
-    chosen = chosen_blocks(n_blocks=len(model.blocks), every=every)
-    if not chosen:
-        return 0.0
-    counts = forward_flop_counts(model)
-    prefix, total = type(model).__name__, counts["Global"]
-    share = sum(counts.get(f"{prefix}.blocks.{i}", 0) for i in chosen) / total if total else 0.0
-    assert 0 <= share <= 1, f"checkpointed blocks {chosen}: {share} of the forward FLOPs"
-    return share
 
 
 def tokens_per_sample(model: Any) -> int | None:
