@@ -12,7 +12,8 @@ prediction (``comm.per_rank``: each kind's ring wire bytes), what they overlap i
 (``cluster.gpu``, ``cluster.link``). The rule, one for every strategy:
 
 - ``compute_s`` = the rank's FLOPs per step, plus what activation checkpointing recomputes (``train.ac``: one more
-  forward of the checkpointed blocks, :func:`recompute_share` of a forward, a forward being a third of the count),
+  forward of the checkpointed blocks, :func:`sdp.parallel.ac.recompute_share` of a forward, a forward being a third
+  of the count: the budget's ``recompute_flops_per_step``, :mod:`sdp.driver.budget`),
   / (the GPU's dense peak for the run's matmul dtype x ``plan.mfu``);
 - ``comm_s`` = the rank's ring wire bytes per step / the link's bus bandwidth (nccl-tests' busbw is defined so
   that this is a collective's time);
@@ -39,7 +40,6 @@ from omegaconf import DictConfig
 
 from sdp.metrics.flops import matmul_dtype
 from sdp.metrics.hardware import gpus, links
-from sdp.parallel.ac import recompute_share
 from sdp.parallel.spec import Overlap, StrategySpec
 from sdp.driver.budget import resolve_steps
 
@@ -101,7 +101,9 @@ def predict(*, cfg: DictConfig, built: Any, spec: type[StrategySpec], comm: list
     dtype = matmul_dtype(precision=str(cfg.train.precision), tf32=bool(cfg.train.tf32))
     mfu, overlap, batch = float(cfg.plan.mfu), spec.comm_overlap(cfg=cfg.parallelism), built.job.batch_size
     flops_sample = per_sample * fraction if per_sample is not None and fraction is not None else None
-    recompute = recompute_share(model=built.model, every=built.job.ac_every) / 3.0  # of the step's useful (training) FLOPs
+    # train.ac's recomputation as a share of the step's useful (training) FLOPs: the budget's record of it, the fact
+    # the frontier reads from a run's summary too (None where the FLOPs could not be counted)
+    recompute = budget["recompute_flops_per_step"] / budget["flops_per_step"] if budget["flops_per_step"] else None
     out: dict[str, Any] = {
         "gpu": gpu_name, "link": link_name, "dtype": dtype, "mfu": mfu,
         "peak_flops": gpu.peak_flops[dtype] if gpu else None, "bus_bytes_per_s": link.bus_bytes_per_s if link else None,
