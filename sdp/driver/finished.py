@@ -67,10 +67,9 @@ def finish(*, cfg: DictConfig, run_dir: Path, ckpt: Path, budget: dict[str, Any]
     return summary
 
 
-def train_state(ckpt: Path) -> dict[str, Any]:
-    """The trainer's counters a checkpoint holds: from ``meta.json``, or (written before they were put there)
-    ``shared.pt``, memory-mapped so its tensors are not read."""
-    meta = read_meta(ckpt)
+def train_state(ckpt: Path, *, meta: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's counters a checkpoint holds: from its ``meta.json`` (``meta``, read by the caller), or (written
+    before they were put there) ``shared.pt``, memory-mapped so its tensors are not read."""
     if TRAIN in meta:
         return meta[TRAIN]
     return torch.load(ckpt / SHARED_FILE, map_location="cpu", weights_only=True, mmap=True)[TRAIN]
@@ -81,7 +80,7 @@ def rebuilt(*, cfg: DictConfig, run_dir: Path, ckpt: Path, budget: dict[str, Any
     driver's ``budget`` and the strategy's ``prepared`` plan (the fields rank 0 fills from them: :func:`run_facts`)."""
     meta = read_meta(ckpt)
     facts = run_facts(cfg=cfg, world_size=int(meta["world_size"]), prepared=prepared, precision=str(cfg.train.precision),
-                      state=train_state(ckpt))
+                      state=train_state(ckpt, meta=meta))
     return Summary(**facts, time={"warmup_steps": int(cfg.train.warmup_steps)}, run_dir=str(run_dir), budget=budget,
                    strategy_info=meta.get(STRATEGY_INFO, {}),  # rank 0's at the checkpoint ({}: written before it was kept)
                    rebuilt=REBUILT.format(ckpt=os.path.relpath(ckpt, run_dir), steps=int(cfg.train.steps)))
