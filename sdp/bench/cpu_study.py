@@ -78,7 +78,8 @@ STUDIES = {
                       ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
                       # issue 38: the small dense model, DDP on one B-SDP C = 0.5 worker's 4 of 8 blocks, FLOP-matched
                       ["variant=ddp_small_c50", "seed=0,1,2"],
-                      # issue 38: the baselines a reviewer asks for, FLOP-matched (AC's recomputation charged)
+                      # issue 38: the baselines a reviewer asks for, FLOP-matched by model FLOPs (AC's recomputation is
+                      # not charged: DDP+AC runs DDP's steps; the budget records it for the step time)
                       [f"variant={','.join(LM_BASELINES)}", "seed=0,1,2"]],
            "peak_extras": LM_BASELINES,  # their training peaks and step times too (runs/peaks, runs/timing)
            "depth": ["variant=b_sdp_c50", "seed=0,1,2", "model.n_layers=4,12"],
