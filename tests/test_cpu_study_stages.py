@@ -17,7 +17,8 @@ def _variants(args: list[str]) -> list[str]:
 
 
 def test_the_baselines_have_a_sweep_and_are_appended_to_the_peak_and_timing_sweeps(tmp_path: Path) -> None:
-    got = dict(cpu_study.stages(study="lm", out=tmp_path))
+    """The text study (now the record ``lm_text``): its sweeps as committed."""
+    got = dict(cpu_study.stages(study="lm_text", out=tmp_path))
     sweeps = [args for name, args in got.items() if name.startswith("extras-") and
               _variants(args) == cpu_study.LM_BASELINES]
     assert len(sweeps) == 1 and "seed=0,1,2" in sweeps[0], list(got)
@@ -26,11 +27,37 @@ def test_the_baselines_have_a_sweep_and_are_appended_to_the_peak_and_timing_swee
         assert _variants(got[stage]) == before + cpu_study.LM_BASELINES, (stage, got[stage])
 
 
+def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
+    """The LM study runs on the gate's task: its DDP rows are the gate's runs, so no sweep of it runs DDP at the
+    study's depth; one main sweep per seed (seed-<s>); seeds 3-4 for B-SDP C = 0.5; DDP in the peak and timing
+    sweeps; PowerSGD's plain all-reduce phase 10 % of DDP's steps, read from the experiment as composed."""
+    from sdp.bench.gate import GATES
+    from tests.helpers import compose
+
+    got = dict(cpu_study.stages(study="lm", out=tmp_path))
+    exp = cpu_study.STUDIES["lm"]["experiment"]
+    assert compose([f"experiment={exp}"]).dataset.max_steps == compose([f"experiment={GATES['lm']['task']}"]).dataset.max_steps
+    assert "ddp" not in cpu_study.sweep_variants(exp), cpu_study.sweep_variants(exp)
+    for seed in range(3):
+        assert f"seed={seed}" in got[f"main-{seed}"] and got[f"main-{seed}"][-1].endswith(f"runs/main/seed-{seed}")
+    assert "main" not in got and "variant=b_sdp_c50" in got["seeds"] and "seed=3,4" in got["seeds"], got["seeds"]
+    extras = [args for name, args in got.items() if name.startswith("extras-")]
+    assert not any("ddp" in _variants(a) or "ddp_small_c50" in _variants(a) for a in extras), extras
+    assert sorted(v for a in extras for v in _variants(a) if v in cpu_study.LM_BASELINES) == sorted(cpu_study.LM_BASELINES)
+    (psgd,) = [a for a in extras if _variants(a) == ["powersgd_r4"]]
+    start = int(next(a for a in psgd if a.startswith("parallelism.start_iter=")).split("=")[1])
+    assert start == compose([f"experiment={exp}"]).train.steps // 10, psgd
+    for stage in ("peaks", "timing"):
+        assert "ddp" in _variants(got[stage]) and "ddp_small_c50" not in _variants(got[stage]), got[stage]
+    assert len([n for n in got if n.startswith("onemodel-")]) == 2 * 3 and "remedies-3-R50" not in got, sorted(got)
+
+
+@pytest.mark.parametrize("experiment", ["cpu_study_lm", "cpu_study_lm_automaton"])
 @pytest.mark.parametrize("variant", cpu_study.LM_BASELINES)
-def test_each_baseline_validates_flop_matched_in_the_lm_study(variant: str) -> None:
+def test_each_baseline_validates_flop_matched_in_the_lm_study(variant: str, experiment: str) -> None:
     from sdp.driver.config import validate
     from tests.helpers import compose
 
-    cfg = compose(["experiment=cpu_study_lm", f"variant={variant}", "seed=0"])
+    cfg = compose([f"experiment={experiment}", f"variant={variant}", "seed=0"])
     assert cfg.train.budget == "flops", cfg.train.budget
     validate(cfg, launching=False)

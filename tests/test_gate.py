@@ -1,6 +1,7 @@
 """The depth gate of the CPU LM study (sdp/bench/gate.py, issue 38 item 1): the PASS / FAIL / not resolved rule on
-paired differences, the gate read from run directories written by hand (the study's own task taking its depth-8
-DDP runs from the main sweep), its stages, and its place first in the study's REPORT.md."""
+paired differences, the gate read from run directories written by hand (the study's own task giving the study's DDP
+rows at every depth; the text task taking its depth-8 runs from its record study's main sweep), its stages, and its
+place first in the study's REPORT.md."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from sdp.bench.verdicts import write_report
 from sdp.report.stats import Paired
 from tests.test_report_study import DDP, run_dir, study  # noqa: F401 - study: the fixture of a whole fake study
 
-MAIN = GATES["lm"]["main"]
+TASK = GATES["lm"]["task"]
+ELSEWHERE = GATES["lm"]["elsewhere"]
 
 
 @pytest.mark.parametrize("deep,mid,n,expected", [
@@ -92,15 +94,37 @@ def test_a_synthetic_task_names_its_shape(tmp_path: Path, dataset: dict, corpus:
     assert gate.settings["corpus"] == corpus, gate.settings
 
 
-def test_main_task_takes_depth_8_from_the_main_sweep(study: Path) -> None:  # noqa: F811 - the fixture
-    """The study's own task: DDP-2 and DDP-4 in runs/gate, DDP-8 = the main sweep's DDP runs (the same job), never
-    the main sweep's other rows; the section comes first in REPORT.md and states the task's verdict."""
-    write_gate(study, MAIN, {4: [2.00, 2.10, 1.95], 2: [2.02, 2.08, 1.97]})  # the fixture's DDP: 2.00, 2.10, 1.95
-    (gate,) = collect_gates(study_dir=study, study="lm")
+def test_a_task_elsewhere_takes_depth_8_from_that_studys_main_sweep(study: Path) -> None:  # noqa: F811 - the fixture
+    """The text task: DDP-2 and DDP-4 in this study's runs/gate, DDP-8 = the main sweep's DDP runs of the study named
+    in ``elsewhere`` (a directory next to this one), never that sweep's other rows."""
+    ((task, other),) = ELSEWHERE.items()
+    study.rename(study.parent / other)  # the fixture's study is the record; the gate lives in a fresh "lm"
+    lm = study.parent / "lm"
+    write_gate(lm, task, {4: [2.00, 2.10, 1.95], 2: [2.02, 2.08, 1.97]})  # the fixture's DDP: 2.00, 2.10, 1.95
+    (gate,) = collect_gates(study_dir=lm, study="lm")
     assert gate.losses[8] == {0: 2.00, 1: 2.10, 2: 1.95}, gate.losses
     assert gate.deep.mean == pytest.approx(0.0) and gate.verdict.startswith("FAIL"), (gate.deep, gate.verdict)
+
+
+def test_the_studys_task_gives_its_ddp_rows(study: Path) -> None:  # noqa: F811 - the fixture
+    """The study's task: its gate runs are the table's DDP rows at every depth (DDP-8 the DDP row, 5 seeds; the
+    shallower ones the small dense models), the main sweep runs no DDP; the gate section comes first in REPORT.md and
+    states the task's verdict."""
+    from sdp.bench.study_report import Study
+
+    for path in sorted((study / "runs" / "main").iterdir()):  # the main sweep without its DDP runs
+        if yaml.safe_load((path / "config.yaml").read_text())["parallelism"]["name"] == "ddp":
+            for f in path.iterdir():
+                f.unlink()
+            path.rmdir()
+    write_gate(study, TASK, {8: [2.00, 2.10, 1.95, 2.02, 2.03], 4: [2.20, 2.28, 2.17, 2.22, 2.21],
+                             2: [2.40, 2.45, 2.38, 2.41, 2.44]})
+    st = Study(study_dir=study, study="lm")
+    assert sorted(st.ddp.runs) == [0, 1, 2, 3, 4] and st.ddp.values("eval_loss")[1] == 2.10, st.ddp.runs
+    assert sorted(st.rows["DDP n_layers=4 (FLOP-matched to n_layers=8)"].runs) == [0, 1, 2, 3, 4], sorted(st.rows)
+    assert "DDP n_layers=2 (FLOP-matched to n_layers=8)" in st.rows and st.paired("B-SDP C=0.5").n == 3, sorted(st.rows)
     section = "\n".join(gate_section(study_dir=study, study="lm"))
-    assert f"**The study's task (`{MAIN}`, the table below): FAIL" in section, section
+    assert f"**The study's task (`{TASK}`, the table below): PASS**" in section, section
     write_report(study_dir=study, study="lm")
     report = (study / "REPORT.md").read_text()
     assert report.index("## Depth gate") < report.index("| method |") < report.index("## Verdicts"), report[:400]
@@ -109,7 +133,7 @@ def test_main_task_takes_depth_8_from_the_main_sweep(study: Path) -> None:  # no
 def test_gate_stages_one_run_each() -> None:
     stages = dict(gate_stages(study="lm", out_runs=Path("/r"), common=["train.skip_done=true"]))
     for task, n_seeds in GATES["lm"]["tasks"].items():
-        depths = [d for d in DEPTHS if not (task == MAIN and d == DEPTHS[-1])]  # the main sweep has the reference
+        depths = [d for d in DEPTHS if not (task in ELSEWHERE and d == DEPTHS[-1])]  # that study has the reference
         for seed in range(n_seeds):
             for blocks in DEPTHS:
                 name = f"gate-{task}-s{seed}-L{blocks}"
@@ -138,8 +162,9 @@ def test_small_dense_model_has_its_own_row(tmp_path: Path) -> None:
 
     gate_run(tmp_path / "small", seed=0, blocks=4, loss=1.0)
     gate_run(tmp_path / "ddp", seed=0, blocks=8, loss=1.0, reference=False)
+    gate_run(tmp_path / "gate8", seed=0, blocks=8, loss=1.0)  # the gate's reference depth: matched to itself
     assert row_name(load_run(tmp_path / "small" / "0")) == "DDP n_layers=4 (FLOP-matched to n_layers=8)"
-    assert row_name(load_run(tmp_path / "ddp" / "0")) == "DDP"
+    assert row_name(load_run(tmp_path / "ddp" / "0")) == "DDP" == row_name(load_run(tmp_path / "gate8" / "0"))
 
 
 def test_the_loss_by_group_shows_where_depth_pays(tmp_path: Path) -> None:

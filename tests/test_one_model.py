@@ -6,6 +6,7 @@ peaks and verdict can be checked against a hand computation; and the study's ``o
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import shutil
 import statistics
@@ -143,11 +144,12 @@ def test_no_section_without_onemodel_runs(tmp_path: Path) -> None:
 
 
 def test_onemodel_stages_seed_outer_after_the_existing_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record study's 5 seeds (the LM study runs the same stages on 3: tests/test_cpu_study_stages.py)."""
     out = Path("/o")
-    got = cpu_study.stages(study="lm", out=out)
+    got = cpu_study.stages(study="lm_text", out=out)
     names = [n for n, _ in got]
-    runs = out / "lm" / "runs" / "onemodel"
-    seeds = range(cpu_study.STUDIES["lm"]["onemodel_seeds"])
+    runs = out / "lm_text" / "runs" / "onemodel"
+    seeds = range(cpu_study.STUDIES["lm_text"]["onemodel_seeds"])
     assert names[-12:] == [f"onemodel-{s}-{g}" for s in seeds for g in ("fixed", "remedies")] + \
         ["onemodelpeaks-cons", "onemodelpeaks-cal"], names
     args = dict(got)
@@ -162,9 +164,9 @@ def test_onemodel_stages_seed_outer_after_the_existing_ones(monkeypatch: pytest.
         assert needed in cons, (needed, cons)
     assert f"parallelism.calibrate_steps={cpu_study.PEAK_CALIBRATE_STEPS}" in args["onemodelpeaks-cal"]
     # every stage before them unchanged, in order: the stages of a spec without the issue-39 keys
-    spec = {k: v for k, v in cpu_study.STUDIES["lm"].items() if not k.startswith("onemodel")}
-    monkeypatch.setitem(cpu_study.STUDIES, "lm", spec)
-    assert cpu_study.stages(study="lm", out=out) == got[:-12]
+    spec = {k: v for k, v in cpu_study.STUDIES["lm_text"].items() if not k.startswith("onemodel")}
+    monkeypatch.setitem(cpu_study.STUDIES, "lm_text", spec)
+    assert cpu_study.stages(study="lm_text", out=out) == got[:-12]
     assert not any(n.startswith("onemodel") for n, _ in cpu_study.stages(study="image", out=out))
 
 
@@ -179,8 +181,9 @@ def test_peak_run_places_consolidation_inside_it_and_the_variants_exist() -> Non
         for arg in (a for a in args if a.startswith("variant=")):
             for v in arg.split("=", 1)[1].split(","):
                 assert (cpu_study.ROOT / "conf" / "variant" / f"{v}.yaml").exists(), (stage, v)
-    for variant in ("b_sdp_c50_cons20", "b_sdp_c50_cons20_kd50"):
-        cfg = compose_config("experiment=cpu_study_lm", f"variant={variant}", "train.budget=iterations",
+    for experiment, variant in itertools.product((cpu_study.STUDIES[s]["experiment"] for s in ("lm", "lm_text")),
+                                                 ("b_sdp_c50_cons20", "b_sdp_c50_cons20_kd50")):
+        cfg = compose_config(f"experiment={experiment}", f"variant={variant}", "train.budget=iterations",
                              f"train.steps={cpu_study.PEAK_STEPS}", f"parallelism.consolidate={cpu_study.PEAK_CONSOLIDATE}")
         _, info = resolve_steps(copy.deepcopy(cfg))
         first, later = info["phases"]

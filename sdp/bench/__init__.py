@@ -22,7 +22,7 @@ SUITES: dict[str, str] = {
     "throughput-model": "no run: sdp-plan's predicted step time, DDP vs SDP C=0.5 on LLaMA-1B at 8 and 64 GPUs per link",
     "memory-anchor": "no run: sdp-plan's training peak of Llama-3.1-8B FSDP against torchtitan's measured 8 and 128 H100s",
     "eval-protocols": "the same trained weights under every eval.bn protocol and evaluation-time rescale",
-    "cpu-study": "the CPU-scale study (--study lm|image): every run, then its report (--render-only: the report)",
+    "cpu-study": "the CPU-scale study (--study lm|lm_text|image): every run, then its report (--render-only: the report)",
     "diagnose": "no training: why block-level SDP's assembled model loses, from a run's final weights (RUN_DIR...)",
     "depth-probe": "one process, one seed: DDP at 8/4/2 blocks FLOP-matched on a candidate task, before the depth gate",
     "slim-runs": "no measurement: committed run directories keep what reports, sdp-rerun and skip_done read (PATH...)",

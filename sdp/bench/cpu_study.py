@@ -1,6 +1,9 @@
 """The CPU-scale reproduction (issue 17): every run of one study, then its report, in one command.
 
-    sdp-bench cpu-study --study lm       # LLaMA, 8 blocks, stdlib text (conf/experiment/cpu_study_lm.yaml)
+    sdp-bench cpu-study --study lm       # LLaMA, 8 blocks, the automaton task the depth gate chose
+                                         # (conf/experiment/cpu_study_lm_automaton.yaml)
+    sdp-bench cpu-study --study lm_text  # the first LM study, on stdlib text (conf/experiment/cpu_study_lm.yaml): a
+                                         # record; its task failed the gate (the lm report's first section)
     sdp-bench cpu-study --study image    # ResNet-18 width 16, digits (conf/experiment/cpu_study_image.yaml)
     sdp-bench cpu-study --study lm --render-only   # the report again from the committed runs
 
@@ -12,19 +15,21 @@ finished job and resumes a checkpointed one when the command is run again):
 - ``runs/gate`` (LM, issue 38): the depth gate, run first: DDP at 2, 4 and 8 blocks FLOP-matched to the 8-block
   model, on the study's task and each candidate task (:mod:`sdp.bench.gate`: the tasks, the rule, the report's
   first section); one run per sweep (``gate-<task>-s<seed>-L<blocks>``, each can be run alone with ``--only``);
-- ``runs/main``: the experiment's own sweep (every method x seeds 0-2, FLOP-matched, plus the same-iteration rows);
+  the gate's runs of the study's own task are its DDP rows, at every depth;
+- ``runs/main``: the experiment's own sweep (every method x seeds 0-2, FLOP-matched, plus the same-iteration rows;
+  the LM study: every method but DDP, one sweep per seed, ``runs/main/seed-<s>``, stage ``main-<s>``);
   ``runs/main/seeds-3-4``: the same sweep for seeds 3 and 4 (issue 17: 5 seeds where 3 do not meet the interval
   target; a separate sweep directory so that the first sweep's job numbers, and ``train.skip_done``, stay valid;
-  the image study runs them for DDP and B-SDP C = 0.5 only, the pair its target is about);
+  the image and LM studies run them for B-SDP C = 0.5 (and the image study's DDP) only, the pair the target is about);
 - ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
   rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``) and
-  the small dense model (``variant=ddp_small_c50``, seeds 0-2: DDP at one worker's depth, FLOP-matched) and the
-  baselines of :data:`LM_BASELINES` (DDP+AC, FSDP+AC, local SGD, DiLoCo, PowerSGD; seeds 0-2; their peaks and step
-  times in ``runs/peaks`` and ``runs/timing`` as every method's);
+  the baselines of :data:`LM_BASELINES` (DDP+AC, FSDP+AC, local SGD, DiLoCo, PowerSGD; seeds 0-2; their peaks and
+  step times in ``runs/peaks`` and ``runs/timing`` as every method's); ``lm_text`` also the small dense model
+  (``variant=ddp_small_c50``, seeds 0-2: DDP at one worker's depth, FLOP-matched; the LM study's are the gate's);
 - ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth (the
   main sweep gives 8 blocks);
 - ``runs/remedies`` (LM, issue 28; the image study: the LM's best two rules, seeds 0-2): B-SDP C = 0.5 with plan re-draws (``parallelism.redraw=shuffle|rolling``,
-  every 50 and 200 steps) and with its fixed plan again (the ensemble column), seeds 0-4, one sweep per seed
+  every 50 and 200 steps) and with its fixed plan again (the ensemble column), seeds 0-4 (LM: 0-2), one sweep per seed
   and period (``seed-<s>/R50``, ``seed-<s>/R200``), seeds 0-2 of both periods first;
   ``runs/remedies/peaks``: each re-draw rule once for 20 steps with the tracker on and one re-draw at step 10 (its peak);
   ``runs/remedies/timing``: the fixed plan and each rule once for 110 steps with two re-draws, tracker off, nothing
@@ -37,7 +42,7 @@ finished job and resumes a checkpointed one when the command is run again):
 - ``runs/onemodel`` (LM, issue 39, run after every other stage): B-SDP C = 0.5 with its fixed plan and its final
   weights kept (``seed-<s>/fixed``, ``train.save_final``: ``sdp-bench diagnose`` reads them) and the remedies that
   keep one model (``seed-<s>/remedies``: consolidation over the last 10/20/30 % of the budget, with distillation,
-  assembly calibration), seeds 0-4, one stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
+  assembly calibration), seeds 0-4 (LM: 0-2), one stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
   ``runs/onemodel/peaks``: one PEAK_STEPS-step run per mechanism with the tracker on, every phase inside it
   (``onemodelpeaks-cons``: the consolidation switch near the middle; ``onemodelpeaks-cal``: calibration after the
   last step). The report's section: :mod:`sdp.bench.one_model`.
@@ -70,37 +75,67 @@ PEAK_CALIBRATE_STEPS = 5  # calibration's peak is that of one step (its gates' A
 # issue 38's baselines: activation checkpointing on DDP and FSDP, local SGD and DiLoCo (H = 8), PowerSGD (rank 4)
 LM_BASELINES = ["ddp_ac", "fsdp_ac", "local_sgd_h8", "diloco_h8", "powersgd_r4"]
 
+
+def _lm_record() -> dict:
+    """``lm_text``: the LM study as first run, on byte-level stdlib text (every stage of the issues before 38)."""
+    return {"experiment": "cpu_study_lm",
+            "header": "**A record.** This study's task (byte-level stdlib text) did not pass the depth gate of issue 38 "
+                      "(its row in the gate of [the LM study](../lm/REPORT.md)): on it more optimizer steps are worth "
+                      "as much as more blocks, so its verdicts say little about depth. The LM study now runs on the "
+                      "task its gate chose (that task's verdict: the LM report's first section); these runs are kept "
+                      "as they were made.\n",
+            "extras": [["variant=fsdp", "seed=0"],
+                       ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
+                       # issue 38: the small dense model, DDP on one B-SDP C = 0.5 worker's 4 of 8 blocks, FLOP-matched
+                       ["variant=ddp_small_c50", "seed=0,1,2"],
+                       # issue 38: the baselines a reviewer asks for, FLOP-matched by model FLOPs (AC's recomputation
+                       # is not charged: DDP+AC runs DDP's steps; the budget records it for the step time)
+                       [f"variant={','.join(LM_BASELINES)}", "seed=0,1,2"]],
+            "peak_extras": LM_BASELINES,  # their training peaks and step times too (runs/peaks, runs/timing)
+            **{k: LM_SHARED[k] for k in ("depth", "remedies", "remedy_timing", "onemodel", "onemodel_peaks")},
+            "onemodel_seeds": 5}
+
+
+# The LM study's stages that do not depend on its task: B-SDP C = 0.5 at other depths; issue 28's plan re-draws
+# (shuffled and rolling, every 50 and 200 steps) and the fixed plan once more (its ensemble column), one sweep per seed
+# and period; issue 39's one model at DDP's quality: per seed, the fixed plan with its final weights kept (what
+# sdp-bench diagnose reads) and the remedies (consolidation over the last 10/20/30 % of the budget, with distillation,
+# and assembly calibration; consolidation + calibration is not a row: the driver refuses the pair,
+# sdp/bench/one_model.py says why), and one peak run per mechanism (a phase's peak depends on neither f nor the
+# calibration steps), each phase inside it: PEAK_CONSOLIDATE puts the switch near PEAK_STEPS / 2, calibration
+# follows the last step
+LM_SHARED = {
+    "depth": ["variant=b_sdp_c50", "seed=0,1,2", "model.n_layers=4,12"],
+    "remedies": {"R50": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50",
+                 "R200": "variant=b_sdp_c50_roll200,b_sdp_c50_shuffle200"},
+    "remedy_timing": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50",
+    "onemodel": {"fixed": ["variant=b_sdp_c50", "train.save_final=fp32"],
+                 "remedies": ["variant=b_sdp_c50_cons10,b_sdp_c50_cons20,b_sdp_c50_cons30,"
+                              "b_sdp_c50_cons20_kd50,b_sdp_c50_cal"]},
+    "onemodel_peaks": {"cons": ["variant=b_sdp_c50_cons20,b_sdp_c50_cons20_kd50",
+                                f"parallelism.consolidate={PEAK_CONSOLIDATE}"],
+                       "cal": ["variant=b_sdp_c50_cal", f"parallelism.calibrate_steps={PEAK_CALIBRATE_STEPS}"]},
+}
+
 # In the sweeps below the seed is the outer loop, so that a stage stopped early has every rule (every depth)
 # for the seeds it finished: a row with fewer seeds than its neighbours pairs over fewer seeds, not other ones.
 STUDIES = {
-    "lm": {"experiment": "cpu_study_lm",
+    # issue 38: the LM study on the task its depth gate chose (sdp.bench.gate.GATES). Its DDP rows, at every
+    # depth, are the gate's runs (5 seeds; DDP-4 and DDP-2 are the small dense models of B-SDP C = 0.5 and 0.25), so
+    # its sweeps run the other methods; seeds 3-4 for B-SDP C = 0.5 only, the pair of the interval target; 3 seeds for
+    # the remedies of issues 28 and 39 (the whole study must fit about a day of 2 CPU cores)
+    "lm": {"experiment": "cpu_study_lm_automaton",
+           "main_per_seed": True, "seeds": ["variant=b_sdp_c50"],
            "extras": [["variant=fsdp", "seed=0"],
                       ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
-                      # issue 38: the small dense model, DDP on one B-SDP C = 0.5 worker's 4 of 8 blocks, FLOP-matched
-                      ["variant=ddp_small_c50", "seed=0,1,2"],
-                      # issue 38: the baselines a reviewer asks for, FLOP-matched by model FLOPs (AC's recomputation is
-                      # not charged: DDP+AC runs DDP's steps; the budget records it for the step time)
-                      [f"variant={','.join(LM_BASELINES)}", "seed=0,1,2"]],
-           "peak_extras": LM_BASELINES,  # their training peaks and step times too (runs/peaks, runs/timing)
-           "depth": ["variant=b_sdp_c50", "seed=0,1,2", "model.n_layers=4,12"],
-           # issue 28: B-SDP C = 0.5 with plan re-draws (shuffled and rolling, every 50 and 200 steps) and the
-           # fixed plan once more (its ensemble column); one sweep per seed and period
-           "remedies": {"R50": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50",
-                        "R200": "variant=b_sdp_c50_roll200,b_sdp_c50_shuffle200"},
-           "remedy_timing": "variant=b_sdp_c50,b_sdp_c50_roll50,b_sdp_c50_shuffle50",
-           # issue 39: one model at DDP's quality. Per seed, the fixed plan with its final weights kept (what
-           # sdp-bench diagnose reads) and the remedies: consolidation over the last 10/20/30 % of the budget, with
-           # distillation, and assembly calibration (consolidation + calibration is not a row: the driver refuses the
-           # pair, sdp/bench/one_model.py says why)
-           "onemodel": {"fixed": ["variant=b_sdp_c50", "train.save_final=fp32"],
-                        "remedies": ["variant=b_sdp_c50_cons10,b_sdp_c50_cons20,b_sdp_c50_cons30,"
-                                     "b_sdp_c50_cons20_kd50,b_sdp_c50_cal"]},
-           "onemodel_seeds": 5,
-           # one peak run per mechanism (a phase's peak depends on neither f nor the calibration steps), each
-           # phase inside it: PEAK_CONSOLIDATE puts the switch near PEAK_STEPS / 2, calibration follows the last step
-           "onemodel_peaks": {"cons": ["variant=b_sdp_c50_cons20,b_sdp_c50_cons20_kd50",
-                                       f"parallelism.consolidate={PEAK_CONSOLIDATE}"],
-                              "cal": ["variant=b_sdp_c50_cal", f"parallelism.calibrate_steps={PEAK_CALIBRATE_STEPS}"]}},
+                      # the baselines a reviewer asks for (DDP+AC's recomputation is not charged: it runs DDP's steps)
+                      [f"variant={','.join(b for b in LM_BASELINES if b != 'powersgd_r4')}", "seed=0,1,2"],
+                      # PowerSGD's plain all-reduce phase at 10 % of DDP's 8000 steps (torch's advice for
+                      # start_powerSGD_iter; conf/variant/powersgd_r4.yaml's default suits a 1000-step run)
+                      ["variant=powersgd_r4", "seed=0,1,2", "parallelism.start_iter=800"]],
+           "peak_extras": ["ddp", *LM_BASELINES],  # DDP's peak and step time too: the main sweep does not run it
+           **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 3},
+    "lm_text": _lm_record(),
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],
               # seeds 3-4 for the pair of the image interval target only (the CPU time of the session; the other
@@ -129,8 +164,12 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     common = [f"experiment={exp}", "train.skip_done=true"]
     out_runs = out / study / "runs"
     result = gate_stages(study=study, out_runs=out_runs, common=common[1:])
-    result += [("main", [*common, f"hydra.sweep.dir={out_runs / 'main'}"]),
-              ("seeds", [*common, *spec.get("seeds", []), f"seed={','.join(map(str, MORE_SEEDS))}",
+    if spec.get("main_per_seed"):  # one sweep per seed (the seed the outer loop: a stage is a seed of every method)
+        result += [(f"main-{seed}", [*common, f"seed={seed}", f"hydra.sweep.dir={out_runs / 'main' / f'seed-{seed}'}"])
+                   for seed in range(3)]
+    else:
+        result.append(("main", [*common, f"hydra.sweep.dir={out_runs / 'main'}"]))
+    result += [("seeds", [*common, *spec.get("seeds", []), f"seed={','.join(map(str, MORE_SEEDS))}",
                          f"hydra.sweep.dir={out_runs / 'main' / 'seeds-3-4'}"])]
     result += [(f"extras-{i}", [*common, *extra, f"hydra.sweep.dir={out_runs / 'extras' / str(i)}"])
                for i, extra in enumerate(spec["extras"])]
@@ -201,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render_only:
         seconds = run_study(study=args.study, out=args.out, only=args.only.split(",") if args.only else None)
         print(f"[{args.study}] all stages: {seconds / 60:.1f} min wall", flush=True)
-    files = [*write_report(study_dir=args.out / args.study, study=args.study), write_index(out=args.out)]
+    files = [*write_report(study_dir=args.out / args.study, study=args.study,
+                           header=STUDIES[args.study].get("header", "")), write_index(out=args.out)]
     print("\n".join(f"wrote {f}" for f in files))
     return 0
 

@@ -18,7 +18,10 @@ The rule (:func:`gate_verdict`), on the paired differences of final eval loss wi
 
 Tasks are experiment YAMLs (``conf/experiment/``, :data:`GATES`); each task's runs are
 ``<study>/runs/gate/<task>/seed-<s>/blocks-<n>`` (one run per sweep, so that each can be run alone, e.g. under
-a lock). The study's own task reuses its main sweep's DDP runs at its own depth (the same job).
+a lock). The study's own task (``task``, the candidate it runs on) is the one to pass: its gate runs are the study table's DDP rows at
+every depth (:func:`task_runs`; DDP-8 the reference, the shallower ones the small dense models), so its main sweep
+runs no DDP. A task whose reference-depth runs are another study's main sweep (``elsewhere``: the text task, whose
+study ``lm_text`` is kept as a record) reads them from there (the same job).
 """
 
 from __future__ import annotations
@@ -35,14 +38,15 @@ from sdp.report.stats import Paired, paired_difference
 MARGIN = 0.05  # nats: the least gain of DDP-8 over DDP-4 that passes
 SEEDS_FOR_PASS = 5
 DEPTHS = (2, 4, 8)  # blocks; the last is the reference every depth is FLOP-matched to
-# study -> its main experiment (whose depth-8 DDP runs are its main sweep's) and the tasks tried, each with the
-# seeds its gate runs (the screening seeds; 5 for a task that is to pass)
+# study -> its task (the experiment whose gate runs at every depth are the study's DDP rows), the tasks tried, each with
+# the seeds its gate runs (the screening seeds; 5 for a task that is to pass), and the tasks whose reference-depth
+# DDP runs are the main sweep of another study (its directory next to this one's)
 GATES: dict[str, dict[str, Any]] = {
-    "lm": {"main": "cpu_study_lm", "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2, "cpu_gate_lr3": 2,
-                                                   "cpu_gate_pointer": 1, "cpu_gate_automaton": 1,
-                                                   "cpu_gate_automaton_sparse": 1,
-                                                   "cpu_gate_automaton_sparse_k6": 5,
-                                                   "cpu_gate_automaton_sparse_k6_8k": 5}},
+    "lm": {"task": "cpu_gate_automaton_sparse_k6_8k",
+           "tasks": {"cpu_study_lm": 3, "cpu_gate_narrow": 2, "cpu_gate_lr3": 2, "cpu_gate_pointer": 1,
+                     "cpu_gate_automaton": 1, "cpu_gate_automaton_sparse": 1, "cpu_gate_automaton_sparse_k6": 5,
+                     "cpu_gate_automaton_sparse_k6_8k": 5},
+           "elsewhere": {"cpu_study_lm": "lm_text"}},
 }
 
 
@@ -57,8 +61,8 @@ def gate_stages(*, study: str, out_runs: Path, common: list[str]) -> list[tuple[
     for task, n_seeds in spec["tasks"].items():
         for seed in range(n_seeds):
             for blocks in sorted(DEPTHS, reverse=True):
-                if task == spec["main"] and blocks == ref:
-                    continue  # the main sweep's DDP run of this seed
+                if task in spec.get("elsewhere", {}) and blocks == ref:
+                    continue  # that study's main sweep's DDP run of this seed
                 out.append((f"gate-{task}-s{seed}-L{blocks}",
                             [f"experiment={task}", *common, "variant=ddp", f"seed={seed}", f"model.n_layers={blocks}",
                              f"train.flops_reference={{n_layers:{ref}}}",
@@ -151,18 +155,26 @@ def _is_reference_ddp(run: Run, *, blocks: int) -> bool:
             and int(f.get("model.n_layers", -1)) == blocks and not any(k.startswith("train.flops_reference.") for k in f))
 
 
+def task_runs(*, study_dir: Path, study: str) -> list[Run]:
+    """The finished gate runs of the study's own task (every depth and seed): the study table's DDP rows."""
+    task = GATES.get(study, {}).get("task")
+    root = Path(study_dir) / "runs" / "gate" / str(task)
+    return [r for r in find_runs(root) if r.ok] if task and root.is_dir() else []
+
+
 def collect_gates(*, study_dir: Path, study: str) -> list[Gate]:
-    """Every task under ``<study_dir>/runs/gate`` (in :data:`GATES` order, then any other), the main task's
-    reference depth from the main sweep's DDP runs."""
-    spec = GATES.get(study, {"main": None, "tasks": {}})
+    """Every task under ``<study_dir>/runs/gate`` (in :data:`GATES` order, then any other); a task ``elsewhere``
+    takes its reference depth from that study's main sweep's DDP runs."""
+    spec = GATES.get(study, {"tasks": {}})
     root = Path(study_dir) / "runs" / "gate"
     found = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     order = [t for t in spec["tasks"] if t in found] + [t for t in found if t not in spec["tasks"]]
     gates = []
     for task in order:
         runs = [r for r in find_runs(root / task) if r.ok]
-        if task == spec["main"] and (Path(study_dir) / "runs" / "main").is_dir():
-            runs += [r for r in find_runs(Path(study_dir) / "runs" / "main") if _is_reference_ddp(r, blocks=DEPTHS[-1])]
+        other = Path(study_dir).parent / spec.get("elsewhere", {}).get(task, "-") / "runs" / "main"
+        if other.is_dir():
+            runs += [r for r in find_runs(other) if _is_reference_ddp(r, blocks=DEPTHS[-1])]
         losses: dict[int, dict[int, float | None]] = {}
         train_s: dict[int, list[float]] = {}
         groups: dict[int, dict[int, Any]] = {}
@@ -199,7 +211,7 @@ def gate_section(*, study_dir: Path, study: str) -> list[str]:
     gates = collect_gates(study_dir=study_dir, study=study)
     if not gates:
         return []
-    main = GATES.get(study, {}).get("main")
+    main = GATES.get(study, {}).get("task")
     lines = ["## Depth gate: does the task reward depth at equal FLOPs?", "",
              f"DDP at {', '.join(map(str, DEPTHS))} blocks (same width, embedding and head), each FLOP-matched to the "
              f"{DEPTHS[-1]}-block model (`train.flops_reference={{n_layers: {DEPTHS[-1]}}}`: a shallower model runs "
@@ -213,7 +225,8 @@ def gate_section(*, study_dir: Path, study: str) -> list[str]:
         if g.task == main:
             lines += [f"**The study's task (`{main}`, the table below): {g.verdict}** — DDP-{DEPTHS[2]} − "
                       f"DDP-{DEPTHS[1]} {_pm(g.deep)} nats, DDP-{DEPTHS[1]} − DDP-{DEPTHS[0]} {_pm(g.mid)} nats "
-                      f"(n = {len(g.seeds)}; its DDP-{DEPTHS[-1]} runs are the main sweep's DDP rows).", ""]
+                      f"(n = {len(g.seeds)}; these runs are the table's DDP rows: DDP-{DEPTHS[-1]} the reference, "
+                      f"the shallower ones the small dense models at one SDP worker's depth).", ""]
     per_depth = "/".join(map(str, sorted(DEPTHS, reverse=True)))
     head = ["task", "corpus", "seq_len", "tokens/step", "width (dim/hidden)", "peak lr", "DDP-8 steps",
             "seeds at every depth", f"seeds at {per_depth} blocks",

@@ -3,7 +3,7 @@ paired by seed with its 95 % interval, time to DDP's quality, measured training 
 verdict per claim of the paper, all computed from the run directories.
 
 Layout read: ``<study>/runs/main`` (the FLOP-matched and same-iteration rows, seeds 0-2, and seeds 3-4 in
-``main/seeds-3-4``), ``<study>/runs/extras`` (FSDP's check, rescale rules), ``<study>/runs/depth`` (B-SDP
+``main/seeds-3-4``; with a depth gate, the DDP rows are the gate's runs of the study's task, :func:`sdp.bench.gate.task_runs`), ``<study>/runs/extras`` (FSDP's check, rescale rules), ``<study>/runs/depth`` (B-SDP
 C = 0.5 at other depths: the assembly gap against depth), ``<study>/runs/peaks`` (one short run per method
 with the live-tensor tracker: the training peak). Written: ``<study>/REPORT.md``, ``table.csv``,
 ``curves.png`` (evaluation loss against the fraction of DDP's FLOPs, mean and a band of +- one sample
@@ -21,6 +21,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sdp.bench.gate import task_runs
 from sdp.report.runs import Run, find_runs, run_figures
 from sdp.report.stats import TARGET_FACTOR, Paired, paired_difference, ratio, t_half_width, time_to_target
 from sdp.report.tables import method_facts
@@ -29,6 +30,7 @@ from sdp.results.contract import read_metrics
 NOMINAL_RANGE = (0.40, 0.72)  # the paper's "28-60 % less memory per device" as a ratio to DDP
 PAPER_COMMANDS = {
     "lm": "sdp-train -m experiment=paper_llama_fineweb dataset.root=/data/fineweb10B cluster=slurm_gpu",
+    "lm_text": "sdp-train -m experiment=paper_llama_fineweb dataset.root=/data/fineweb10B cluster=slurm_gpu",
     "image": "sdp-train -m experiment=paper_resnet18_cifar10 dataset.root=/data/cifar10 cluster=slurm_gpu",
 }
 
@@ -40,8 +42,9 @@ def row_name(run: Run) -> str:
     name = label
     if cov is not None:
         name += f" {cov['symbol']}={cov['value']:g}"  # C = coverage, p = a drop baseline's survival probability
-    ref = {k[len("train.flops_reference."):]: v for k, v in f.items() if k.startswith("train.flops_reference.")}
-    if ref:  # a smaller (or other) model matched to a reference model's FLOPs: not the DDP row
+    ref = {k[len("train.flops_reference."):]: v for k, v in f.items()
+           if k.startswith("train.flops_reference.") and f.get(f"model.{k[len('train.flops_reference.'):]}") != v}
+    if ref:  # a smaller (or other) model matched to a reference model's FLOPs (a model matched to itself is the plain row)
         own = ", ".join(f"{k}={f.get(f'model.{k}')}" for k in ref)
         name += f" {own} (FLOP-matched to {', '.join(f'{k}={v}' for k, v in ref.items())})"
     rescale = f.get("parallelism.rescale")
@@ -151,6 +154,7 @@ class Study:
         self.dir, self.study = Path(study_dir), study
         runs_dir = self.dir / "runs"
         self.runs = [r for sub in ("main", "extras") if (runs_dir / sub).is_dir() for r in find_runs(runs_dir / sub)]
+        self.runs += task_runs(study_dir=self.dir, study=study)  # the gate's DDP runs of the study's task, every depth
         self.rows = collect(self.runs)
         # one short run per method (under the iterations budget whatever the method's): keyed by the method
         self.peaks = by_method(collect(find_runs(runs_dir / "peaks"))) if (runs_dir / "peaks").is_dir() else {}
