@@ -49,7 +49,7 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     assert start == compose([f"experiment={exp}"]).train.steps // 10, psgd
     for stage in ("peaks", "timing"):
         assert "ddp" in _variants(got[stage]) and "ddp_small_c50" not in _variants(got[stage]), got[stage]
-    assert len([n for n in got if n.startswith("onemodel-")]) == 2 * 3 and "remedies-3-R50" not in got, sorted(got)
+    assert len([n for n in got if n.startswith("onemodel-")]) == 2 * 5 and "remedies-3-R50" not in got, sorted(got)
 
 
 @pytest.mark.parametrize("experiment", ["cpu_study_lm", "cpu_study_lm_automaton"])

@@ -20,7 +20,7 @@ from sdp.bench.one_model import FIXED, OneModel, one_model_section
 from sdp.bench.study_report import Study
 from sdp.report.stats import t_half_width
 
-LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm" / "runs"
+LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm_text" / "runs"
 DDP_PEAK, BSDP_PEAK = 31358888, 17047192  # the committed runs/peaks/0 (DDP) and /2 (B-SDP C=0.5), fullest rank
 CONS20 = (0.0, 0.005, 0.01)   # assembled − DDP by seed: +0.005 ± 0.012, upper end +0.017 <= +0.03: quality met
 CONS10 = (0.05, 0.06, 0.07)   # upper end +0.085: quality missed
@@ -144,7 +144,7 @@ def test_no_section_without_onemodel_runs(tmp_path: Path) -> None:
 
 
 def test_onemodel_stages_seed_outer_after_the_existing_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The record study's 5 seeds (the LM study runs the same stages on 3: tests/test_cpu_study_stages.py)."""
+    """The record study's stages (the LM study runs the same ones: tests/test_cpu_study_stages.py)."""
     out = Path("/o")
     got = cpu_study.stages(study="lm_text", out=out)
     names = [n for n, _ in got]

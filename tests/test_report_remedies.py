@@ -14,7 +14,7 @@ from sdp.bench.remedies import Remedies, remedies_section
 from sdp.report.stats import t_half_width
 from sdp.bench.study_report import Study
 
-LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm" / "runs"
+LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm_text" / "runs"
 
 
 def _run(src: Path, dst: Path, *, config: dict | None = None, final: dict | None = None,

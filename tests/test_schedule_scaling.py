@@ -159,7 +159,7 @@ def test_committed_cpu_study_runs_keep_their_schedule() -> None:
             assert values["scaled"] == cfg[section][leaf], (path, key, values)
 
 
-@pytest.mark.parametrize("run", ["image/runs/main/0", "image/runs/main/6", "lm/runs/main/6"])  # DDP, B-SDP C = 0.5
+@pytest.mark.parametrize("run", ["image/runs/main/0", "image/runs/main/6", "lm_text/runs/main/6"])  # DDP, B-SDP C = 0.5
 def test_committed_study_run_is_still_the_same_job_for_skip_done(run: str) -> None:
     """The driver's whole resolution (budget, scaled keys) of a committed run's own config gives config.yaml back."""
     path = STUDY / run

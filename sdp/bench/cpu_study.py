@@ -42,7 +42,7 @@ finished job and resumes a checkpointed one when the command is run again):
 - ``runs/onemodel`` (LM, issue 39, run after every other stage): B-SDP C = 0.5 with its fixed plan and its final
   weights kept (``seed-<s>/fixed``, ``train.save_final``: ``sdp-bench diagnose`` reads them) and the remedies that
   keep one model (``seed-<s>/remedies``: consolidation over the last 10/20/30 % of the budget, with distillation,
-  assembly calibration), seeds 0-4 (LM: 0-2), one stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
+  assembly calibration), seeds 0-4, one stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
   ``runs/onemodel/peaks``: one PEAK_STEPS-step run per mechanism with the tracker on, every phase inside it
   (``onemodelpeaks-cons``: the consolidation switch near the middle; ``onemodelpeaks-cal``: calibration after the
   last step). The report's section: :mod:`sdp.bench.one_model`.
@@ -123,7 +123,7 @@ STUDIES = {
     # issue 38: the LM study on the task its depth gate chose (sdp.bench.gate.GATES). Its DDP rows, at every
     # depth, are the gate's runs (5 seeds; DDP-4 and DDP-2 are the small dense models of B-SDP C = 0.5 and 0.25), so
     # its sweeps run the other methods; seeds 3-4 for B-SDP C = 0.5 only, the pair of the interval target; 3 seeds for
-    # the remedies of issues 28 and 39 (the whole study must fit about a day of 2 CPU cores)
+    # issue 28's re-draws, 5 for issue 39's one-model remedies (its target is over 5 seeds)
     "lm": {"experiment": "cpu_study_lm_automaton",
            "main_per_seed": True, "seeds": ["variant=b_sdp_c50"],
            "extras": [["variant=fsdp", "seed=0"],
@@ -134,7 +134,7 @@ STUDIES = {
                       # start_powerSGD_iter; conf/variant/powersgd_r4.yaml's default suits a 1000-step run)
                       ["variant=powersgd_r4", "seed=0,1,2", "parallelism.start_iter=800"]],
            "peak_extras": ["ddp", *LM_BASELINES],  # DDP's peak and step time too: the main sweep does not run it
-           **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 3},
+           **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5},
     "lm_text": _lm_record(),
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],
