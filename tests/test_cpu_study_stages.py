@@ -32,6 +32,7 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     study's depth; one main sweep per seed (seed-<s>); seeds 3-4 for B-SDP C = 0.5; DDP in the peak and timing
     sweeps; PowerSGD's plain all-reduce phase 10 % of DDP's steps, read from the experiment as composed."""
     from sdp.bench.gate import GATES
+    from sdp.driver.config import validate
     from tests.helpers import compose
 
     got = dict(cpu_study.stages(study="lm", out=tmp_path))
@@ -49,6 +50,14 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     assert start == compose([f"experiment={exp}"]).train.steps // 10, psgd
     for stage in ("peaks", "timing"):
         assert "ddp" in _variants(got[stage]) and "ddp_small_c50" not in _variants(got[stage]), got[stage]
+        small = got[f"{stage}-small"]  # the gate's small dense rows: FLOP budget (their row names), cut short
+        assert _variants(small) == ["ddp_small_c50"] and "model.n_layers=4,2" in small, small
+        assert not any(a.startswith("train.budget=") for a in small) and small[-1].endswith(f"runs/{stage}/small"), small
+    one = [a.replace("model.n_layers=4,2", "model.n_layers=2") for a in got["peaks-small"]
+           if not a.startswith(("hydra.", "train.skip_done"))]
+    cfg = compose(one)
+    assert (cfg.model.n_layers, cfg.train.budget, cfg.train.flops_reference.n_layers) == (2, "flops", 8), one
+    validate(cfg, launching=False)
     assert len([n for n in got if n.startswith("onemodel-")]) == 2 * 5 and "remedies-3-R50" not in got, sorted(got)
 
 

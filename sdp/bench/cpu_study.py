@@ -39,6 +39,8 @@ finished job and resumes a checkpointed one when the command is run again):
 - ``runs/timing``: every method for 60 steps, seed 0, tracker off, no subnetwork evaluation: the step times
   (median of the steps after warm-up), measured with nothing else running, so that the long sweeps'
   wall-clock never enters a ratio (the report's seconds to target = steps to target x this step time);
+  ``runs/peaks/small`` and ``runs/timing/small`` (LM): the same for the gate's small dense models (DDP at 4 and 2
+  blocks under their FLOP budget, 20 and 60 steps of the 8-block model's FLOPs: 2x and 4x as many steps);
 - ``runs/onemodel`` (LM, issue 39, run after every other stage): B-SDP C = 0.5 with its fixed plan and its final
   weights kept (``seed-<s>/fixed``, ``train.save_final``: ``sdp-bench diagnose`` reads them) and the remedies that
   keep one model (``seed-<s>/remedies``: consolidation over the last 10/20/30 % of the budget, with distillation,
@@ -134,6 +136,7 @@ STUDIES = {
                       # start_powerSGD_iter; conf/variant/powersgd_r4.yaml's default suits a 1000-step run)
                       ["variant=powersgd_r4", "seed=0,1,2", "parallelism.start_iter=800"]],
            "peak_extras": ["ddp", *LM_BASELINES],  # DDP's peak and step time too: the main sweep does not run it
+           "small_dense": "model.n_layers=4,2",  # the gate's DDP-4 and DDP-2 (B-SDP C = 0.5 and 0.25's worker depth)
            **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5},
     "lm_text": _lm_record(),
     "image": {"experiment": "cpu_study_image",
@@ -205,6 +208,11 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     once = short(f"variant={','.join(peak_variants)}")
     result.append(("peaks", [*once, *peak_run, f"hydra.sweep.dir={out_runs / 'peaks'}"]))
     result.append(("timing", [*once, *timing_run(TIMING_STEPS), f"hydra.sweep.dir={out_runs / 'timing'}"]))
+    if "small_dense" in spec:  # the gate's shallower DDP rows (the small dense models): their peaks and step times, from
+        # runs under their own FLOP budget (train.flops_reference needs it) cut short: the row names match the gate's
+        small = [*common, "variant=ddp_small_c50", spec["small_dense"], "seed=0", "train.eval_points=1"]
+        result.append(("peaks-small", [*small, *peak_run, f"hydra.sweep.dir={out_runs / 'peaks' / 'small'}"]))
+        result.append(("timing-small", [*small, *timing_run(TIMING_STEPS), f"hydra.sweep.dir={out_runs / 'timing' / 'small'}"]))
     if "onemodel" in spec:  # issue 39 (sdp.bench.one_model), after the stages above (their order kept): each seed's
         # sweeps, then one peak run per mechanism
         result += [(f"onemodel-{seed}-{group}", [*common, *select, f"seed={seed}",
