@@ -27,6 +27,8 @@ CASES = {
     # train.precision=bf16: the rehearsal runs under the planner's emulation of CPU autocast (sdp.parallel.device_forward)
     "ddp_llama_bf16": ["parallelism=ddp", *LLAMA, "train.precision=bf16"],
     "fsdp_llama_bf16": ["parallelism=fsdp", *LLAMA, "train.precision=bf16"],
+    # train.ac=op: each block keeps its matmul and attention outputs, in the checkpoint's cache (sdp/parallel/ac_op.py)
+    "ddp_llama_ac_op": ["parallelism=ddp", *LLAMA, "train.ac=op"],
     # the default digits (359 validation images, 180 on a rank, below the default evaluation batch of 256)
     "ddp_digits": ["parallelism=ddp", "train.steps=4", "train.warmup_steps=2", "train.eval_every=0"],
     # local SGD / DiLoCo: the outer state at every phase, the sync's flat buffer (a sync after step 4, measured), and

@@ -66,7 +66,7 @@ from sdp.metrics.flops import BlockShare, unit_shares
 from sdp.models.base import forward_flop_counts
 from sdp.parallel import STRATEGIES
 from sdp.parallel.ac import recompute_share
-from sdp.parallel.job import JobFacts, ac_every
+from sdp.parallel.job import JobFacts, ac_every, ac_mode
 from sdp.registry import build
 
 SEQ_LEN_KEYS = ("dataset.seq_len", "model.seq_len", "model.max_seq_len")
@@ -213,7 +213,8 @@ def resolve_steps(cfg: DictConfig, *, preflight: Any = None) -> tuple[int, dict[
         info["flops_per_step"] = global_batch * per_sample * run_fraction
         info["total_flops"] = steps * info["flops_per_step"] + (info["post_training"]["flops"] if post is not None else 0)
         # train.ac's recomputation, outside the budget (model FLOPs) but part of a step's time (sdp.bench.frontier)
-        info["recompute_flops_per_step"] = info["flops_per_step"] * recompute_share(model=model, every=ac_every(cfg)) / 3.0
+        info["recompute_flops_per_step"] = info["flops_per_step"] * recompute_share(model=model, every=ac_every(cfg),
+                                                                                  mode=ac_mode(cfg)) / 3.0
     else:
         info["flops_per_step"] = info["total_flops"] = info["recompute_flops_per_step"] = None
         info["flops_note"] = flops_error or "fraction unknown"

@@ -65,9 +65,10 @@ class Train:
     precision: str = key(choices=PRECISIONS)
     """fp32 | bf16 (forward and loss under torch.autocast(bf16); fp32 master weights)."""
     ac: str = key(choices=AC_MODES)
-    """Activation checkpointing, every strategy: none | full (blocks 0, ac_every, 2 ac_every, ... keep only their input)."""
+    """Activation checkpointing, every strategy: none | full (blocks 0, ac_every, 2 ac_every, ... keep only their input)
+    | op (those blocks keep their matmul and attention outputs too: torchtitan's selective op AC, sdp/parallel/ac_op.py)."""
     ac_every: int = key(at_least=1)
-    """train.ac=full: checkpoint every k-th block (1: every block)."""
+    """train.ac=full or op: checkpoint every k-th block (1: every block)."""
     num_workers: int = key(at_least=0)
     """DataLoader worker processes."""
     budget: str = key(choices=("iterations", "flops", "tokens"))

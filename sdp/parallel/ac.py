@@ -1,6 +1,8 @@
 """Activation checkpointing (``train.ac``), one mechanism for every strategy: each chosen block runs under
 non-reentrant ``torch.utils.checkpoint``, so only its input is kept and its activations are recomputed in
-backward (torchtitan's ``activation_checkpoint``, mode ``full``; every k-th block: its ``selective_ac_option=k``).
+backward (torchtitan's ``activation_checkpoint``, mode ``full``; every k-th block: its ``selective_ac_option=k``);
+``train.ac=op`` keeps the block's matmul and attention outputs as well (torchtitan's ``selective_ac_option="op"``,
+:mod:`sdp.parallel.ac_op`).
 
 Why a training option and not a strategy: what a block keeps for backward is independent of how gradients
 are synchronised, so DDP, SDP (either masking), FSDP2 and the drop baselines take the same blocks; the rank
@@ -24,20 +26,26 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from sdp.metrics.activations import note_retained
 from sdp.models.base import forward_flop_counts
+from sdp.parallel.ac_op import op_contexts, recomputed_flops
 
 
 @contextmanager
-def restored_buffers(module: nn.Module) -> Iterator[None]:
-    """Run the block, then put every buffer back as it was (no double BatchNorm statistics update)."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+def restored_buffers(module: nn.Module, *, outside_modes: bool = False) -> Iterator[None]:
+    """Run the block, then put every buffer back as it was (no double BatchNorm statistics update).
+    ``outside_modes``: copy with the dispatch modes set aside (a selective checkpoint's recomputation must replay the
+    forward's ops exactly: its cache refuses any other op)."""
+    aside = _disable_current_modes if outside_modes else nullcontext
+    with aside():
+        saved = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         yield
     finally:
-        with torch.no_grad():
+        with torch.no_grad(), aside():
             for b, v in saved:
                 b.copy_(v)
 
@@ -55,13 +63,30 @@ class Checkpointed(nn.Module):
             calls += 1
             if calls == 1:
                 return inner(inp)
-            with restored_buffers(self):  # the recomputation in backward
+            with restored_buffers(self, outside_modes=self._selective):  # the recomputation in backward
                 return inner(inp)
 
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute
             return inner(x)
         note_retained(x)  # the checkpoint keeps its input alive for the recomputation
-        return checkpoint(run, x, use_reentrant=False, context_fn=_forward_modes_again)
+        return checkpoint(run, x, use_reentrant=False, context_fn=self._ac_contexts)
+
+    _selective = False
+
+    @staticmethod
+    def _ac_contexts() -> tuple[Any, Any]:
+        return _forward_modes_again()
+
+
+class SelectiveCheckpointed(Checkpointed):
+    """Mixin of a block under selective op checkpointing (``train.ac=op``): the same, with torchtitan's op policy
+    (:func:`sdp.parallel.ac_op.op_contexts`) keeping the matmul and attention outputs."""
+
+    _selective = True
+
+    @staticmethod
+    def _ac_contexts() -> tuple[Any, Any]:
+        return op_contexts(_forward_modes_again()[1])
 
 
 def checkpoint_call(fn: Any, x: torch.Tensor) -> torch.Tensor:
@@ -93,16 +118,19 @@ def _forward_modes_again() -> tuple[Any, Any]:
     return nullcontext(), again()
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, str], type] = {}
+MIXINS = {"full": Checkpointed, "op": SelectiveCheckpointed}  # train.ac's modes that checkpoint
 
 
-def checkpointed_class(cls: type) -> type:
-    """The checkpointed subclass of ``cls``, one per class (so copies and isinstance checks agree)."""
+def checkpointed_class(cls: type, mode: str = "full") -> type:
+    """The subclass of ``cls`` checkpointed as ``mode`` (:data:`MIXINS`), one per class and mode (so copies and
+    isinstance checks agree)."""
     if issubclass(cls, Checkpointed):
         return cls
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (Checkpointed, cls), {"__module__": cls.__module__})
-    return _CLASSES[cls]
+    if (cls, mode) not in _CLASSES:
+        mixin = MIXINS[mode]
+        _CLASSES[cls, mode] = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls, mode]
 
 
 def chosen_blocks(*, n_blocks: int, every: int) -> list[int]:
@@ -111,24 +139,28 @@ def chosen_blocks(*, n_blocks: int, every: int) -> list[int]:
     return list(range(0, n_blocks, every)) if every > 0 else []
 
 
-def apply_checkpointing(model: nn.Module, *, every: int) -> list[int]:
-    """Checkpoint ``model.blocks`` 0, every, 2*every, ... in place (``every`` = 0: none); returns their indices.
-    Applying it twice changes nothing."""
+def apply_checkpointing(model: nn.Module, *, every: int, mode: str = "full") -> list[int]:
+    """Checkpoint ``model.blocks`` 0, every, 2*every, ... in place as ``mode`` (``full``: only each block's input is
+    kept; ``op``: its matmul and attention outputs too; ``every`` = 0: none); returns their indices. Applying it
+    twice changes nothing."""
     chosen = chosen_blocks(n_blocks=len(model.blocks), every=every)
     for i in chosen:
         block = model.blocks[i]
-        block.__class__ = checkpointed_class(type(block))
+        block.__class__ = checkpointed_class(type(block), mode)
     return chosen
 
 
-def recompute_share(*, model: Any, every: int) -> float:
+def recompute_share(*, model: Any, every: int, mode: str = "full") -> float:
     """Share of ``model``'s forward FLOPs that activation checkpointing recomputes in backward: the blocks
-    ``train.ac`` checkpoints (:func:`sdp.parallel.ac.chosen_blocks`; ``every`` = 0: none), each run once more."""
+    ``train.ac`` checkpoints (:func:`sdp.parallel.ac.chosen_blocks`; ``every`` = 0: none), each run once more
+    (``full``), or only the matmuls the op policy does not keep (``op``, :func:`sdp.parallel.ac_op.recomputed_flops`)."""
     chosen = chosen_blocks(n_blocks=len(model.blocks), every=every)
     if not chosen:
         return 0.0
     counts = forward_flop_counts(model)
     prefix, total = type(model).__name__, counts["Global"]
-    share = sum(counts.get(f"{prefix}.blocks.{i}", 0) for i in chosen) / total if total else 0.0
+    again = (recomputed_flops(model=model, blocks=chosen) if mode == "op"
+             else sum(counts.get(f"{prefix}.blocks.{i}", 0) for i in chosen))
+    share = again / total if total else 0.0
     assert 0 <= share <= 1, f"checkpointed blocks {chosen}: {share} of the forward FLOPs"
     return share

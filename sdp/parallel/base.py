@@ -89,7 +89,7 @@ class Strategy(ABC):
         whoever builds the rank's model, before :meth:`setup` wraps, masks or shards it, so every strategy gets the
         same blocks checkpointed (FSDP2: before ``fully_shard``, as torchtitan). Returns (and keeps, for the
         summary's ``strategy_info.checkpointed_blocks``) the checkpointed blocks' indices."""
-        self.checkpointed = apply_checkpointing(model, every=self.job.ac_every)
+        self.checkpointed = apply_checkpointing(model, every=self.job.ac_every, mode=self.job.ac_mode)
         return self.checkpointed
 
     @abstractmethod

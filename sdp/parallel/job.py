@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdp.errors import ConfigError, one_of, positive_int
 
-AC_MODES = ("none", "full")  # train.ac's values (its schema field names this tuple)
+AC_MODES = ("none", "full", "op")  # train.ac's values (its schema field names this tuple; sdp.parallel.ac says each)
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class JobFacts:
     model_name: str = ""  # model.name, for messages and plan titles
     optimizer: Any = None  # the optim.optimizer node (sdp-plan: optimizer state bytes and rehearsal)
     ac_every: int = 0  # activation checkpointing: blocks 0, k, 2k, ... (0: none), from train.ac / train.ac_every
+    ac_mode: str = "full"  # how those blocks are checkpointed: full (the input only) or op (matmul outputs too)
     steps: int = 0  # train.steps: the run's steps (on the ranks: as the budget resolved them; 0: not known)
     warmup_steps: int = 0  # train.warmup_steps: the first steps, whose traffic the run's per-step means leave out
     phase_steps: tuple[int, ...] = ()  # each training phase's steps where the budget split the run (summary.json
@@ -54,16 +55,17 @@ class JobFacts:
                    eval_bn=str(sel("eval.bn", cls.eval_bn)), eval_subnetworks=bool(sel("eval.subnetworks", False)),
                    eval_ensemble=bool(sel("eval.ensemble", False)), model_name=str(sel("model.name", "") or ""),
                    optimizer=sel("optim.optimizer", None), ac_every=ac_every(cfg),
+                   ac_mode=ac_mode(cfg),
                    steps=int(sel("train.steps", cls.steps)), warmup_steps=int(sel("train.warmup_steps", cls.warmup_steps)),
                    phase_steps=tuple(int(p["steps"]) for p in (budget or {}).get("phases") or ()))
 
 
 def ac_every(cfg: DictConfig) -> int:
-    """The job's activation checkpointing as a block stride (0: none): ``train.ac=full`` checkpoints blocks 0,
-    ``train.ac_every``, 2 x ``train.ac_every``, ...; a preset whose ``parallelism`` node declares ``ac_every``
-    (``parallelism=ddp_ac``, and the runs recorded with it) turns it on with its own stride. A recorded config
-    from before ``train.ac`` existed reads as none. Refused, naming the key: an unknown mode, a stride < 1, and
-    ``train.ac=full`` with a stride other than the preset's."""
+    """The job's activation checkpointing as a block stride (0: none): ``train.ac=full`` (or ``op``) checkpoints
+    blocks 0, ``train.ac_every``, 2 x ``train.ac_every``, ...; a preset whose ``parallelism`` node declares
+    ``ac_every`` (``parallelism=ddp_ac``, and the runs recorded with it) turns full checkpointing on with its own
+    stride. A recorded config from before ``train.ac`` existed reads as none. Refused, naming the key: an unknown
+    mode, a stride < 1, ``train.ac=full`` with a stride other than the preset's, and a preset with ``train.ac=op``."""
     sel = lambda key, default: OmegaConf.select(cfg, key, default=default)  # noqa: E731
     mode, every, preset = sel("train.ac", "none"), sel("train.ac_every", 1), sel("parallelism.ac_every", None)
     one_of("train.ac", mode, AC_MODES)
@@ -73,4 +75,13 @@ def ac_every(cfg: DictConfig) -> int:
     if preset is not None and mode == "full" and every != preset:
         raise ConfigError(f"train.ac_every={every} disagrees with parallelism.ac_every={preset} of "
                           f"parallelism.name={sel('parallelism.name', None)!r}: set one of them")
-    return int(preset) if preset is not None else (int(every) if mode == "full" else 0)
+    if preset is not None and mode == "op":
+        raise ConfigError(f"train.ac=op with parallelism.name={sel('parallelism.name', None)!r}, a preset of full "
+                          f"checkpointing (parallelism.ac_every={preset}): use its base strategy with train.ac=op")
+    return int(preset) if preset is not None else (int(every) if mode in ("full", "op") else 0)
+
+
+def ac_mode(cfg: DictConfig) -> str:
+    """How :func:`ac_every`'s blocks are checkpointed: ``op`` under ``train.ac=op``, else ``full`` (the stride says
+    whether any block is)."""
+    return "op" if OmegaConf.select(cfg, "train.ac", default="none") == "op" else "full"

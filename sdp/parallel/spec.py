@@ -185,8 +185,8 @@ class StrategySpec:
         strategy: FSDP with ``train.ac=full`` is the report's FSDP+AC, not FSDP)."""
         cov = cls.coverage(cfg=cfg, world_size=world_size, n_units=n_units, prepared=prepared)
         label = cls.method_label(cfg=cfg)
-        if ac != "none" and not label.endswith("+AC"):
-            label += "+AC"
+        if ac != "none" and not label.endswith(("+AC", "+SAC")):
+            label += "+SAC" if ac == "op" else "+AC"  # op: selective (torchtitan's op policy)
         return {"label": label, "coverage": cov.summary() if cov else None}
 
     @classmethod

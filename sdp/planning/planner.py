@@ -68,7 +68,7 @@ def predict(cfg: DictConfig, *, built: Preflight | None = None) -> dict[str, Any
     spec, ready = STRATEGIES.get(name), built.prepared  # SDP's plan: the one validation drew
     with torch.device("meta"):
         model = build(cfg.model)  # a build of its own: a prediction may change it
-    apply_checkpointing(model, every=job.ac_every)  # train.ac: the blocks every rank checkpoints, for every strategy
+    apply_checkpointing(model, every=job.ac_every, mode=job.ac_mode)  # train.ac: the blocks every rank checkpoints, for every strategy
     facts: dict[str, Any] = {}  # strategy-specific facts for the plan (e.g. its unit plan)
     entries = spec.predict(cfg=cfg.parallelism, job=job, model=model, facts=facts, prepared=ready)
     assert built.val_samples is not None, "sdp-plan's evaluation peak needs the validation set's size: validate(cfg) builds it"
