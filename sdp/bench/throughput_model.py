@@ -80,7 +80,7 @@ def render(results: dict[str, Any]) -> str:
              f"the model's own FLOP count / ({GPU} dense bf16 peak x plan.mfu={results['mfu']:g}, an assumed MFU); comm =",
              "each predicted collective's ring wire bytes / the link's published nccl-tests bus bandwidth",
              "(conf/hardware.yaml, each figure cited there), less what overlaps backward (each strategy's `overlap`).",
-             f"JobFacts: `{' '.join(LLAMA_1B)}` on `cluster.gpu={GPU}` (AdamW, fp32 gradients all-reduced as this suite",
+             f"Job: `{' '.join(LLAMA_1B)}` on `cluster.gpu={GPU}` (AdamW, fp32 gradients all-reduced as this suite",
              "trains). Regenerate: `sdp-bench throughput-model --out benchmarks/results/throughput`. SDP's plan: balanced",
              "at 8 GPUs; at 64, `parallelism.assignment=random` (the balanced search is too slow there; its unequal unit",
              "counts make the slowest rank's comm, the method's step, larger than a balanced plan's).", "",
@@ -99,7 +99,7 @@ def render(results: dict[str, Any]) -> str:
               f"(step {a['step_s']:.2f} s = {a['compute_s']:.2f} compute + {a['exposed_comm_s']:.2f} exposed comm; "
               f"{a['flops_per_token'] / 1e9:.1f} GFLOP/token by the model's count).",
               f"torchtitan (docs/performance.md) measured {lo:,.0f}-{hi:,.0f} tokens/s/GPU on 64 A100-80GB, selective "
-              f"activation checkpointing: predicted / measured = {a['tokens_per_s_per_gpu'] / hi:.2f}-"
+              f"activation checkpointing; the plan above has none: predicted / measured = {a['tokens_per_s_per_gpu'] / hi:.2f}-"
               f"{a['tokens_per_s_per_gpu'] / lo:.2f}. The MFU used is the default assumption, not fitted to this figure;",
               f"torchtitan's own run reached {hi * a['flops_per_token'] / 312e12:.0%} MFU by this FLOP count (its page "
               "says 56.8-58.2 %, counting the embedding too). Its fabric is not stated; ib_ndr assumed.", "",
