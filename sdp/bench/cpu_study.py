@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--study", choices=sorted(STUDIES), required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-study")
     ap.add_argument("--only", default=None, help="comma-separated stages to run: gate,main,seeds,extras,depth,remedies,remedytiming,remedypeaks,peaks,"
-                    "timing,onemodel,onemodelpeaks (default all), or one stage by its full name (e.g. gate-cpu_study_lm-s0-L4)")
+                    "timing,onemodel,onemodelpeaks (default all; a kind takes every stage of it, e.g. main: the LM study's main-0..2, "
+                    "peaks: peaks-small too), or one stage by its full name (e.g. gate-cpu_study_lm-s0-L4, main-1)")
     ap.add_argument("--render-only", action="store_true", help="write the report from existing runs")
     args = ap.parse_args(argv)
     if not args.render_only:
