@@ -94,3 +94,22 @@ def test_op_equals_no_ac_through_the_trainer(tmp_path) -> None:
     assert op["strategy_info"]["checkpointed_blocks"] == list(range(4)) and op["label"] == "DDP+SAC", op["strategy_info"]
     kept = [[m["activation_bytes"] for m in s["memory"]["per_rank"]] for s in (plain, op)]
     assert all(0 < b < a for a, b in zip(*kept)), kept
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("overrides", [["parallelism=sdp"], ["parallelism=sdp_block_bwd"],
+                                       ["parallelism=sdp", "parallelism.level=neuron"], ["parallelism=fsdp"]],
+                         ids=["sdp-forward", "sdp-backward", "sdp-neuron", "fsdp"])
+def test_op_equals_no_ac_on_every_strategy(tmp_path, overrides: list[str]) -> None:
+    """SDP with either masking and at neuron level (its split matmuls are counted per block call alike in the forward
+    and the recomputation) and FSDP2: the same losses and evaluation, fewer bytes kept for backward."""
+    run = ["model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "optim=adamw", "train.batch_size=4",
+           "train.steps=4", "train.warmup_steps=2", "train.eval_every=0", *overrides]
+    plain, plain_rows = run_job(run, world=2, run_dir=tmp_path / "plain")
+    op, op_rows = run_job([*run, "train.ac=op"], world=2, run_dir=tmp_path / "op")
+    assert train_losses(op_rows) == train_losses(plain_rows), (overrides, train_losses(op_rows), train_losses(plain_rows))
+    assert op["final"]["eval_loss"] == plain["final"]["eval_loss"] and op["label"].endswith("+SAC"), op["label"]
+    kept = [[m["activation_bytes"] for m in s["memory"]["per_rank"]] for s in (plain, op)]
+    assert all(0 < b < a for a, b in zip(*kept)), (overrides, kept)
