@@ -190,3 +190,14 @@ def test_the_loss_by_group_shows_where_depth_pays(tmp_path: Path) -> None:
     assert section[at + 2 : at + 5] == ["| DDP-8 (n = 2) | 0.050 | 8.500 |", "| DDP-4 (n = 2) | 0.050 | 4.500 |",
                                         "| DDP-2 (n = 1) | 0.000 | 2.000 |"], section[at:]
     assert "plain_task`;" not in text, "a task without groups has no such table"
+
+
+def test_a_study_with_only_its_gate_says_what_is_missing(tmp_path: Path) -> None:
+    """Before its main sweep the study's table is the gate's DDP rows; the verdicts say which runs are missing rather
+    than leaving a section empty."""
+    from sdp.bench.study_report import Study
+    from sdp.bench.verdicts import claims
+
+    write_gate(tmp_path, TASK, {8: [1.0, 1.1], 4: [1.2, 1.3], 2: [1.4, 1.5]})
+    text = "\n".join(claims(Study(study_dir=tmp_path, study="lm")))
+    assert "- no SDP run yet (rows looked for: B-SDP C=0.25," in text and "no B-SDP C=0.5 run paired with DDP yet" in text, text
