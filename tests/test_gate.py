@@ -125,6 +125,7 @@ def test_the_studys_task_gives_its_ddp_rows(study: Path) -> None:  # noqa: F811 
     assert "DDP n_layers=2 (FLOP-matched to n_layers=8)" in st.rows and st.paired("B-SDP C=0.5").n == 3, sorted(st.rows)
     section = "\n".join(gate_section(study_dir=study, study="lm"))
     assert f"**The study's task (`{TASK}`, the table below): PASS**" in section, section
+    assert "(paired seeds: 5 and 5; 5 at every depth;" in section, section
     write_report(study_dir=study, study="lm")
     report = (study / "REPORT.md").read_text()
     assert report.index("## Depth gate") < report.index("| method |") < report.index("## Verdicts"), report[:400]

@@ -225,8 +225,9 @@ def gate_section(*, study_dir: Path, study: str) -> list[str]:
         if g.task == main:
             lines += [f"**The study's task (`{main}`, the table below): {g.verdict}** — DDP-{DEPTHS[2]} − "
                       f"DDP-{DEPTHS[1]} {_pm(g.deep)} nats, DDP-{DEPTHS[1]} − DDP-{DEPTHS[0]} {_pm(g.mid)} nats "
-                      f"(n = {len(g.seeds)}; these runs are the table's DDP rows: DDP-{DEPTHS[-1]} the reference, "
-                      f"the shallower ones the small dense models at one SDP worker's depth).", ""]
+                      f"(paired seeds: {g.deep.n} and {g.mid.n}; {len(g.seeds)} at every depth; these runs are the "
+                      f"table's DDP rows: DDP-{DEPTHS[-1]} the reference, the shallower ones the small dense models at "
+                      f"one SDP worker's depth).", ""]
     per_depth = "/".join(map(str, sorted(DEPTHS, reverse=True)))
     head = ["task", "corpus", "seq_len", "tokens/step", "width (dim/hidden)", "peak lr", "DDP-8 steps",
             "seeds at every depth", f"seeds at {per_depth} blocks",
