@@ -20,7 +20,7 @@ strategy ever inspects a concrete architecture.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -236,26 +236,33 @@ def forward_flop_counts(model: SDPModel) -> dict[str, int]:
 
 
 def _flop_counts(module: nn.Module, inputs: torch.Tensor) -> dict[str, int]:
-    """Per-module forward FLOPs as ``torch.utils.flop_counter`` counts them, run on the meta device.
+    """Per-module forward FLOPs as ``torch.utils.flop_counter`` counts them, run on the meta device
+    (:func:`meta_forward`: on meta, attention decomposes into two counted matmuls over the full T x T scores,
+    causal or not; on CPU, SDPA's fused kernel is invisible to the counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    meta_forward(module, inputs, under=counter)
+    return {name: int(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}
+
+
+def meta_forward(module: nn.Module, inputs: torch.Tensor, *, under: Any) -> None:
+    """Run ``module``'s evaluation forward on ``inputs`` on the meta device under ``under`` (a mode that observes the
+    ops: the FLOP counter, :func:`sdp.parallel.ac_op.recomputed_flops`'s matmul count).
 
     Why meta: nothing is computed (a 1B-parameter LM costs milliseconds), no weights are copied
-    (``functional_call`` swaps in meta stand-ins), BatchNorm statistics stay untouched, and attention
-    is counted everywhere (on CPU, SDPA's fused kernel is invisible to the counter; on meta it
-    decomposes into two counted matmuls over the full T x T scores, causal or not).
-    """
+    (``functional_call`` swaps in meta stand-ins) and BatchNorm statistics stay untouched."""
     from torch.func import functional_call
-    from torch.utils.flop_counter import FlopCounterMode
 
     stand_ins = {n: torch.empty_like(t, device="meta") for n, t in module.named_parameters(remove_duplicate=False)}
     stand_ins |= {n: torch.empty_like(t, device="meta") for n, t in module.named_buffers(remove_duplicate=False)}
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), under:
             functional_call(module, stand_ins, (inputs.to("meta"),), tie_weights=False)
     finally:
         module.train(was_training)
-    return {name: int(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}
 
 
 def count_params(module: nn.Module) -> int:

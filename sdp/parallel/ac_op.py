@@ -24,8 +24,10 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import mm_flop
 
 from sdp.metrics.activations import note_retained
+from sdp.models.base import meta_forward
 
 _MM = torch.ops.aten.mm.default
 # the ops whose outputs are kept: torchtitan's list (matmul, the fused attention kernels, FSDP's reduce-scatter),
@@ -117,8 +119,7 @@ class _EvenMatmuls(TorchDispatchMode):
         if self.inside and func == _MM:
             self.index += 1
             if not keeps(func, mm_index=self.index):
-                (m, k), n = args[0].shape, args[1].shape[1]
-                self.flops += 2 * m * k * n
+                self.flops += mm_flop(args[0].shape, args[1].shape)  # the FLOP counter's own formula
         return out
 
 
@@ -127,8 +128,6 @@ def recomputed_flops(*, model: Any, blocks: list[int]) -> int:
     in ``blocks``: the matmuls its policy does not keep. Attention is kept (the fused kernel's output; on the meta
     device attention decomposes into batched matmuls, which the policy's ``mm`` count does not include), and the
     other ops it recomputes (norms, activations) count no FLOPs, as in :func:`sdp.models.base.forward_flop_counts`."""
-    from torch.func import functional_call
-
     counter = _EvenMatmuls()
 
     def enter(*_: Any) -> None:
@@ -139,15 +138,9 @@ def recomputed_flops(*, model: Any, blocks: list[int]) -> int:
 
     handles = [h for i in blocks for h in (model.blocks[i].register_forward_pre_hook(enter),
                                            model.blocks[i].register_forward_hook(leave))]
-    stand_ins = {n: torch.empty_like(t, device="meta") for n, t in model.named_parameters(remove_duplicate=False)}
-    stand_ins |= {n: torch.empty_like(t, device="meta") for n, t in model.named_buffers(remove_duplicate=False)}
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad(), counter:
-            functional_call(model, stand_ins, (model.example_input(1).to("meta"),), tie_weights=False)
+        meta_forward(model, model.example_input(1), under=counter)
     finally:
-        model.train(was_training)
         for h in handles:
             h.remove()
     return counter.flops
