@@ -22,7 +22,7 @@ def test_the_baselines_have_a_sweep_and_are_appended_to_the_peak_and_timing_swee
     sweeps = [args for name, args in got.items() if name.startswith("extras-") and
               _variants(args) == cpu_study.LM_BASELINES]
     assert len(sweeps) == 1 and "seed=0,1,2" in sweeps[0], list(got)
-    before = [v for v in cpu_study.sweep_variants("cpu_study_lm") if not v.endswith("_iters")] + ["fsdp"]
+    before = [v for v in cpu_study.sweep_values("cpu_study_lm", "variant") if not v.endswith("_iters")] + ["fsdp"]
     for stage in ("peaks", "timing"):
         assert _variants(got[stage]) == before + cpu_study.LM_BASELINES, (stage, got[stage])
 
@@ -38,7 +38,8 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     got = dict(cpu_study.stages(study="lm", out=tmp_path))
     exp = cpu_study.STUDIES["lm"]["experiment"]
     assert compose([f"experiment={exp}"]).dataset.max_steps == compose([f"experiment={GATES['lm']['task']}"]).dataset.max_steps
-    assert "ddp" not in cpu_study.sweep_variants(exp), cpu_study.sweep_variants(exp)
+    assert "ddp" not in cpu_study.sweep_values(exp, "variant"), cpu_study.sweep_values(exp, "variant")
+    assert cpu_study.sweep_values(exp, "seed") == ["0", "1", "2"], cpu_study.sweep_values(exp, "seed")
     for seed in range(3):
         assert f"seed={seed}" in got[f"main-{seed}"] and got[f"main-{seed}"][-1].endswith(f"runs/main/seed-{seed}")
     assert "main" not in got and "variant=b_sdp_c50" in got["seeds"] and "seed=3,4" in got["seeds"], got["seeds"]

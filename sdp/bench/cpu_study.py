@@ -154,22 +154,23 @@ REMEDY_TIMING_STEPS = 110  # re-draws at steps 50 and 100 of the *_50 variants, 
 MORE_SEEDS = (3, 4)  # beyond the experiment YAML's seeds 0-2
 
 
-def sweep_variants(experiment: str) -> list[str]:
-    """The variants the experiment's own sweep runs (read from its YAML, so the list lives in one place)."""
+def sweep_values(experiment: str, key: str) -> list[str]:
+    """The values of ``key`` (variant, seed) the experiment's own sweep runs (read from its YAML, so the list lives
+    in one place)."""
     doc = yaml.safe_load((ROOT / "conf" / "experiment" / f"{experiment}.yaml").read_text())
-    return str(doc["hydra"]["sweeper"]["params"]["variant"]).split(",")
+    return str(doc["hydra"]["sweeper"]["params"][key]).split(",")
 
 
 def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     spec = STUDIES[study]
     exp = spec["experiment"]
-    peak_variants = [v for v in sweep_variants(exp) if not v.endswith("_iters")] + ["fsdp", *spec.get("peak_extras", [])]
+    peak_variants = [v for v in sweep_values(exp, "variant") if not v.endswith("_iters")] + ["fsdp", *spec.get("peak_extras", [])]
     common = [f"experiment={exp}", "train.skip_done=true"]
     out_runs = out / study / "runs"
     result = gate_stages(study=study, out_runs=out_runs, common=common[1:])
     if spec.get("main_per_seed"):  # one sweep per seed (the seed the outer loop: a stage is a seed of every method)
         result += [(f"main-{seed}", [*common, f"seed={seed}", f"hydra.sweep.dir={out_runs / 'main' / f'seed-{seed}'}"])
-                   for seed in range(3)]
+                   for seed in sweep_values(exp, "seed")]
     else:
         result.append(("main", [*common, f"hydra.sweep.dir={out_runs / 'main'}"]))
     result += [("seeds", [*common, *spec.get("seeds", []), f"seed={','.join(map(str, MORE_SEEDS))}",
