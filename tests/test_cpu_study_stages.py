@@ -29,7 +29,7 @@ def test_the_baselines_have_a_sweep_and_are_appended_to_the_peak_and_timing_swee
 
 def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     """The LM study runs on the gate's task: its DDP rows are the gate's runs, so no sweep of it runs DDP at the
-    study's depth; one main sweep per seed (seed-<s>); seeds 3-4 for B-SDP C = 0.5; DDP in the peak and timing
+    study's depth; one main sweep per seed (seed-<s>); B-SDP C = 0.5 in its own sweeps, seeds 0-4, final weights kept; DDP in the peak and timing
     sweeps; PowerSGD's plain all-reduce phase 10 % of DDP's steps, read from the experiment as composed."""
     from sdp.bench.gate import GATES
     from sdp.driver.config import validate
@@ -42,7 +42,17 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     assert cpu_study.sweep_values(exp, "seed") == ["0", "1", "2"], cpu_study.sweep_values(exp, "seed")
     for seed in range(3):
         assert f"seed={seed}" in got[f"main-{seed}"] and got[f"main-{seed}"][-1].endswith(f"runs/main/seed-{seed}")
-    assert "main" not in got and "variant=b_sdp_c50" in got["seeds"] and "seed=3,4" in got["seeds"], got["seeds"]
+        assert "variant=b_sdp_c50" not in " ".join(got[f"main-{seed}"]) and "variant=b_sdp_c25" in " ".join(got[f"main-{seed}"])
+    # B-SDP C = 0.5 once per seed 0-4, final weights kept: the main row and every section's fixed plan (no re-runs)
+    for seed in range(5):
+        kept = got[f"kept-{seed}"]
+        assert {"variant=b_sdp_c50", "train.save_final=fp32", f"seed={seed}"} <= set(kept), kept
+        assert kept[-1].endswith(f"runs/main/kept/seed-{seed}"), kept
+    assert "main" not in got and "seeds" not in got, sorted(got)
+    assert not any("variant=b_sdp_c50," in a or a == "variant=b_sdp_c50" for n, args in got.items()
+                   if n.startswith(("remedies-", "onemodel-")) for a in args), "a re-run of the kept fixed plan"
+    order = [n for n in got if n.startswith(("main-", "kept-"))]
+    assert order == ["main-0", "kept-0", "main-1", "kept-1", "main-2", "kept-2", "kept-3", "kept-4"], order
     extras = [args for name, args in got.items() if name.startswith("extras-")]
     assert not any("ddp" in _variants(a) or "ddp_small_c50" in _variants(a) for a in extras), extras
     assert sorted(v for a in extras for v in _variants(a) if v in cpu_study.LM_BASELINES) == sorted(cpu_study.LM_BASELINES)
@@ -59,7 +69,7 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     cfg = compose(one)
     assert (cfg.model.n_layers, cfg.train.budget, cfg.train.flops_reference.n_layers) == (2, "flops", 8), one
     validate(cfg, launching=False)
-    assert len([n for n in got if n.startswith("onemodel-")]) == 2 * 5 and "remedies-3-R50" not in got, sorted(got)
+    assert len([n for n in got if n.startswith("onemodel-")]) == 5 and "remedies-3-R50" not in got, sorted(got)
 
 
 @pytest.mark.parametrize("experiment", ["cpu_study_lm", "cpu_study_lm_automaton"])

@@ -86,6 +86,7 @@ def _lm_record() -> dict:
                       "as much as more blocks, so its verdicts say little about depth. The LM study now runs on the "
                       "task its gate chose (that task's verdict: the LM report's first section); these runs are kept "
                       "as they were made.\n",
+            "seeds": [],  # every method at seeds 3-4 (runs/main/seeds-3-4)
             "extras": [["variant=fsdp", "seed=0"],
                        ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
                        # issue 38: the small dense model, DDP on one B-SDP C = 0.5 worker's 4 of 8 blocks, FLOP-matched
@@ -127,7 +128,10 @@ STUDIES = {
     # its sweeps run the other methods; seeds 3-4 for B-SDP C = 0.5 only, the pair of the interval target; 3 seeds for
     # issue 28's re-draws, 5 for issue 39's one-model remedies (its target is over 5 seeds)
     "lm": {"experiment": "cpu_study_lm_automaton",
-           "main_per_seed": True, "seeds": ["variant=b_sdp_c50"],
+           # B-SDP C = 0.5, seeds 0-4, with its final weights kept: run once, out of the main sweep (stages kept-<s>,
+           # runs/main/kept/seed-<s>), it is the main table's row, issue 28's and issue 39's fixed plan and the
+           # weights sdp-bench diagnose reads, so neither section re-runs it
+           "main_per_seed": True, "kept": ["variant=b_sdp_c50", "train.save_final=fp32"],
            "extras": [["variant=fsdp", "seed=0"],
                       ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
                       # the baselines a reviewer asks for (DDP+AC's recomputation is not charged: it runs DDP's steps)
@@ -137,7 +141,9 @@ STUDIES = {
                       ["variant=powersgd_r4", "seed=0,1,2", "parallelism.start_iter=800"]],
            "peak_extras": ["ddp", *LM_BASELINES],  # DDP's peak and step time too: the main sweep does not run it
            "small_dense": "model.n_layers=4,2",  # the gate's DDP-4 and DDP-2 (B-SDP C = 0.5 and 0.25's worker depth)
-           **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5},
+           **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5,
+           "remedies": {"R50": "variant=b_sdp_c50_roll50,b_sdp_c50_shuffle50", "R200": LM_SHARED["remedies"]["R200"]},
+           "onemodel": {"remedies": LM_SHARED["onemodel"]["remedies"]}},
     "lm_text": _lm_record(),
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],
@@ -169,12 +175,21 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     out_runs = out / study / "runs"
     result = gate_stages(study=study, out_runs=out_runs, common=common[1:])
     if spec.get("main_per_seed"):  # one sweep per seed (the seed the outer loop: a stage is a seed of every method)
-        result += [(f"main-{seed}", [*common, f"seed={seed}", f"hydra.sweep.dir={out_runs / 'main' / f'seed-{seed}'}"])
-                   for seed in sweep_values(exp, "seed")]
+        kept = spec.get("kept", [])  # a main row run in its own sweeps (kept-<s>), out of the main one
+        variants = [v for v in sweep_values(exp, "variant") if f"variant={v}" not in kept]
+        seeds = sweep_values(exp, "seed")
+        for seed in [*seeds, *(map(str, MORE_SEEDS) if kept else [])]:
+            if seed in seeds:
+                result.append((f"main-{seed}", [*common, f"variant={','.join(variants)}", f"seed={seed}",
+                                                f"hydra.sweep.dir={out_runs / 'main' / f'seed-{seed}'}"]))
+            if kept:
+                result.append((f"kept-{seed}", [*common, *kept, f"seed={seed}",
+                                                f"hydra.sweep.dir={out_runs / 'main' / 'kept' / f'seed-{seed}'}"]))
     else:
         result.append(("main", [*common, f"hydra.sweep.dir={out_runs / 'main'}"]))
-    result += [("seeds", [*common, *spec.get("seeds", []), f"seed={','.join(map(str, MORE_SEEDS))}",
-                         f"hydra.sweep.dir={out_runs / 'main' / 'seeds-3-4'}"])]
+    if "seeds" in spec:
+        result += [("seeds", [*common, *spec["seeds"], f"seed={','.join(map(str, MORE_SEEDS))}",
+                             f"hydra.sweep.dir={out_runs / 'main' / 'seeds-3-4'}"])]
     result += [(f"extras-{i}", [*common, *extra, f"hydra.sweep.dir={out_runs / 'extras' / str(i)}"])
                for i, extra in enumerate(spec["extras"])]
     if "depth" in spec:
