@@ -188,3 +188,29 @@ def test_peak_run_places_consolidation_inside_it_and_the_variants_exist() -> Non
         _, info = resolve_steps(copy.deepcopy(cfg))
         first, later = info["phases"]
         assert later["start"] == first["steps"] and cpu_study.PEAK_STEPS // 4 <= first["steps"] <= 3 * cpu_study.PEAK_STEPS // 4, info["phases"]
+
+
+def test_the_reference_is_the_main_row_whose_runs_kept_their_weights(tmp_path: Path) -> None:
+    """The LM study keeps B-SDP C = 0.5's final weights in its main runs (runs/main/kept): the reference row is that
+    main row, its diagnosis read there; a study with neither it nor a fixed re-run has no reference row."""
+    D = pytest.importorskip("sdp.bench.diagnosis_verdict", reason="the diagnosis (branch wt-diagnose) not merged")
+    study = _study(tmp_path)
+    one_dir, kept = study / "runs" / "onemodel", study / "runs" / "main" / "kept"
+    for seed in range(3):
+        shutil.move(one_dir / f"seed-{seed}" / "fixed" / "0", kept / f"seed-{seed}" / "0")
+        cfg = yaml.safe_load((kept / f"seed-{seed}" / "0" / "config.yaml").read_text())
+        cfg["train"]["save_final"] = "fp32"
+        (kept / f"seed-{seed}" / "0" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    st = Study(study_dir=study, study="lm")
+    one = OneModel(study=st)
+    assert list(one.rows)[0] == FIXED and one.rows[FIXED] is st.rows["B-SDP C=0.5"], list(one.rows)
+    assert one.paired(FIXED).mean == pytest.approx(statistics.fmean(FIXED_GAP)), one.paired(FIXED)
+    diag = {"run_dir": str(kept / "seed-0" / "0"), "eval_scale": 0.5,
+            "losses": {"assembled": 1.8, "ensemble": 1.5, "workers_mean": 1.55, "residual_average": 1.52},
+            "drift": [{"block": b, "mean": m} for b, m in enumerate((0.001, 0.002, 0.05, 0.08))],
+            "scale_sweep": {"multipliers": [0.5, 1.0, 2.0], "loss": [1.9, 1.8, 1.85], "best_multiplier": 1.0, "best_loss": 1.8}}
+    diag["verdict"] = D.verdict(diag)
+    (kept / "seed-0" / "0" / D.DIAGNOSIS).write_text(json.dumps(diag))
+    assert "## Diagnosis of the assembly gap (issue 39)" in "\n".join(one_model_section(study=st))
+    shutil.rmtree(kept)
+    assert FIXED not in OneModel(study=Study(study_dir=study, study="lm")).rows

@@ -98,3 +98,29 @@ def test_step_time_comes_from_the_quiet_timing_runs_when_the_study_has_them(tmp_
     expected = max(m + 1.5 / 50 for m in medians) / max(medians)
     assert records["rolling every 50"]["step s x fixed plan (incl. re-draws)"] == f"{expected:.3f}", (records, expected)
     assert records["fixed plan"]["step s x fixed plan (incl. re-draws)"] == "1.000", records
+
+
+def test_the_fixed_plan_is_the_main_row_whose_runs_kept_their_weights(tmp_path: Path) -> None:
+    """A study whose B-SDP C = 0.5 runs kept their final weights (runs/main/kept, the LM study's kept-<s> stages)
+    re-runs no fixed plan: the section's fixed-plan row is the main row itself (the same runs, no self-check)."""
+    study = _study(tmp_path)
+    runs = study / "runs"
+    for seed in range(3):
+        shutil.rmtree(runs / "remedies" / f"seed-{seed}" / "0")
+        shutil.move(runs / "main" / str(6 + seed), runs / "main" / "kept" / f"seed-{seed}" / "0")
+        _keep(runs / "main" / "kept" / f"seed-{seed}" / "0")
+    st = Study(study_dir=study, study="lm")
+    assert st.kept == "B-SDP C=0.5" and sorted(st.rows[st.kept].runs) == [0, 1, 2], (st.kept, sorted(st.rows))
+    rem = Remedies(study=st)
+    assert list(rem.rows) == ["B-SDP C=0.5, fixed plan", "B-SDP C=0.5, rolling every 50"], list(rem.rows)
+    assert rem.rows[rem.fixed] is st.rows["B-SDP C=0.5"]
+    assert rem.paired(rem.fixed, "eval_loss").mean == st.paired("B-SDP C=0.5").mean
+    assert not any("re-run" in line for line in rem.lines()), rem.lines()
+    shutil.rmtree(runs / "main" / "kept")  # neither kept runs nor a re-run: no fixed-plan row, no invented one
+    assert list(Remedies(study=Study(study_dir=study, study="lm")).rows) == ["B-SDP C=0.5, rolling every 50"]
+
+
+def _keep(run: Path) -> None:
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["train"]["save_final"] = "fp32"
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))

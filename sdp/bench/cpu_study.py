@@ -20,7 +20,10 @@ finished job and resumes a checkpointed one when the command is run again):
   the LM study: every method but DDP, one sweep per seed, ``runs/main/seed-<s>``, stage ``main-<s>``);
   ``runs/main/seeds-3-4``: the same sweep for seeds 3 and 4 (issue 17: 5 seeds where 3 do not meet the interval
   target; a separate sweep directory so that the first sweep's job numbers, and ``train.skip_done``, stay valid;
-  the image and LM studies run them for B-SDP C = 0.5 (and the image study's DDP) only, the pair the target is about);
+  the image study runs them for DDP and B-SDP C = 0.5 only, the pair the target is about);
+  ``runs/main/kept/seed-<s>`` (LM, stages ``kept-<s>``, seeds 0-4): B-SDP C = 0.5 out of the main sweep, with its final
+  weights kept (``train.save_final``): the main row, and the fixed plan the re-draw and one-model sections compare
+  with and ``sdp-bench diagnose`` reads (:attr:`sdp.bench.study_report.Study.kept`), run once instead of once per section;
 - ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
   rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``) and
   the baselines of :data:`LM_BASELINES` (DDP+AC, FSDP+AC, local SGD, DiLoCo, PowerSGD; seeds 0-2; their peaks and
@@ -29,7 +32,8 @@ finished job and resumes a checkpointed one when the command is run again):
 - ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth (the
   main sweep gives 8 blocks);
 - ``runs/remedies`` (LM, issue 28; the image study: the LM's best two rules, seeds 0-2): B-SDP C = 0.5 with plan re-draws (``parallelism.redraw=shuffle|rolling``,
-  every 50 and 200 steps) and with its fixed plan again (the ensemble column), seeds 0-4 (LM: 0-2), one sweep per seed
+  every 50 and 200 steps) and, where no main row kept its weights (``lm_text``, image), with its fixed plan again
+  (the ensemble column), seeds 0-4 (LM: 0-2), one sweep per seed
   and period (``seed-<s>/R50``, ``seed-<s>/R200``), seeds 0-2 of both periods first;
   ``runs/remedies/peaks``: each re-draw rule once for 20 steps with the tracker on and one re-draw at step 10 (its peak);
   ``runs/remedies/timing``: the fixed plan and each rule once for 110 steps with two re-draws, tracker off, nothing
@@ -41,8 +45,8 @@ finished job and resumes a checkpointed one when the command is run again):
   wall-clock never enters a ratio (the report's seconds to target = steps to target x this step time);
   ``runs/peaks/small`` and ``runs/timing/small`` (LM): the same for the gate's small dense models (DDP at 4 and 2
   blocks under their FLOP budget, 20 and 60 steps of the 8-block model's FLOPs: 2x and 4x as many steps);
-- ``runs/onemodel`` (LM, issue 39, run after every other stage): B-SDP C = 0.5 with its fixed plan and its final
-  weights kept (``seed-<s>/fixed``, ``train.save_final``: ``sdp-bench diagnose`` reads them) and the remedies that
+- ``runs/onemodel`` (LM, issue 39, run after every other stage): B-SDP C = 0.5 with its fixed plan and its
+  final weights kept (``seed-<s>/fixed``, ``lm_text`` only: the LM study's are ``runs/main/kept``) and the remedies that
   keep one model (``seed-<s>/remedies``: consolidation over the last 10/20/30 % of the budget, with distillation,
   assembly calibration), seeds 0-4, one stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
   ``runs/onemodel/peaks``: one PEAK_STEPS-step run per mechanism with the tracker on, every phase inside it
@@ -99,10 +103,11 @@ def _lm_record() -> dict:
             "onemodel_seeds": 5}
 
 
-# The LM study's stages that do not depend on its task: B-SDP C = 0.5 at other depths; issue 28's plan re-draws
-# (shuffled and rolling, every 50 and 200 steps) and the fixed plan once more (its ensemble column), one sweep per seed
-# and period; issue 39's one model at DDP's quality: per seed, the fixed plan with its final weights kept (what
-# sdp-bench diagnose reads) and the remedies (consolidation over the last 10/20/30 % of the budget, with distillation,
+# The LM studies' stages that do not depend on their task (as lm_text ran them; the lm study drops the fixed-plan
+# re-runs, its kept-<s> stages give them): B-SDP C = 0.5 at other depths; issue 28's plan re-draws (shuffled and
+# rolling, every 50 and 200 steps) and the fixed plan once more (its ensemble column), one sweep per seed and period;
+# issue 39's one model at DDP's quality: per seed, the fixed plan with its final weights kept (what sdp-bench diagnose
+# reads) and the remedies (consolidation over the last 10/20/30 % of the budget, with distillation,
 # and assembly calibration; consolidation + calibration is not a row: the driver refuses the pair,
 # sdp/bench/one_model.py says why), and one peak run per mechanism (a phase's peak depends on neither f nor the
 # calibration steps), each phase inside it: PEAK_CONSOLIDATE puts the switch near PEAK_STEPS / 2, calibration

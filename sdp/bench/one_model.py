@@ -3,8 +3,9 @@ at DDP's quality with a training peak of at most 0.60x DDP's in every phase?
 
 Layout read (the study's stages ``onemodel-*`` and ``onemodelpeaks-*``, :mod:`sdp.bench.cpu_study`):
 
-- ``<study>/runs/onemodel/seed-<s>/fixed``: B-SDP C = 0.5 with its fixed plan and its final weights kept
-  (``train.save_final``): the reference row, and the weights ``sdp-bench diagnose`` reads (``diagnosis.json``);
+- the reference row, B-SDP C = 0.5 with its fixed plan and its final weights kept (``train.save_final``; the
+  weights ``sdp-bench diagnose`` reads, ``diagnosis.json`` beside them): the main row whose runs kept them
+  (:attr:`Study.kept`, ``runs/main/kept``), or, in a study made before it, ``<study>/runs/onemodel/seed-<s>/fixed``;
 - ``<study>/runs/onemodel/seed-<s>/remedies``: the remedies, FLOP-matched as every other row: consolidation
   (``parallelism.consolidate`` = f: the last f of the budget trains the assembled model), with distillation
   (``parallelism.distill_alpha``), and assembly calibration (``parallelism.calibrate_steps``);
@@ -85,6 +86,8 @@ class OneModel:
         base = study.dir / "runs" / ONEMODEL
         quality = [r for r in find_runs(base) if PEAKS not in Path(r.path).relative_to(base).parts]
         rows = _collect(quality, key=label)
+        if FIXED not in rows and study.kept is not None:  # the reference: the main row's own runs, not a re-run
+            rows[FIXED] = study.rows[study.kept]
         self.rows: dict[str, Row] = dict(sorted(rows.items(), key=lambda kv: _order(self.first(kv[1]))))
         peaks = find_runs(base / PEAKS) if (base / PEAKS).is_dir() else []
         self.peaks = {mechanism(r): r for r in peaks if r.ok}
@@ -153,7 +156,7 @@ class OneModel:
 def diagnosis_lines(*, study: Study) -> tuple[list[str], list[str]]:
     """(The diagnosis section of the runs' ``diagnosis.json`` files (:mod:`sdp.bench.diagnosis_verdict`), the
     explanations each supports); empty where no run was diagnosed (``sdp-bench diagnose RUN_DIR``)."""
-    diags = D.read_all(study.dir / "runs" / ONEMODEL)
+    diags = D.read_all(study.dir / "runs")  # wherever the diagnosed runs live (runs/main/kept, runs/onemodel)
     return D.section(diags), [f"{Path(d['run_dir']).name}: " + (", ".join(D.verdict(d)["explanations"]) or "neither explanation")
                               for d in diags]
 

@@ -1,9 +1,9 @@
 """The remedies section of a CPU study's report (issue 28): can block-level SDP's assembled model reach DDP's
 quality when the plan is re-drawn, or when the workers' subnetworks are ensembled instead of assembled?
 
-Layout read: ``<study>/runs/remedies/seed-<s>`` (B-SDP C = 0.5 with its fixed plan, run again so that it has
-the ensemble column, and with plan re-draws ``parallelism.redraw`` = shuffle / rolling every R steps, FLOP-
-matched as every other row) and ``<study>/runs/remedies/peaks`` (one 20-step run per re-draw rule with the
+Layout read: ``<study>/runs/remedies/seed-<s>`` (B-SDP C = 0.5 with plan re-draws ``parallelism.redraw`` = shuffle / rolling every R steps, FLOP-
+matched as every other row; the fixed plan: the main row whose runs kept their final weights, :attr:`Study.kept`,
+or, in a study made before it, the fixed plan run again here) and ``<study>/runs/remedies/peaks`` (one 20-step run per re-draw rule with the
 live-tensor tracker and one re-draw inside it: the re-draw's measured peak, which does not depend on R).
 DDP's rows come from the study's main sweep (same seeds, data and initial weights: differences are paired
 by seed). Nothing is written when the study has no ``runs/remedies``, so a study without them renders as it
@@ -12,8 +12,8 @@ did before them.
 What is measured: every loss, the peaks (live tensors, fullest rank), the bytes each collective carried
 (the re-draws' own traffic counted apart by the comm phase "resample", then spread over the training
 steps) and the step time (median step plus the re-draws' total seconds spread over the steps: a median
-alone would drop a phase that runs every R steps). The step-time ratio is to the fixed plan's re-run,
-made in the same sweep on the same machine, not to the timing runs of another session.
+alone would drop a phase that runs every R steps). The step-time ratio is to the fixed plan's, from the quiet
+timing runs of ``<study>/runs/remedies/timing`` (each rule and the fixed plan, one after another on one machine).
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ class Remedies:
         peaks = find_runs(base / "peaks") if (base / "peaks").is_dir() else []
         self.peaks = _collect(peaks, key=rule)  # each peak run re-draws once: keyed by its rule
         self.fixed = next((n for n in self.rows if n.endswith("fixed plan")), None)
+        if self.fixed is None and study.kept is not None:  # the fixed plan is the main row's own runs, not a re-run
+            self.fixed = f"{study.kept}, fixed plan"
+            self.rows = {self.fixed: study.rows[study.kept], **self.rows}
 
     def paired(self, name: str, key: str) -> Paired:
         return paired_difference(self.rows[name].values(key), self.st.ddp.values("eval_loss"))
@@ -176,7 +179,7 @@ class Remedies:
                            f"against +{MOONSHOT_NATS}, training peak {fmt(peak)}x against {MOONSHOT_PEAK}x: "
                            + ("meets the target" if hit else "does not meet the target"))
         main = self.st.rows.get(self.fixed.rsplit(",", 1)[0]) if self.fixed else None
-        if main is not None:
+        if main is not None and main is not self.rows[self.fixed]:  # a re-run (a study whose main row predates kept)
             again, before = self.rows[self.fixed].values("eval_loss"), main.values("eval_loss")
             diffs = [abs(again[s] - before[s]) for s in again if s in before and None not in (again[s], before[s])]
             if diffs:
@@ -204,7 +207,7 @@ def remedies_section(*, study: Study) -> list[str]:
             "re-draws' traffic spread over the steps. Step time: median step plus re-draw seconds per step, over "
             + ("the fixed plan's, from short runs made with nothing else on the machine (runs/remedies/timing: one "
                "run per rule, seed 0, two re-draws; one re-draw's seconds over the period R). "
-               if rem.timing else "the fixed plan's re-run. ")
+               if rem.timing else "the fixed plan's runs. ")
             + "The ensemble is not a model of DDP's cost: it runs all n workers' "
             "subnetworks at inference (n x C = 2x the full model's forward FLOPs at n = 4, C = 0.5), while the "
             "assembled model runs the full model once.", "", markdown_table(records), "", *rem.lines(), ""]

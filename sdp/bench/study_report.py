@@ -3,7 +3,7 @@ paired by seed with its 95 % interval, time to DDP's quality, measured training 
 verdict per claim of the paper, all computed from the run directories.
 
 Layout read: ``<study>/runs/main`` (the FLOP-matched and same-iteration rows, seeds 0-2, and seeds 3-4 in
-``main/seeds-3-4``; with a depth gate, the DDP rows are the gate's runs of the study's task, :func:`sdp.bench.gate.task_runs`), ``<study>/runs/extras`` (FSDP's check, rescale rules), ``<study>/runs/depth`` (B-SDP
+``main/seeds-3-4``; a row run apart with its final weights kept in ``main/kept``, :attr:`Study.kept`; with a depth gate, the DDP rows are the gate's runs of the study's task, :func:`sdp.bench.gate.task_runs`), ``<study>/runs/extras`` (FSDP's check, rescale rules), ``<study>/runs/depth`` (B-SDP
 C = 0.5 at other depths: the assembly gap against depth), ``<study>/runs/peaks`` (one short run per method
 with the live-tensor tracker: the training peak). Written: ``<study>/REPORT.md``, ``table.csv``,
 ``curves.png`` (evaluation loss against the fraction of DDP's FLOPs, mean and a band of +- one sample
@@ -186,6 +186,13 @@ class Study:
         """Whether any row has an ensemble evaluation: the ensemble's columns exist only then, so a study
         whose runs all predate it renders as it did before them."""
         return any(row.present("eval_loss_ensemble") for row in self.rows.values())
+
+    @property
+    def kept(self) -> str | None:
+        """The row whose runs kept their final weights (``train.save_final``): a main row run once and read by every
+        section that needs the fixed plan (the re-draw and one-model sections), None where no row did."""
+        return next((name for name, row in self.rows.items()
+                     if any(str(r.flat.get("train.save_final", "none")) != "none" for r in row.runs.values())), None)
 
     def gap_by_depth(self, name: str) -> dict[int, Row]:
         """``name``'s row at every depth run: the main sweep's depth and each depth of ``runs/depth``."""

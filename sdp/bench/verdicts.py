@@ -225,7 +225,7 @@ def commits_by_stage(runs: list[Run], *, root: Path) -> str:
     dirty: set[tuple[str, str]] = set()
     for r in runs:
         rel = Path(r.path).relative_to(root).parts
-        stage = "main/seeds-3-4" if rel[:2] == ("main", "seeds-3-4") else rel[0]
+        stage = "/".join(rel[:2]) if rel[:2] in (("main", "seeds-3-4"), ("main", "kept")) else rel[0]
         commit = str(r.summary.versions.get("git_commit"))[:12]
         found.setdefault(commit, {}).setdefault(stage, set()).add(int(r.seed))
         if r.summary.versions.get("git_dirty"):
