@@ -81,3 +81,25 @@ def test_each_baseline_validates_flop_matched_in_the_lm_study(variant: str, expe
     cfg = compose([f"experiment={experiment}", f"variant={variant}", "seed=0"])
     assert cfg.train.budget == "flops", cfg.train.budget
     validate(cfg, launching=False)
+
+
+def test_a_stage_that_keeps_final_weights_is_followed_by_their_diagnosis(tmp_path: Path, monkeypatch) -> None:
+    """kept-<s>'s runs are diagnosed once (sdp-bench diagnose) after the stage: runs with final weights and no
+    diagnosis.json; a stage that keeps no weights diagnoses nothing."""
+    import sdp.bench.diagnose as diag
+
+    calls: list[Path] = []
+    monkeypatch.setattr(diag, "diagnose", lambda run: calls.append(run) or (run / diag.DIAGNOSIS).write_text("{}"))
+    sweep = tmp_path / "runs" / "main" / "kept" / "seed-0"
+    for job, final in (("0", True), ("1", False)):
+        (sweep / job).mkdir(parents=True)
+        (sweep / job / "config.yaml").write_text("seed: 0\n")
+        if final:
+            (sweep / job / "final").mkdir()
+    args = dict(cpu_study.stages(study="lm", out=tmp_path))["kept-0"]
+    args = [a for a in args if not a.startswith("hydra.sweep.dir=")] + [f"hydra.sweep.dir={sweep}"]
+    assert cpu_study.diagnose_kept(args) == [sweep / "0"] and calls == [sweep / "0"], calls
+    assert cpu_study.diagnose_kept(args) == [] and len(calls) == 1, calls  # diagnosed already: skipped
+    main = [a for a in dict(cpu_study.stages(study="lm", out=tmp_path))["main-0"] if not a.startswith("hydra.")]
+    (sweep / "0" / diag.DIAGNOSIS).unlink()
+    assert cpu_study.diagnose_kept([*main, f"hydra.sweep.dir={sweep}"]) == [] and len(calls) == 1

@@ -23,7 +23,8 @@ finished job and resumes a checkpointed one when the command is run again):
   the image study runs them for DDP and B-SDP C = 0.5 only, the pair the target is about);
   ``runs/main/kept/seed-<s>`` (LM, stages ``kept-<s>``, seeds 0-4): B-SDP C = 0.5 out of the main sweep, with its final
   weights kept (``train.save_final``): the main row, and the fixed plan the re-draw and one-model sections compare
-  with and ``sdp-bench diagnose`` reads (:attr:`sdp.bench.study_report.Study.kept`), run once instead of once per section;
+  with (:attr:`sdp.bench.study_report.Study.kept`), run once instead of once per section; each stage whose runs keep
+  their weights is followed by ``sdp-bench diagnose`` of them (:func:`diagnose_kept`);
 - ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
   rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``) and
   the baselines of :data:`LM_BASELINES` (DDP+AC, FSDP+AC, local SGD, DiLoCo, PowerSGD; seeds 0-2; their peaks and
@@ -254,15 +255,35 @@ def run_study(*, study: str, out: Path, only: list[str] | None) -> float:
         t0 = time.time()
         print(f"[{study}] {name}: sdp-train {' '.join(args)}", flush=True)
         sdp_train(args).check_returncode()
+        diagnose_kept(args)
         print(f"[{study}] {name}: {time.time() - t0:.0f} s", flush=True)
     return time.time() - start
+
+
+def diagnose_kept(args: list[str]) -> list[Path]:
+    """A stage whose runs kept their final weights (``train.save_final``) is followed by their diagnosis
+    (:mod:`sdp.bench.diagnose`, issue 39: one process per run, seconds at this scale), so that the study's one
+    command writes what its report reads; a run already diagnosed is skipped, as ``train.skip_done`` skips a run."""
+    from sdp.bench.diagnose import DIAGNOSIS, diagnose
+    from sdp.report.runs import run_dirs
+
+    if not any(a.startswith("train.save_final=") and a != "train.save_final=none" for a in args):
+        return []
+    sweep = Path(next(a for a in args if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
+    done = []
+    for run in (Path(r) for r in run_dirs(sweep)):
+        if (run / "final").is_dir() and not (run / DIAGNOSIS).exists():
+            diagnose(run)
+            print(f"diagnosed {run} ({DIAGNOSIS})", flush=True)
+            done.append(run)
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser(suite="cpu-study", doc=__doc__)
     ap.add_argument("--study", choices=sorted(STUDIES), required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-study")
-    ap.add_argument("--only", default=None, help="comma-separated stages to run: gate,main,seeds,extras,depth,remedies,remedytiming,remedypeaks,peaks,"
+    ap.add_argument("--only", default=None, help="comma-separated stages to run: gate,main,kept,seeds,extras,depth,remedies,remedytiming,remedypeaks,peaks,"
                     "timing,onemodel,onemodelpeaks (default all; a kind takes every stage of it, e.g. main: the LM study's main-0..2, "
                     "peaks: peaks-small too), or one stage by its full name (e.g. gate-cpu_study_lm-s0-L4, main-1)")
     ap.add_argument("--render-only", action="store_true", help="write the report from existing runs")
