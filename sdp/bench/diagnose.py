@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn import functional as F
 
 from sdp.bench.diagnosis_verdict import DIAGNOSIS, verdict
-from sdp.core.loss import LOSS_CHUNK_TOKENS
+from sdp.core.loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS, scored, target_logprobs
 from sdp.core.precision import autocast
 from sdp.data.base import val_batches
 from sdp.errors import ConfigError, require
@@ -127,10 +127,13 @@ def token_drift(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def target_log_probs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """float64 log-probability of each row's target, in chunks as the loss and the ensemble compute it."""
+    """float64 log-probability of each scored row's target (:data:`IGNORE_INDEX` rows dropped, as the run's ensemble
+    evaluation drops them: :func:`sdp.rank.eval_ensemble.add_batch`), in chunks as the loss and the ensemble
+    compute it."""
     rows, labels = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-    return torch.cat([F.log_softmax(o, dim=-1, dtype=torch.float32).gather(1, t[:, None]).squeeze(1).double()
-                      for o, t in zip(rows.split(LOSS_CHUNK_TOKENS), labels.split(LOSS_CHUNK_TOKENS))])
+    keep = labels != IGNORE_INDEX
+    rows, labels = (rows, labels) if bool(keep.all()) else (rows[keep], labels[keep])
+    return torch.cat([target_logprobs(o, t)[1] for o, t in zip(rows.split(LOSS_CHUNK_TOKENS), labels.split(LOSS_CHUNK_TOKENS))])
 
 
 class Sums:
@@ -167,7 +170,7 @@ def batch_sums(run: Loaded, sums: Sums, x: torch.Tensor, y: torch.Tensor, *, mul
         lp.append(target_log_probs(out, y))
     ens = sums.loss.setdefault("ensemble", torch.zeros(3, dtype=torch.float64))
     ens[0] -= log_mean_prob(torch.stack(lp), workers=len(workers), reduce=_reduce_workers).sum()
-    ens[2] += y.numel()
+    ens[2] += scored(y)
     moved = torch.stack([xs[w].double() - x0.double() for w in workers]).mean(0)
     sums.add("residual_average", m.head((x0.double() + moved).to(x0.dtype)), y)
     for mult in multipliers:
