@@ -133,7 +133,9 @@ def test_diagnosis_section_and_why_when_not_met(tmp_path: Path) -> None:
     text = "\n".join(one_model_section(study=Study(study_dir=study, study="lm")))
     assert "## Diagnosis of the assembly gap (issue 39)" in text, text
     assert "**Verdict: not met** by any of the 3 remedies run. Diagnosis of the fixed plan's assembly gap, per " \
-           "diagnosed run: 0: composition mismatch." in text, text
+           "diagnosed run: seed 0: composition mismatch." in text, text
+    # the run is named by where its diagnosis lies below runs/ (the path it recorded is where it was written)
+    assert "| onemodel/seed-0/fixed/0 | 0 | 1.8000 |" in text, text
 
 
 def test_no_section_without_onemodel_runs(tmp_path: Path) -> None:

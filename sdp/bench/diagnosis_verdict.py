@@ -21,6 +21,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 DIAGNOSIS = "diagnosis.json"  # what sdp-bench diagnose writes into a run directory
 GAP_FLOOR = 0.01  # nats: a smaller assembled - ensemble gap is not explained
 RECOVERED = 0.5  # the share of the gap a remedy-like figure must recover to support its explanation
@@ -105,8 +107,15 @@ def markdown(diag: dict[str, Any]) -> list[str]:
 
 
 def read_all(root: Path) -> list[dict[str, Any]]:
-    """Every ``diagnosis.json`` below ``root`` (a study's runs), in path order: :func:`section`'s input."""
-    return [json.loads(p.read_text()) for p in sorted(Path(root).rglob(DIAGNOSIS))]
+    """Every ``diagnosis.json`` below ``root`` (a study's runs), in path order: :func:`section`'s input. Each one's
+    ``run_dir`` is where it was found, relative to ``root`` (the path it recorded is where it was written, which a
+    moved or copied study no longer has), and ``seed`` its run's (config.yaml beside it)."""
+    out = []
+    for p in sorted(Path(root).rglob(DIAGNOSIS)):
+        config = p.parent / "config.yaml"
+        seed = yaml.safe_load(config.read_text()).get("seed") if config.is_file() else None
+        out.append({**json.loads(p.read_text()), "run_dir": str(p.parent.relative_to(root)), "seed": seed})
+    return out
 
 
 def section(diags: list[dict[str, Any]]) -> list[str]:
@@ -119,11 +128,11 @@ def section(diags: list[dict[str, Any]]) -> list[str]:
              f"recovers; the rule (sdp/bench/diagnosis_verdict.py) needs ≥ {RECOVERED:.0%} and, for composition "
              f"mismatch, block-input drift (1 − cos) growing ≥ {DRIFT_GROWTH:g}x from the shallower to the deeper "
              "half of the blocks.", "",
-             "| run | assembled | ensemble | workers | residual avg | gap | drift shallow → deep | recovered by residual avg "
-             "| best scale (x factor) | recovered by scale | verdict |", "|---|" + "---|" * 10]
+             "| run (below runs/) | seed | assembled | ensemble | workers | residual avg | gap | drift shallow → deep | recovered by residual avg "
+             "| best scale (x factor) | recovered by scale | verdict |", "|---|" + "---|" * 11]
     for d in diags:
         loss, v = d["losses"], d["verdict"]
-        lines.append(f"| {d['run_dir']} | {_f(loss['assembled'])} | {_f(loss['ensemble'])} | {_f(loss['workers_mean'])} "
+        lines.append(f"| {d['run_dir']} | {d.get('seed', '–')} | {_f(loss['assembled'])} | {_f(loss['ensemble'])} | {_f(loss['workers_mean'])} "
                      f"| {_f(loss['residual_average'])} | {_f(v['gap'])} | {_f(v['drift_shallow'])} → {_f(v['drift_deep'])} "
                      f"| {_f(v['recovered_by_residual_average'], '.0%')} | {v['best_multiplier']:g} "
                      f"| {_f(v['recovered_by_scale'], '.0%')} | {', '.join(v['explanations']) or 'none'} |")

@@ -157,7 +157,7 @@ def diagnosis_lines(*, study: Study) -> tuple[list[str], list[str]]:
     """(The diagnosis section of the runs' ``diagnosis.json`` files (:mod:`sdp.bench.diagnosis_verdict`), the
     explanations each supports); empty where no run was diagnosed (``sdp-bench diagnose RUN_DIR``)."""
     diags = D.read_all(study.dir / "runs")  # wherever the diagnosed runs live (runs/main/kept, runs/onemodel)
-    return D.section(diags), [f"{Path(d['run_dir']).name}: " + (", ".join(D.verdict(d)["explanations"]) or "neither explanation")
+    return D.section(diags), [f"seed {d['seed']}: " + (", ".join(D.verdict(d)["explanations"]) or "neither explanation")
                               for d in diags]
 
 
