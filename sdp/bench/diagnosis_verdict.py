@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from sdp.results.rundir import RunDir
+
 DIAGNOSIS = "diagnosis.json"  # what sdp-bench diagnose writes into a run directory
 GAP_FLOOR = 0.01  # nats: a smaller assembled - ensemble gap is not explained
 RECOVERED = 0.5  # the share of the gap a remedy-like figure must recover to support its explanation
@@ -109,10 +111,10 @@ def markdown(diag: dict[str, Any]) -> list[str]:
 def read_all(root: Path) -> list[dict[str, Any]]:
     """Every ``diagnosis.json`` below ``root`` (a study's runs), in path order: :func:`section`'s input. Each one's
     ``run_dir`` is where it was found, relative to ``root`` (the path it recorded is where it was written, which a
-    moved or copied study no longer has), and ``seed`` its run's (config.yaml beside it)."""
+    moved or copied study no longer has), and ``seed`` its run's (its config beside it)."""
     out = []
     for p in sorted(Path(root).rglob(DIAGNOSIS)):
-        config = p.parent / "config.yaml"
+        config = RunDir(p.parent).config
         seed = yaml.safe_load(config.read_text()).get("seed") if config.is_file() else None
         out.append({**json.loads(p.read_text()), "run_dir": str(p.parent.relative_to(root)), "seed": seed})
     return out
