@@ -116,6 +116,13 @@ def test_the_fixed_plan_is_the_main_row_whose_runs_kept_their_weights(tmp_path: 
     assert rem.rows[rem.fixed] is st.rows["B-SDP C=0.5"]
     assert rem.paired(rem.fixed, "eval_loss").mean == st.paired("B-SDP C=0.5").mean
     assert not any("re-run" in line for line in rem.lines()), rem.lines()
+    for seed in range(3):  # kept runs of another row (here: rescale=none) are not the re-draws' fixed plan
+        cfg_file = runs / "main" / "kept" / f"seed-{seed}" / "0" / "config.yaml"
+        cfg = yaml.safe_load(cfg_file.read_text())
+        cfg["parallelism"]["rescale"] = "none"
+        cfg_file.write_text(yaml.safe_dump(cfg))
+    other = Study(study_dir=study, study="lm")
+    assert other.kept == "B-SDP C=0.5 rescale=none" and list(Remedies(study=other).rows) == ["B-SDP C=0.5, rolling every 50"]
     shutil.rmtree(runs / "main" / "kept")  # neither kept runs nor a re-run: no fixed-plan row, no invented one
     assert list(Remedies(study=Study(study_dir=study, study="lm")).rows) == ["B-SDP C=0.5, rolling every 50"]
 

@@ -13,7 +13,8 @@ What is measured: every loss, the peaks (live tensors, fullest rank), the bytes 
 (the re-draws' own traffic counted apart by the comm phase "resample", then spread over the training
 steps) and the step time (median step plus the re-draws' total seconds spread over the steps: a median
 alone would drop a phase that runs every R steps). The step-time ratio is to the fixed plan's, from the quiet
-timing runs of ``<study>/runs/remedies/timing`` (each rule and the fixed plan, one after another on one machine).
+timing runs of ``<study>/runs/remedies/timing`` where the study has them (each rule and the fixed plan, one after
+another on one machine), else from the rows' own runs.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class Remedies:
         peaks = find_runs(base / "peaks") if (base / "peaks").is_dir() else []
         self.peaks = _collect(peaks, key=rule)  # each peak run re-draws once: keyed by its rule
         self.fixed = next((n for n in self.rows if n.endswith("fixed plan")), None)
-        if self.fixed is None and study.kept is not None:  # the fixed plan is the main row's own runs, not a re-run
+        bases = {n.rsplit(", ", 1)[0] for n in self.rows}  # the row the re-draws are of (B-SDP C=0.5)
+        if self.fixed is None and study.kept in bases:  # its fixed plan is the main row's own runs, not a re-run
             self.fixed = f"{study.kept}, fixed plan"
             self.rows = {self.fixed: study.rows[study.kept], **self.rows}
 
