@@ -183,14 +183,14 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     if spec.get("main_per_seed"):  # one sweep per seed (the seed the outer loop: a stage is a seed of every method)
         kept = spec.get("kept", [])  # a main row run in its own sweeps (kept-<s>), out of the main one
         variants = [v for v in sweep_values(exp, "variant") if f"variant={v}" not in kept]
-        seeds = sweep_values(exp, "seed")
-        for seed in [*seeds, *(map(str, MORE_SEEDS) if kept else [])]:
-            if seed in seeds:
-                result.append((f"main-{seed}", [*common, f"variant={','.join(variants)}", f"seed={seed}",
-                                                f"hydra.sweep.dir={out_runs / 'main' / f'seed-{seed}'}"]))
-            if kept:
-                result.append((f"kept-{seed}", [*common, *kept, f"seed={seed}",
-                                                f"hydra.sweep.dir={out_runs / 'main' / 'kept' / f'seed-{seed}'}"]))
+
+        def keep(seed: object) -> list[tuple[str, list[str]]]:  # the kept row's stage of a seed (none without one)
+            return [(f"kept-{seed}", [*common, *kept, f"seed={seed}",
+                                      f"hydra.sweep.dir={out_runs / 'main' / 'kept' / f'seed-{seed}'}"])] if kept else []
+        for seed in sweep_values(exp, "seed"):  # main-<s> then kept-<s>: a stopped study has whole seeds
+            result += [(f"main-{seed}", [*common, f"variant={','.join(variants)}", f"seed={seed}",
+                                         f"hydra.sweep.dir={out_runs / 'main' / f'seed-{seed}'}"]), *keep(seed)]
+        result += [stage for seed in MORE_SEEDS for stage in keep(seed)]
     else:
         result.append(("main", [*common, f"hydra.sweep.dir={out_runs / 'main'}"]))
     if "seeds" in spec:
@@ -266,13 +266,14 @@ def diagnose_kept(args: list[str]) -> list[Path]:
     command writes what its report reads; a run already diagnosed is skipped, as ``train.skip_done`` skips a run."""
     from sdp.bench.diagnose import DIAGNOSIS, diagnose
     from sdp.report.runs import run_dirs
+    from sdp.results.rundir import RunDir
 
     if not any(a.startswith("train.save_final=") and a != "train.save_final=none" for a in args):
         return []
     sweep = Path(next(a for a in args if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
     done = []
     for run in (Path(r) for r in run_dirs(sweep)):
-        if (run / "final").is_dir() and not (run / DIAGNOSIS).exists():
+        if RunDir(run).final.is_dir() and not (run / DIAGNOSIS).exists():
             diagnose(run)
             print(f"diagnosed {run} ({DIAGNOSIS})", flush=True)
             done.append(run)

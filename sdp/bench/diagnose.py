@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn import functional as F
 
 from sdp.bench.diagnosis_verdict import DIAGNOSIS, verdict
-from sdp.core.loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS, scored, target_logprobs
+from sdp.core.loss import LOSS_CHUNK_TOKENS, scored, scored_rows, target_logprobs
 from sdp.core.precision import autocast
 from sdp.data.base import val_batches
 from sdp.errors import ConfigError, require
@@ -130,9 +130,7 @@ def target_log_probs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     """float64 log-probability of each scored row's target (:data:`IGNORE_INDEX` rows dropped, as the run's ensemble
     evaluation drops them: :func:`sdp.rank.eval_ensemble.add_batch`), in chunks as the loss and the ensemble
     compute it."""
-    rows, labels = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-    keep = labels != IGNORE_INDEX
-    rows, labels = (rows, labels) if bool(keep.all()) else (rows[keep], labels[keep])
+    rows, labels = scored_rows(logits, target)
     return torch.cat([target_logprobs(o, t)[1] for o, t in zip(rows.split(LOSS_CHUNK_TOKENS), labels.split(LOSS_CHUNK_TOKENS))])
 
 

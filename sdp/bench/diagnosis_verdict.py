@@ -21,9 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from sdp.results.rundir import RunDir
+from sdp.report.runs import load_run
 
 DIAGNOSIS = "diagnosis.json"  # what sdp-bench diagnose writes into a run directory
 GAP_FLOOR = 0.01  # nats: a smaller assembled - ensemble gap is not explained
@@ -112,12 +110,8 @@ def read_all(root: Path) -> list[dict[str, Any]]:
     """Every ``diagnosis.json`` below ``root`` (a study's runs), in path order: :func:`section`'s input. Each one's
     ``run_dir`` is where it was found, relative to ``root`` (the path it recorded is where it was written, which a
     moved or copied study no longer has), and ``seed`` its run's (its config beside it)."""
-    out = []
-    for p in sorted(Path(root).rglob(DIAGNOSIS)):
-        config = RunDir(p.parent).config
-        seed = yaml.safe_load(config.read_text()).get("seed") if config.is_file() else None
-        out.append({**json.loads(p.read_text()), "run_dir": str(p.parent.relative_to(root)), "seed": seed})
-    return out
+    return [{**json.loads(p.read_text()), "run_dir": str(p.parent.relative_to(root)), "seed": load_run(p.parent).seed}
+            for p in sorted(Path(root).rglob(DIAGNOSIS))]
 
 
 def section(diags: list[dict[str, Any]]) -> list[str]:

@@ -62,6 +62,15 @@ def group_sums(out: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, *, gr
     return loss, count
 
 
+def scored_rows(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` as rows (N, C) and ``target`` flat, the :data:`IGNORE_INDEX` rows dropped (no copy when none is):
+    what the ensemble of the workers scores (:func:`sdp.rank.eval_ensemble.add_batch`) and what ``sdp-bench
+    diagnose`` re-scores from saved weights, so that both drop the same rows."""
+    rows, labels = out.reshape(-1, out.shape[-1]), target.reshape(-1)
+    keep = labels != IGNORE_INDEX
+    return (rows, labels) if bool(keep.all()) else (rows[keep], labels[keep])
+
+
 def scored(target: torch.Tensor) -> torch.Tensor:
     """How many of ``target``'s entries are scored (not :data:`IGNORE_INDEX`): the count a mean divides by."""
     return (target != IGNORE_INDEX).sum()

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from sdp.core.distctx import DistContext
-from sdp.core.loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS, target_logprobs
+from sdp.core.loss import LOSS_CHUNK_TOKENS, scored_rows, target_logprobs
 
 
 def add_batch(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor, *, ctx: DistContext, argmax: bool,
@@ -47,11 +47,8 @@ def add_batch(totals: torch.Tensor, out: torch.Tensor, target: torch.Tensor, *, 
     the same batch on every rank. ``argmax`` (a classifier): also count the mean probability's correct
     arg-max, which all-reduces the chunk's probabilities; without it ``correct`` stays 0 and only the
     per-row log-probabilities move. Collective: every rank calls it with the same shapes, batch after batch."""
-    logits, labels = out.reshape(-1, out.shape[-1]), target.reshape(-1)
+    logits, labels = scored_rows(out, target)  # the same batch on every rank: the same rows kept, the same shapes
     with ctx.comm.phase_as("eval"):
-        keep = labels != IGNORE_INDEX  # the same batch on every rank: the same rows kept, the same shapes
-        if not bool(keep.all()):
-            logits, labels = logits[keep], labels[keep]
         for o, t in zip(logits.split(chunk), labels.split(chunk)):
             probs, mine = target_logprobs(o, t)  # this worker's log-probability of each target (float64)
             if argmax:
