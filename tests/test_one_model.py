@@ -214,5 +214,12 @@ def test_the_reference_is_the_main_row_whose_runs_kept_their_weights(tmp_path: P
     diag["verdict"] = D.verdict(diag)
     (kept / "seed-0" / "0" / D.DIAGNOSIS).write_text(json.dumps(diag))
     assert "## Diagnosis of the assembly gap (issue 39)" in "\n".join(one_model_section(study=st))
+    for seed in range(3):  # kept runs of another row (here: rescale=none) are not the remedies' reference
+        cfg_file = kept / f"seed-{seed}" / "0" / "config.yaml"
+        cfg = yaml.safe_load(cfg_file.read_text())
+        cfg["parallelism"]["rescale"] = "none"
+        cfg_file.write_text(yaml.safe_dump(cfg))
+    other = Study(study_dir=study, study="lm")
+    assert other.kept == "B-SDP C=0.5 rescale=none" and FIXED not in OneModel(study=other).rows, other.kept
     shutil.rmtree(kept)
     assert FIXED not in OneModel(study=Study(study_dir=study, study="lm")).rows

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sdp.bench import diagnosis_verdict as D
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
-from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, write_csv
+from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, row_name, write_csv
 from sdp.report.runs import Run, _max_over_ranks, find_runs
 from sdp.report.stats import Paired, paired_difference, ratio
 
@@ -86,8 +86,9 @@ class OneModel:
         base = study.dir / "runs" / ONEMODEL
         quality = [r for r in find_runs(base) if PEAKS not in Path(r.path).relative_to(base).parts]
         rows = _collect(quality, key=label)
-        if FIXED not in rows and study.kept is not None:  # the reference: the main row's own runs, not a re-run
-            rows[FIXED] = study.rows[study.kept]
+        bases = {row_name(r, remedies=False) for r in quality}  # the row the remedies are of (B-SDP C=0.5)
+        if FIXED not in rows and study.kept is not None and (not bases or study.kept in bases):  # the reference:
+            rows[FIXED] = study.rows[study.kept]  # the main row's own runs; kept runs of another row are not borrowed
         self.rows: dict[str, Row] = dict(sorted(rows.items(), key=lambda kv: _order(self.first(kv[1]))))
         peaks = find_runs(base / PEAKS) if (base / PEAKS).is_dir() else []
         self.peaks = {mechanism(r): r for r in peaks if r.ok}

@@ -35,8 +35,9 @@ PAPER_COMMANDS = {
 }
 
 
-def row_name(run: Run) -> str:
-    """A method's row: its paper label, coverage (C) or survival probability (p), and what sets it apart."""
+def row_name(run: Run, *, remedies: bool = True) -> str:
+    """A method's row: its paper label, coverage (C) or survival probability (p), and what sets it apart;
+    ``remedies=False``: without issue 39's one-model remedies, the row a remedy run is of."""
     f = run.flat
     label, cov = method_facts(run)
     name = label
@@ -50,10 +51,10 @@ def row_name(run: Run) -> str:
     rescale = f.get("parallelism.rescale")
     if f.get("parallelism.masking") == "forward" and rescale not in (None, "auto"):  # backward: always none
         name += f" rescale={rescale}"
-    if f.get("parallelism.consolidate") is not None:  # issue 39: the last share of the budget trains the assembled model
+    if remedies and f.get("parallelism.consolidate") is not None:  # issue 39: the last share of the budget trains the assembled model
         name += f" consolidate={f['parallelism.consolidate']:g}"
         name += f" distill={f['parallelism.distill_alpha']:g}" if f.get("parallelism.distill_alpha") else ""
-    if f.get("parallelism.calibrate_steps"):  # assembly calibration after training (sdp/parallel/sdp_calibrate.py)
+    if remedies and f.get("parallelism.calibrate_steps"):  # assembly calibration after training (sdp/parallel/sdp_calibrate.py)
         name += f" calibrate={f['parallelism.calibrate_steps']}"
     if f.get("train.budget") == "iterations" and cov is not None:  # a FLOP budget would have run it longer
         name += " (same iterations)"
