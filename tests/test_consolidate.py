@@ -53,6 +53,24 @@ def test_consolidation_at_full_coverage_is_ddp(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
+def test_consolidation_from_the_first_step_is_backward_masking(tmp_path: Path) -> None:
+    """f = 1 under the FLOP budget runs no forward-masked step (phase 1 has 0 steps, the switch before step 0) and
+    then is B_beta-SDP: with rescale=train (the consolidated blocks unscaled, as backward masking's) the same loss
+    at every step and the same evaluation as ``parallelism=sdp_block_bwd`` of the same plan run for as many steps;
+    C = 0.5 masks (its losses are not DDP's)."""
+    cons, rows = run_job(MLP[:-1] + ["train.steps=6", "train.budget=flops", "parallelism=sdp", "parallelism.coverage=0.5",
+                                     "parallelism.consolidate=1", "parallelism.rescale=train"], run_dir=tmp_path / "cons")
+    s1, s2 = phases(cons)
+    assert s1 == 0 and s2 == cons["steps"] and cons["strategy_info"]["consolidate"]["start_step"] == 0, cons["budget"]
+    bwd, bwd_rows = run_job(MLP + [f"train.steps={s2}", "parallelism=sdp_block_bwd", "parallelism.coverage=0.5"],
+                            run_dir=tmp_path / "bwd")
+    assert train_losses(rows) == train_losses(bwd_rows) and cons["final"] == bwd["final"], (train_losses(rows), train_losses(bwd_rows))
+    _, ddp_rows = run_job(MLP + [f"train.steps={s2}", "parallelism=ddp"], run_dir=tmp_path / "ddp")
+    assert train_losses(rows) != train_losses(ddp_rows), "C = 0.5 masked nothing"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
 def test_alpha_zero_is_no_distillation_and_alpha_half_is_not(tmp_path: Path) -> None:
     """distill_alpha=0 trains exactly what consolidation without the key trains (bit for bit, losses and evaluation);
     alpha = 0.5 leaves the first phase alone and changes the second (the teacher acts only after the switch)."""
@@ -89,13 +107,14 @@ def test_resume_after_the_switch_reaches_the_uninterrupted_run(tmp_path: Path) -
     assert again["final"] == full["final"], (again["final"], full["final"])
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.5])
-def test_phase_steps_follow_from_the_models_flops(alpha: float) -> None:
+@pytest.mark.parametrize(("f", "alpha"), [(0.3, 0.0), (0.3, 0.5), (1.0, 0.0)])
+def test_phase_steps_follow_from_the_models_flops(f: float, alpha: float) -> None:
     """train.budget=flops: the first phase spends (1 - f) of DDP's FLOPs at the plan's forward-masking fraction,
     the second f at full forward + the blocks' recomputation + the input-gradient backward + the held weight
     gradients (+ the teacher's forward of the worker's own blocks), each counted here from the model's per-module
-    FLOPs; the total is DDP's budget up to each phase's rounding."""
-    f, base = 0.3, 100
+    FLOPs; the total is DDP's budget up to each phase's rounding. f = 1: no step of the first phase (consolidation
+    from the first step, as under train.budget=iterations)."""
+    base = 100
     cfg = compose_config("model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "parallelism=sdp",
                          "cluster.world_size=4", f"train.steps={base}", "train.budget=flops", "train.flops_ratio=measured",
                          f"parallelism.consolidate={f}", f"parallelism.distill_alpha={alpha}")

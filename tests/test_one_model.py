@@ -11,12 +11,13 @@ import json
 import shutil
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from sdp.bench import cpu_study
-from sdp.bench.one_model import FIXED, OneModel, one_model_section
+from sdp.bench.one_model import FIXED, PHASES, OneModel, one_model_section, phases
 from sdp.bench.study_report import Study
 from sdp.report.stats import t_half_width
 
@@ -223,3 +224,15 @@ def test_the_reference_is_the_main_row_whose_runs_kept_their_weights(tmp_path: P
     assert other.kept == "B-SDP C=0.5 rescale=none" and FIXED not in OneModel(study=other).rows, other.kept
     shutil.rmtree(kept)
     assert FIXED not in OneModel(study=Study(study_dir=study, study="lm")).rows
+
+
+def test_each_remedy_reports_the_phases_it_ran() -> None:
+    """Phase 1 for every run but consolidation from the first step (f = 1 runs no forward-masked step:
+    sdp.driver.budget.split_phases), the consolidation phase where f is set, calibration where it has steps."""
+    first, cons, cal = (col for col, _ in PHASES)
+    cases = {(): [first], (("parallelism.consolidate", 0.3),): [first, cons],
+             (("parallelism.consolidate", 1.0),): [cons], (("parallelism.calibrate_steps", 50),): [first, cal],
+             (("parallelism.consolidate", 0.2), ("parallelism.distill_alpha", 0.5)): [first, cons]}
+    for keys, want in cases.items():
+        got = [col for col, _ in phases(SimpleNamespace(flat=dict(keys)))]
+        assert got == want, (keys, got, want)

@@ -49,7 +49,7 @@ finished job and resumes a checkpointed one when the command is run again):
 - ``runs/onemodel`` (LM, issue 39, run after every other stage): B-SDP C = 0.5 with its fixed plan and its
   final weights kept (``seed-<s>/fixed``, ``lm_text`` only: the LM study's are ``runs/main/kept``) and the remedies that
   keep one model (``seed-<s>/remedies``: consolidation over the last 10/20/30 % of the budget, with distillation,
-  assembly calibration), seeds 0-4, one stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
+  assembly calibration; ``lm``: and from the first step), seeds 0-4, one stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
   ``runs/onemodel/peaks``: one PEAK_STEPS-step run per mechanism with the tracker on, every phase inside it
   (``onemodelpeaks-cons``: the consolidation switch near the middle; ``onemodelpeaks-cal``: calibration after the
   last step). The report's section: :mod:`sdp.bench.one_model`.
@@ -149,7 +149,8 @@ STUDIES = {
            "small_dense": "model.n_layers=4,2",  # the gate's DDP-4 and DDP-2 (B-SDP C = 0.5 and 0.25's worker depth)
            **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5,
            "remedies": {"R50": "variant=b_sdp_c50_roll50,b_sdp_c50_shuffle50", "R200": LM_SHARED["remedies"]["R200"]},
-           "onemodel": {"remedies": LM_SHARED["onemodel"]["remedies"]}},
+           # + consolidation from the first step (f = 1: B_beta-SDP with AC, no forward-masked phase), appended last
+           "onemodel": {"remedies": [LM_SHARED["onemodel"]["remedies"][0] + ",b_sdp_c50_cons100"]}},
     "lm_text": _lm_record(),
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],

@@ -67,9 +67,11 @@ def mechanism(run: Run) -> tuple[bool, bool, bool]:
 
 
 def phases(run: Run) -> list[tuple[str, str]]:
-    """The (column, memory key) of every training phase the run's remedy has."""
-    consolidates, _, calibrates = mechanism(run)
-    return [PHASES[0]] + ([PHASES[1]] if consolidates else []) + ([PHASES[2]] if calibrates else [])
+    """The (column, memory key) of every training phase the run's remedy has (consolidation with f = 1 runs no
+    step of phase 1: its column stays empty)."""
+    f, _, cal = remedy(run)
+    return ([PHASES[0]] if f is None or f < 1 else []) + ([PHASES[1]] if f is not None else []) + \
+        ([PHASES[2]] if cal > 0 else [])
 
 
 def _order(run: Run) -> tuple[bool, bool, float, float, int]:

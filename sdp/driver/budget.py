@@ -244,7 +244,7 @@ def split_phases(*, budget: str, base: int, steps: int, ratio: float, first: flo
     the 0-based step it starts at, its FLOP fraction and share."""
     share, rate = float(later.share), float(later.fraction)
     if budget == "flops":
-        s1 = max(1, round((1 - share) * base / ratio - charged))
+        s1 = 0 if share >= 1 else max(1, round((1 - share) * base / ratio - charged))  # share 1: from the first step
         s2 = max(1, round(share * base / (rate * to_reference)))
     else:
         s1 = round(steps * (1 - share) * rate / ((1 - share) * rate + share * first))
