@@ -236,3 +236,25 @@ def test_each_remedy_reports_the_phases_it_ran() -> None:
     for keys, want in cases.items():
         got = [col for col, _ in phases(SimpleNamespace(flat=dict(keys)))]
         assert got == want, (keys, got, want)
+
+
+def test_each_remedy_is_set_against_the_dense_model_of_a_workers_depth(tmp_path: Path) -> None:
+    """The section pairs each assembled model with DDP at one worker's depth (n_layers x C, FLOP-matched to the
+    full model: the gate's DDP-4 of the LM study) by seed, and names it and DDP+AC as the same-memory alternatives."""
+    study = _study(tmp_path)
+    full = int(yaml.safe_load((study / "runs" / "main" / "0" / "config.yaml").read_text())["model"]["n_layers"])
+    small = (0.01, 0.02, 0.03)  # its loss above DDP's by seed
+    for seed in range(3):
+        dst = study / "runs" / "main" / f"small-{seed}"
+        _run(LM / "main" / str(seed), dst, final={"eval_loss": _ddp(seed) + small[seed]})
+        cfg = yaml.safe_load((dst / "config.yaml").read_text())
+        cfg["model"]["n_layers"], cfg["train"]["flops_reference"] = full // 2, {"n_layers": full}
+        (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+    one = OneModel(study=Study(study_dir=study, study="lm"))
+    name = one.small_dense()
+    assert name == f"DDP n_layers={full // 2} (FLOP-matched to n_layers={full})", name
+    p = one.paired_small("consolidate f=0.1")
+    assert p.n == 3 and p.mean == pytest.approx(statistics.fmean(CONS10) - statistics.fmean(small)), p
+    text = "\n".join(one_model_section(study=one.st))
+    assert "| assembled − dense at a worker's depth |" in text, text
+    assert f"Same-memory alternatives, not remedies (measured peaks: runs/peaks): {name}: eval loss" in text, text

@@ -17,7 +17,10 @@ Each remedy's assembled model is paired by seed with the main sweep's DDP runs (
 weights; 95 % Student t, :func:`sdp.report.stats.paired_difference`). The target (issue 39, the same as issue 28's:
 :data:`sdp.bench.remedies.MOONSHOT_NATS`, :data:`~sdp.bench.remedies.MOONSHOT_PEAK`) is met when the upper 95 % end
 is at most +0.03 nats AND every phase's peak is at most 0.60x DDP's training peak AND the evaluated model costs
-DDP's inference FLOPs. Nothing is written without ``runs/onemodel``, so a study without it renders as before.
+DDP's inference FLOPs. Beside the target, what a user could run instead at the same memory: each assembled model
+minus the dense model of a worker's depth (DDP at n_layers x C, FLOP-matched; :meth:`OneModel.small_dense`), paired
+by seed, and DDP+AC's measured peak (:func:`context_lines`). Nothing is written without ``runs/onemodel``, so a study
+without it renders as before.
 
 Consolidation + calibration is not run (a row would appear here if a run set both keys): as built, the driver refuses
 the pair before any rank starts (``sdp.parallel.sdp_config.consolidation_rules``): calibration gates the assembled
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from sdp.bench import diagnosis_verdict as D
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
-from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, row_name, write_csv
+from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, row_name, write_csv
 from sdp.report.runs import Run, _max_over_ranks, find_runs
 from sdp.report.stats import Paired, paired_difference, ratio
 
@@ -99,6 +102,22 @@ class OneModel:
     def first(row: Row) -> Run:
         return row.runs[min(row.runs)]
 
+    def small_dense(self) -> str | None:
+        """The study's DDP row at one worker's depth (``model.n_layers`` x C of the remedies' row, FLOP-matched to
+        the full model; the gate's DDP-4 for C = 0.5): what a user gets at SDP's phase-1 peak without SDP."""
+        if not self.rows:
+            return None
+        run = self.first(next(iter(self.rows.values())))
+        depth = round(int(run.flat["model.n_layers"]) * float(run.flat.get("parallelism.coverage") or 0))
+        return next((name for name, row in self.st.rows.items() if name.startswith("DDP ")
+                     and int(self.first(row).flat.get("model.n_layers", 0)) == depth), None)
+
+    def paired_small(self, name: str) -> Paired:
+        """The assembled model minus the dense model of a worker's depth, paired by seed."""
+        small = self.small_dense()
+        return (Paired(None, None, 0) if small is None
+                else paired_difference(self.rows[name].values("eval_loss"), self.st.rows[small].values("eval_loss")))
+
     def paired(self, name: str) -> Paired:
         """The assembled (evaluated) model minus DDP's, paired by seed with the main sweep's DDP runs."""
         return paired_difference(self.rows[name].values("eval_loss"), self.st.ddp.values("eval_loss"))
@@ -150,6 +169,7 @@ class OneModel:
                         "seeds": ",".join(map(str, sorted(row.runs))), "pairs with DDP": str(p.n),
                         "assembled − DDP": interval(p),
                         "upper 95 % end": "–" if p.mean is None or p.half_width is None else f"{p.mean + p.half_width:+.3f}",
+                        "assembled − dense at a worker's depth": interval(self.paired_small(name)),
                         **{f"{col} peak x DDP": fmt(peaks[col]) if col in peaks else "n/a" for col, _ in PHASES},
                         "inference FLOPs x DDP": fmt(self.inference(name), ".2f"),
                         "target": "met" if not misses else "not met"})
@@ -176,7 +196,19 @@ def verdict_lines(*, one: OneModel, explanations: list[str]) -> list[str]:
     remedies = [n for n in one.rows if n != FIXED]
     line = (f"**Verdict: target met** by {', '.join(met)}." if [n for n in met if n != FIXED]
             else f"**Verdict: not met** by any of the {len(remedies)} remedies run.{why}")
-    return [*out, "", line]
+    return [*out, "", line, "", *context_lines(one=one)]
+
+
+def context_lines(*, one: OneModel) -> list[str]:
+    """The same-memory alternatives the verdict is read against (no remedy of SDP: what a user could run instead):
+    the dense model of a worker's depth (the table's last interval column) and DDP with activation checkpointing,
+    whose loss is DDP's by construction (AC recomputes, bit for bit: tests/test_ac.py) at its measured peak."""
+    small, peak = one.small_dense(), lambda name: fmt(one.st.ratio(name, "train_peak_bytes", source="peaks"))  # noqa: E731
+    parts = [] if small is None else [f"{small}: eval loss {pm(*one.st.rows[small].mean_std('eval_loss'))} (mean ± sd), "
+                                      f"training peak {peak(small)}x DDP's"]
+    if "DDP+AC" in one.st.peaks:
+        parts.append(f"DDP+AC: DDP's model and loss, training peak {peak('DDP+AC')}x DDP's")
+    return [] if not parts else ["Same-memory alternatives, not remedies (measured peaks: runs/peaks): " + "; ".join(parts) + "."]
 
 
 def one_model_section(*, study: Study) -> list[str]:
