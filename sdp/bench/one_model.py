@@ -201,7 +201,7 @@ def verdict_lines(*, one: OneModel, explanations: list[str]) -> list[str]:
 
 def context_lines(*, one: OneModel) -> list[str]:
     """The same-memory alternatives the verdict is read against (no remedy of SDP: what a user could run instead):
-    the dense model of a worker's depth (the table's last interval column) and DDP with activation checkpointing,
+    the dense model of a worker's depth (the table's column against it) and DDP with activation checkpointing,
     whose loss is DDP's by construction (AC recomputes, bit for bit: tests/test_ac.py) at its measured peak."""
     small, peak = one.small_dense(), lambda name: fmt(one.st.ratio(name, "train_peak_bytes", source="peaks"))  # noqa: E731
     parts = [] if small is None else [f"{small}: eval loss {pm(*one.st.rows[small].mean_std('eval_loss'))} (mean ± sd), "
