@@ -61,6 +61,7 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     assert start == compose([f"experiment={exp}"]).train.steps // 10, psgd
     for stage in ("peaks", "timing"):
         assert "ddp" in _variants(got[stage]) and "ddp_small_c50" not in _variants(got[stage]), got[stage]
+        assert _variants(got[stage])[-1] == "b_sdp_c50_ac", got[stage]  # appended: the earlier jobs keep their numbers
         small = got[f"{stage}-small"]  # the gate's small dense rows: FLOP budget (their row names), cut short
         assert _variants(small) == ["ddp_small_c50"] and "model.n_layers=4,2" in small, small
         assert not any(a.startswith("train.budget=") for a in small) and small[-1].endswith(f"runs/{stage}/small"), small
@@ -74,6 +75,8 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     shared, lm = _variants(cpu_study.LM_SHARED["onemodel"]["remedies"]), _variants(got["onemodel-0-remedies"])
     assert lm == [*shared, "b_sdp_c50_cons100"], lm
     assert compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c50_cons100"]).parallelism.consolidate == 1.0
+    ac = compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c50_ac"])
+    assert (ac.train.ac, ac.parallelism.name, ac.parallelism.coverage) == ("full", "sdp", 0.5), ac.train
 
 
 @pytest.mark.parametrize("experiment", ["cpu_study_lm", "cpu_study_lm_automaton"])

@@ -195,3 +195,19 @@ def test_ensemble_columns_and_verdicts_only_where_runs_have_an_ensemble(study: P
     assert "  - the ensemble of its workers' subnetworks (mean probability) − DDP: lower by 0.043 ± " in text, text
     assert "; ensemble − DDP: lower by 0.043 ± " in text and text.count("ensemble − DDP") == 1, text
     assert "| workers' ensemble eval loss |" in sweep_md()
+
+
+def test_the_memory_verdict_sets_sdp_against_activation_checkpointing(study: Path) -> None:
+    """A peak run with train.ac=full is its own row (label +AC) and the memory verdict names each AC peak run's
+    ratio to DDP's beside SDP's: B-SDP with AC and DDP with AC (the memory baseline a reviewer asks for)."""
+    peaks = study / "runs" / "peaks"
+    for job, (par, mib) in enumerate(((BSDP, 60.0), (DDP, 80.0)), start=3):
+        run_dir(peaks, job, seed=0, par=par, losses=[3.0], steps=20, flops_per_step=5.0, peak_mib=mib, budget="iterations")
+        cfg = yaml.safe_load((peaks / str(job) / "config.yaml").read_text())
+        cfg["train"]["ac"] = "full"
+        (peaks / str(job) / "config.yaml").write_text(yaml.safe_dump(cfg))
+    st = Study(study_dir=study, study="lm")
+    assert {"B-SDP+AC C=0.5", "B-SDP C=0.5"} <= set(st.peaks), sorted(st.peaks)
+    text = "\n".join(claims(st))
+    assert "measured training peak 0.550x DDP's, inside the claimed" in text, text  # the plain row unchanged
+    assert "against activation checkpointing" in text and "DDP+AC 0.400x, B-SDP+AC C=0.5 0.300x DDP's." in text, text

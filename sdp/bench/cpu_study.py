@@ -28,7 +28,8 @@ finished job and resumes a checkpointed one when the command is run again):
 - ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
   rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``) and
   the baselines of :data:`LM_BASELINES` (DDP+AC, FSDP+AC, local SGD, DiLoCo, PowerSGD; seeds 0-2; their peaks and
-  step times in ``runs/peaks`` and ``runs/timing`` as every method's); ``lm_text`` also the small dense model
+  step times in ``runs/peaks`` and ``runs/timing`` as every method's, with B-SDP C = 0.5 + AC's in the lm study:
+  its losses are B-SDP C = 0.5's by construction); ``lm_text`` also the small dense model
   (``variant=ddp_small_c50``, seeds 0-2: DDP at one worker's depth, FLOP-matched; the LM study's are the gate's);
 - ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth (the
   main sweep gives 8 blocks);
@@ -145,12 +146,11 @@ STUDIES = {
                       # PowerSGD's plain all-reduce phase at 10 % of DDP's 8000 steps (torch's advice for
                       # start_powerSGD_iter; conf/variant/powersgd_r4.yaml's default suits a 1000-step run)
                       ["variant=powersgd_r4", "seed=0,1,2", "parallelism.start_iter=800"]],
-           "peak_extras": ["ddp", *LM_BASELINES],  # DDP's peak and step time too: the main sweep does not run it
+           "peak_extras": ["ddp", *LM_BASELINES, "b_sdp_c50_ac"],  # + DDP (not in the main sweep), B-SDP C=0.5+AC last
            "small_dense": "model.n_layers=4,2",  # the gate's DDP-4 and DDP-2 (B-SDP C = 0.5 and 0.25's worker depth)
            **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5,
            "remedies": {"R50": "variant=b_sdp_c50_roll50,b_sdp_c50_shuffle50", "R200": LM_SHARED["remedies"]["R200"]},
-           # + consolidation from the first step (f = 1: B_beta-SDP with AC, no forward-masked phase), appended last
-           "onemodel": {"remedies": [LM_SHARED["onemodel"]["remedies"][0] + ",b_sdp_c50_cons100"]}},
+           "onemodel": {"remedies": [LM_SHARED["onemodel"]["remedies"][0] + ",b_sdp_c50_cons100"]}},  # + f = 1, last
     "lm_text": _lm_record(),
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],
