@@ -18,7 +18,7 @@ weights; 95 % Student t, :func:`sdp.report.stats.paired_difference`). The target
 :data:`sdp.bench.remedies.MOONSHOT_NATS`, :data:`~sdp.bench.remedies.MOONSHOT_PEAK`) is met when the upper 95 % end
 is at most +0.03 nats AND every phase's peak is at most 0.60x DDP's training peak AND the evaluated model costs
 DDP's inference FLOPs. Beside the target, what a user could run instead at the same memory: each assembled model
-minus the dense model of a worker's depth (DDP at n_layers x C, FLOP-matched; :meth:`OneModel.small_dense`), paired
+minus the dense model of a worker's depth (DDP at the blocks a worker holds, FLOP-matched; :meth:`OneModel.small_dense`), paired
 by seed, and DDP+AC's measured peak (:func:`context_lines`). Nothing is written without ``runs/onemodel``, so a study
 without it renders as before.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from sdp.bench import diagnosis_verdict as D
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
-from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, row_name, write_csv
+from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, write_csv
 from sdp.report.runs import Run, _max_over_ranks, find_runs
 from sdp.report.stats import Paired, paired_difference, ratio
 
@@ -91,9 +91,9 @@ class OneModel:
         base = study.dir / "runs" / ONEMODEL
         quality = [r for r in find_runs(base) if PEAKS not in Path(r.path).relative_to(base).parts]
         rows = _collect(quality, key=label)
-        bases = {row_name(r, remedies=False) for r in quality}  # the row the remedies are of (B-SDP C=0.5)
-        if FIXED not in rows and study.kept is not None and (not bases or study.kept in bases):  # the reference:
-            rows[FIXED] = study.rows[study.kept]  # the main row's own runs; kept runs of another row are not borrowed
+        kept = study.kept_of(quality) if quality else study.kept  # the remedies' own row; no remedy run yet: kept
+        if FIXED not in rows and kept is not None:  # the reference: the main row's own runs, not a re-run
+            rows[FIXED] = study.rows[kept]
         self.rows: dict[str, Row] = dict(sorted(rows.items(), key=lambda kv: _order(self.first(kv[1]))))
         peaks = find_runs(base / PEAKS) if (base / PEAKS).is_dir() else []
         self.peaks = {mechanism(r): r for r in peaks if r.ok}
@@ -103,12 +103,16 @@ class OneModel:
         return row.runs[min(row.runs)]
 
     def small_dense(self) -> str | None:
-        """The study's DDP row at one worker's depth (``model.n_layers`` x C of the remedies' row, FLOP-matched to
-        the full model; the gate's DDP-4 for C = 0.5): what a user gets at SDP's phase-1 peak without SDP."""
+        """The study's DDP row at one worker's depth (the blocks a worker of the remedies' row holds, from its
+        recorded plan: units x k / n; FLOP-matched to the full model; the gate's DDP-4 for C = 0.5): what a user gets
+        at SDP's phase-1 peak without SDP."""
         if not self.rows:
             return None
         run = self.first(next(iter(self.rows.values())))
-        depth = round(int(run.flat["model.n_layers"]) * float(run.flat.get("parallelism.coverage") or 0))
+        plan = (run.summary.strategy_info if run.summary is not None else {}).get("plan") or {}
+        if not plan:
+            return None
+        depth = round(plan["units"] * plan["k"] / plan["world_size"])  # the blocks each worker holds, as planned
         return next((name for name, row in self.st.rows.items() if name.startswith("DDP ")
                      and int(self.first(row).flat.get("model.n_layers", 0)) == depth), None)
 

@@ -104,10 +104,10 @@ class Remedies:
         peaks = find_runs(base / "peaks") if (base / "peaks").is_dir() else []
         self.peaks = _collect(peaks, key=rule)  # each peak run re-draws once: keyed by its rule
         self.fixed = next((n for n in self.rows if n.endswith("fixed plan")), None)
-        bases = {n.rsplit(", ", 1)[0] for n in self.rows}  # the row the re-draws are of (B-SDP C=0.5)
-        if self.fixed is None and study.kept in bases:  # its fixed plan is the main row's own runs, not a re-run
-            self.fixed = f"{study.kept}, fixed plan"
-            self.rows = {self.fixed: study.rows[study.kept], **self.rows}
+        kept = study.kept_of([r for row in self.rows.values() for r in row.runs.values()])  # the re-draws' own row
+        if self.fixed is None and kept is not None:  # its fixed plan is the main row's own runs, not a re-run
+            self.fixed = f"{kept}, fixed plan"
+            self.rows = {self.fixed: study.rows[kept], **self.rows}
 
     def paired(self, name: str, key: str) -> Paired:
         return paired_difference(self.rows[name].values(key), self.st.ddp.values("eval_loss"))

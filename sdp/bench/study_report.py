@@ -195,6 +195,12 @@ class Study:
         return next((name for name, row in self.rows.items()
                      if any(str(r.flat.get("train.save_final", "none")) != "none" for r in row.runs.values())), None)
 
+    def kept_of(self, runs: list[Run]) -> str | None:
+        """The kept row (:attr:`kept`) when ``runs`` (a section's re-draws or remedies) are variants of it: their row
+        name without issue 39's remedies (re-draw keys are not in a row name); else None, so that a section never
+        borrows the kept runs of another row as its fixed plan."""
+        return self.kept if self.kept in {row_name(r, remedies=False) for r in runs} else None
+
     def gap_by_depth(self, name: str) -> dict[int, Row]:
         """``name``'s row at every depth run: the main sweep's depth and each depth of ``runs/depth``."""
         out = {n: rows[name] for n, rows in self.depth.items() if name in rows}
