@@ -73,9 +73,11 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     assert len([n for n in got if n.startswith("onemodel-")]) == 5 and "remedies-3-R50" not in got, sorted(got)
     # consolidation from the first step appended after lm_text's remedies: the sweep's earlier job numbers hold
     shared, lm = _variants(cpu_study.LM_SHARED["onemodel"]["remedies"]), _variants(got["onemodel-0-remedies"])
-    assert lm == [*shared, "b_sdp_c50_cons100", "b_sdp_c50_cons50"], lm
-    for variant, f in (("b_sdp_c50_cons100", 1.0), ("b_sdp_c50_cons50", 0.5)):
-        assert compose(["experiment=cpu_study_lm_automaton", f"variant={variant}"]).parallelism.consolidate == f, variant
+    assert lm == [*shared, "b_sdp_c50_cons100", "b_sdp_c50_cons50", "b_sdp_c50_cons100_rt"], lm
+    for variant, f, rescale in (("b_sdp_c50_cons100", 1.0, "auto"), ("b_sdp_c50_cons50", 0.5, "auto"),
+                                ("b_sdp_c50_cons100_rt", 1.0, "train")):
+        par = compose(["experiment=cpu_study_lm_automaton", f"variant={variant}"]).parallelism
+        assert (par.consolidate, par.rescale) == (f, rescale), (variant, par)
     ac = compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c50_ac"])
     assert (ac.train.ac, ac.parallelism.name, ac.parallelism.coverage) == ("full", "sdp", 0.5), ac.train
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from sdp.bench import cpu_study
-from sdp.bench.one_model import FIXED, PHASES, OneModel, one_model_section, phases
+from sdp.bench.one_model import FIXED, PHASES, OneModel, label, one_model_section, phases
 from sdp.bench.study_report import Study
 from sdp.report.stats import t_half_width
 
@@ -236,6 +236,15 @@ def test_each_remedy_reports_the_phases_it_ran() -> None:
     for keys, want in cases.items():
         got = [col for col, _ in phases(SimpleNamespace(flat=dict(keys)))]
         assert got == want, (keys, got, want)
+
+
+def test_a_remedy_with_another_branch_scale_is_its_own_row() -> None:
+    """consolidation with rescale=train (blocks at scale 1, B_β-SDP + AC at f = 1) is not the default's row."""
+    base = {"parallelism.consolidate": 1.0, "parallelism.rescale": "auto"}
+    assert label(SimpleNamespace(flat=base)) == "consolidate f=1", label(SimpleNamespace(flat=base))
+    got = label(SimpleNamespace(flat={**base, "parallelism.rescale": "train"}))
+    assert got == "consolidate f=1 (rescale=train)", got
+    assert label(SimpleNamespace(flat={"parallelism.rescale": "none"})) == f"{FIXED} (rescale=none)"
 
 
 def test_each_remedy_is_set_against_the_dense_model_of_a_workers_depth(tmp_path: Path) -> None:

@@ -55,11 +55,14 @@ def remedy(run: Run) -> tuple[float | None, float, int]:
 
 
 def label(run: Run) -> str:
-    """The table's name of a run's remedy: ``fixed plan`` or its parts, e.g. ``consolidate f=0.2 + distill α=0.5``."""
+    """The table's name of a run's remedy: ``fixed plan`` or its parts, e.g. ``consolidate f=0.2 + distill α=0.5``;
+    a branch scale set apart from the default (``parallelism.rescale``: what consolidation's blocks are scaled by)
+    follows in brackets, e.g. ``consolidate f=1 (rescale=train)``."""
     f, alpha, cal = remedy(run)
     parts = ([] if f is None else [f"consolidate f={f:g}"]) + ([f"distill α={alpha:g}"] if alpha else [])
     parts += [f"calibrate {cal} steps"] if cal else []
-    return " + ".join(parts) or FIXED
+    rescale = run.flat.get("parallelism.rescale")
+    return (" + ".join(parts) or FIXED) + (f" (rescale={rescale})" if rescale not in (None, "auto") else "")
 
 
 def mechanism(run: Run) -> tuple[bool, bool, bool]:
