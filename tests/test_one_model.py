@@ -267,3 +267,25 @@ def test_each_remedy_is_set_against_the_dense_model_of_a_workers_depth(tmp_path:
     text = "\n".join(one_model_section(study=one.st))
     assert "| assembled − dense at a worker's depth |" in text, text
     assert f"Same-memory alternatives, not remedies (measured peaks: runs/peaks): {name}: eval loss" in text, text
+
+
+def test_each_remedy_is_set_against_backward_masking_over_the_whole_budget(tmp_path: Path) -> None:
+    """The column and the line against B_β-SDP at the remedies' coverage and budget (what consolidation's mechanism
+    reaches without its recomputation), paired by seed; not its same-iteration row (another budget)."""
+    study = _study(tmp_path)
+    for job in (12, 13, 14, 27):  # B_β-SDP C = 0.5 seeds 0-2 (FLOP-matched), and seed 0 at DDP's iterations
+        _run(LM / "main" / str(job), study / "runs" / "main" / str(job))
+    one = OneModel(study=Study(study_dir=study, study="lm"))
+    name = one.backward_masked()
+    assert name == "B_β-SDP C=0.5", (name, list(one.st.rows))
+    bb = [json.loads((LM / "main" / str(j) / "summary.json").read_text())["final"]["eval_loss"] for j in (12, 13, 14)]
+    p = one.paired_to("consolidate f=0.1", name)
+    want = statistics.fmean(_ddp(s) + CONS10[s] - bb[s] for s in range(3))
+    assert p.n == 3 and p.mean == pytest.approx(want), (p, want)
+    text = "\n".join(one_model_section(study=one.st))
+    assert "| assembled − B_β-SDP |" in text, text
+    assert "(one model, but over the peak target: backward masking without AC's recomputation, the whole budget): " \
+           "B_β-SDP C=0.5: eval loss" in text, text
+    bare = _study(tmp_path / "bare")
+    _run(LM / "main" / "27", bare / "runs" / "main" / "27")  # only the same-iteration row: not the mark
+    assert OneModel(study=Study(study_dir=bare, study="lm")).backward_masked() is None

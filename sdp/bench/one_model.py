@@ -119,11 +119,29 @@ class OneModel:
         return next((name for name, row in self.st.rows.items() if name.startswith("DDP ")
                      and int(self.first(row).flat.get("model.n_layers", 0)) == depth), None)
 
+    def backward_masked(self) -> str | None:
+        """The main table's backward-masked row at the remedies' level, coverage, depth and budget, without AC or a
+        remedy (B_β-SDP C = 0.5): consolidation from the first step without its recomputation, so the mark of what
+        consolidating into one model can reach; None where the study has no such row."""
+        if not self.rows:
+            return None
+        ref = self.first(next(iter(self.rows.values()))).flat
+        same = ("parallelism.level", "parallelism.coverage", "model.n_layers", "train.budget")
+
+        def match(run: Run) -> bool:
+            f = run.flat
+            return (f.get("parallelism.masking") == "backward" and all(f.get(k) == ref.get(k) for k in same)
+                    and f.get("train.ac") in (None, "none") and not any(mechanism(run)))
+        return next((name for name, row in self.st.rows.items() if match(self.first(row))), None)
+
+    def paired_to(self, name: str, other: str | None) -> Paired:
+        """The assembled model minus the main table's row ``other``, paired by seed (no pair without that row)."""
+        return (Paired(None, None, 0) if other is None
+                else paired_difference(self.rows[name].values("eval_loss"), self.st.rows[other].values("eval_loss")))
+
     def paired_small(self, name: str) -> Paired:
         """The assembled model minus the dense model of a worker's depth, paired by seed."""
-        small = self.small_dense()
-        return (Paired(None, None, 0) if small is None
-                else paired_difference(self.rows[name].values("eval_loss"), self.st.rows[small].values("eval_loss")))
+        return self.paired_to(name, self.small_dense())
 
     def paired(self, name: str) -> Paired:
         """The assembled (evaluated) model minus DDP's, paired by seed with the main sweep's DDP runs."""
@@ -177,6 +195,7 @@ class OneModel:
                         "assembled − DDP": interval(p),
                         "upper 95 % end": "–" if p.mean is None or p.half_width is None else f"{p.mean + p.half_width:+.3f}",
                         "assembled − dense at a worker's depth": interval(self.paired_small(name)),
+                        "assembled − B_β-SDP": interval(self.paired_to(name, self.backward_masked())),
                         **{f"{col} peak x DDP": fmt(peaks[col]) if col in peaks else "n/a" for col, _ in PHASES},
                         "inference FLOPs x DDP": fmt(self.inference(name), ".2f"),
                         "target": "met" if not misses else "not met"})
@@ -215,7 +234,15 @@ def context_lines(*, one: OneModel) -> list[str]:
                                       f"training peak {peak(small)}x DDP's"]
     if "DDP+AC" in one.st.peaks:
         parts.append(f"DDP+AC: DDP's model and loss, training peak {peak('DDP+AC')}x DDP's")
-    return [] if not parts else ["Same-memory alternatives, not remedies (measured peaks: runs/peaks): " + "; ".join(parts) + "."]
+    out = [] if not parts else ["Same-memory alternatives, not remedies (measured peaks: runs/peaks): " + "; ".join(parts) + "."]
+    bb = one.backward_masked()
+    if bb is not None:  # the table's column against it: what consolidation's own mechanism reaches over the budget
+        ddp = paired_difference(one.st.rows[bb].values("eval_loss"), one.st.ddp.values("eval_loss"))
+        out += ["", f"The mark consolidation is read against (one model, but over the peak target: backward masking "
+                    f"without AC's recomputation, the whole budget): {bb}: eval loss "
+                    f"{pm(*one.st.rows[bb].mean_std('eval_loss'))} (mean ± sd), − DDP {interval(ddp)}, training peak "
+                    f"{peak(bb)}x DDP's."]
+    return out
 
 
 def one_model_section(*, study: Study) -> list[str]:
@@ -236,5 +263,6 @@ def one_model_section(*, study: Study) -> list[str]:
             "(runs/onemodel/peaks: the consolidation switch inside the run, calibration after it); the fixed plan's "
             "from runs/peaks; 'n/a' = the remedy has no such phase. sdp-plan's predicted peaks are not recorded in "
             "summary.json: `sdp-plan` with a run's overrides prints them. Inference FLOPs: the evaluated model's FLOP "
-            "count per sample (summary.json budget.flops_per_sample) over DDP's.", "",
+            "count per sample (summary.json budget.flops_per_sample) over DDP's. Against B_β-SDP: the main table's "
+            "backward-masked row (consolidation's mechanism over the whole budget, without AC), paired by seed.", "",
             markdown_table(records), "", *verdict_lines(one=one, explanations=explanations), "", *diagnosis]
