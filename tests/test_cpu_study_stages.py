@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sdp.bench import cpu_study
+from sdp.bench import cpu_study, study_stages
+from sdp.results.rundir import RunDir
 
 
 def _variants(args: list[str]) -> list[str]:
@@ -108,8 +109,29 @@ def test_a_stage_that_keeps_final_weights_is_followed_by_their_diagnosis(tmp_pat
             (sweep / job / "final").mkdir()
     args = dict(cpu_study.stages(study="lm", out=tmp_path))["kept-0"]
     args = [a for a in args if not a.startswith("hydra.sweep.dir=")] + [f"hydra.sweep.dir={sweep}"]
-    assert cpu_study.diagnose_kept(args) == [sweep / "0"] and calls == [sweep / "0"], calls
-    assert cpu_study.diagnose_kept(args) == [] and len(calls) == 1, calls  # diagnosed already: skipped
+    assert study_stages.diagnose_kept(args) == [sweep / "0"] and calls == [sweep / "0"], calls
+    assert study_stages.diagnose_kept(args) == [] and len(calls) == 1, calls  # diagnosed already: skipped
     main = [a for a in dict(cpu_study.stages(study="lm", out=tmp_path))["main-0"] if not a.startswith("hydra.")]
     (sweep / "0" / diag.DIAGNOSIS).unlink()
-    assert cpu_study.diagnose_kept([*main, f"hydra.sweep.dir={sweep}"]) == [] and len(calls) == 1
+    assert study_stages.diagnose_kept([*main, f"hydra.sweep.dir={sweep}"]) == [] and len(calls) == 1
+
+
+def test_status_counts_each_stages_finished_stopped_and_left_jobs(tmp_path: Path) -> None:
+    """--status: a sweep's jobs are the product of its comma lists (Hydra's basic sweeper); a job with summary.json
+    is finished, a run directory without one stopped (it restarts from step 0), the rest never started."""
+    got = dict(cpu_study.stages(study="lm", out=tmp_path))
+    assert study_stages.sweep_jobs(got["main-0"]) == 8, got["main-0"]  # 8 variants x 1 seed
+    assert study_stages.sweep_jobs(["variant=a,b", "seed=0,1,2", "model.n_layers=4,12", "hydra.sweep.dir=x,y"]) == 12
+    assert study_stages.sweep_jobs(["seed=0,1", "train.flops_reference={n_layers:8,dim:64}", "x=[1,2]"]) == 2
+    sweep = tmp_path / "lm" / "runs" / "main" / "seed-0"
+    for job in (0, 1, 3):
+        (sweep / str(job)).mkdir(parents=True)
+    for job in (0, 1):
+        RunDir(sweep / str(job)).summary.write_text("{}")
+    st = study_stages.stage_status(name="main-0", args=got["main-0"])
+    assert (st.jobs, st.done, st.stopped, st.left) == (8, [0, 1], [3], 6), st
+    lines = study_stages.status_lines(stages=list(got.items()), only=["main-0", "kept-0"])
+    assert lines[0].startswith("main-0") and "2/8" in lines[0] and "jobs 3" in lines[0], lines
+    assert lines[1].startswith("kept-0") and "0/1" in lines[1], lines
+    assert lines[-1] == "7 of 9 jobs left in 2 of 2 stages", lines
+    assert study_stages.selected("main-1", ["main"]) and not study_stages.selected("main-1", ["kept"])

@@ -6,6 +6,7 @@
                                          # record; its task failed the gate (the lm report's first section)
     sdp-bench cpu-study --study image    # ResNet-18 width 16, digits (conf/experiment/cpu_study_image.yaml)
     sdp-bench cpu-study --study lm --render-only   # the report again from the committed runs
+    sdp-bench cpu-study --study lm --status        # per stage: jobs finished, stopped, left (runs nothing)
 
 (``python benchmarks/cpu_study.py ...``, the command the committed reports name, runs the same.)
 
@@ -24,19 +25,17 @@ finished job and resumes a checkpointed one when the command is run again):
   ``runs/main/kept/seed-<s>`` (LM, stages ``kept-<s>``, seeds 0-4): B-SDP C = 0.5 out of the main sweep, with its final
   weights kept (``train.save_final``): the main row, and the fixed plan the re-draw and one-model sections compare
   with (:attr:`sdp.bench.study_report.Study.kept`), run once instead of once per section; each stage whose runs keep
-  their weights is followed by ``sdp-bench diagnose`` of them (:func:`diagnose_kept`);
+  their weights is followed by ``sdp-bench diagnose`` of them (:func:`sdp.bench.study_stages.diagnose_kept`);
 - ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
   rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``) and
   the baselines of :data:`LM_BASELINES` (DDP+AC, FSDP+AC, local SGD, DiLoCo, PowerSGD; seeds 0-2; their peaks and
   step times in ``runs/peaks`` and ``runs/timing`` as every method's, with B-SDP C = 0.5 + AC's in the lm study:
   its losses are B-SDP C = 0.5's by construction); ``lm_text`` also the small dense model
   (``variant=ddp_small_c50``, seeds 0-2: DDP at one worker's depth, FLOP-matched; the LM study's are the gate's);
-- ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth (the
-  main sweep gives 8 blocks);
-- ``runs/remedies`` (LM, issue 28; the image study: the LM's best two rules, seeds 0-2): B-SDP C = 0.5 with plan re-draws (``parallelism.redraw=shuffle|rolling``,
-  every 50 and 200 steps) and, where no main row kept its weights (``lm_text``, image), with its fixed plan again
-  (the ensemble column), seeds 0-4 (LM: 0-2), one sweep per seed
-  and period (``seed-<s>/R50``, ``seed-<s>/R200``), seeds 0-2 of both periods first;
+- ``runs/depth`` (LM): B-SDP C = 0.5 with 4 and 12 blocks, seeds 0-2: the assembly gap against depth;
+- ``runs/remedies`` (LM, issue 28; the image study: the LM's best two rules, seeds 0-2): B-SDP C = 0.5 with plan
+  re-draws (``parallelism.redraw=shuffle|rolling``, every 50 and 200 steps) and, where no main row kept its weights
+  (``lm_text``, image), its fixed plan again (the ensemble column), one sweep per seed and period (``seed-<s>/R50``);
   ``runs/remedies/peaks``: each re-draw rule once for 20 steps with the tracker on and one re-draw at step 10 (its peak);
   ``runs/remedies/timing``: the fixed plan and each rule once for 110 steps with two re-draws, tracker off, nothing
   else running (the step time: median step plus one re-draw's seconds over R);
@@ -50,7 +49,8 @@ finished job and resumes a checkpointed one when the command is run again):
 - ``runs/onemodel`` (LM, issue 39, run after every other stage): B-SDP C = 0.5 with its fixed plan and its
   final weights kept (``seed-<s>/fixed``, ``lm_text`` only: the LM study's are ``runs/main/kept``) and the remedies that
   keep one model (``seed-<s>/remedies``: consolidation over the last 10/20/30 % of the budget, with distillation,
-  assembly calibration; ``lm``: and from the first step), seeds 0-4, one stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
+  assembly calibration; ``lm``: also over 50 % and all of it, and all of it at branch scale 1), seeds 0-4, one
+  stage per seed and group (``onemodel-<s>-fixed``, ``onemodel-<s>-remedies``);
   ``runs/onemodel/peaks``: one PEAK_STEPS-step run per mechanism with the tracker on, every phase inside it
   (``onemodelpeaks-cons``: the consolidation switch near the middle; ``onemodelpeaks-cal``: calibration after the
   last step). The report's section: :mod:`sdp.bench.one_model`.
@@ -62,13 +62,13 @@ kind of stage is a key there and a line in :func:`stages`.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import yaml
 
 from sdp.bench.gate import gate_stages
-from sdp.bench.runs import ROOT, parser, sdp_train
+from sdp.bench.runs import ROOT, parser
+from sdp.bench.study_stages import run_stages, status_lines
 from sdp.bench.verdicts import write_index, write_report
 
 PEAK_STEPS, TIMING_STEPS = 20, 60
@@ -247,40 +247,6 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
     return result
 
 
-def run_study(*, study: str, out: Path, only: list[str] | None) -> float:
-    """Run every stage (or those named in ``only``) one after another; returns the wall seconds."""
-    start = time.time()
-    for name, args in stages(study=study, out=out):
-        if only and name.split("-")[0] not in only and name not in only:
-            continue
-        t0 = time.time()
-        print(f"[{study}] {name}: sdp-train {' '.join(args)}", flush=True)
-        sdp_train(args).check_returncode()
-        diagnose_kept(args)
-        print(f"[{study}] {name}: {time.time() - t0:.0f} s", flush=True)
-    return time.time() - start
-
-
-def diagnose_kept(args: list[str]) -> list[Path]:
-    """A stage whose runs kept their final weights (``train.save_final``) is followed by their diagnosis
-    (:mod:`sdp.bench.diagnose`, issue 39: one process per run, seconds at this scale), so that the study's one
-    command writes what its report reads; a run already diagnosed is skipped, as ``train.skip_done`` skips a run."""
-    from sdp.bench.diagnose import DIAGNOSIS, diagnose
-    from sdp.report.runs import run_dirs
-    from sdp.results.rundir import RunDir
-
-    if not any(a.startswith("train.save_final=") and a != "train.save_final=none" for a in args):
-        return []
-    sweep = Path(next(a for a in args if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
-    done = []
-    for run in (Path(r) for r in run_dirs(sweep)):
-        if RunDir(run).final.is_dir() and not (run / DIAGNOSIS).exists():
-            diagnose(run)
-            print(f"diagnosed {run} ({DIAGNOSIS})", flush=True)
-            done.append(run)
-    return done
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = parser(suite="cpu-study", doc=__doc__)
     ap.add_argument("--study", choices=sorted(STUDIES), required=True)
@@ -289,9 +255,13 @@ def main(argv: list[str] | None = None) -> int:
                     "timing,onemodel,onemodelpeaks (default all; a kind takes every stage of it, e.g. main: the LM study's main-0..2, "
                     "peaks: peaks-small too), or one stage by its full name (e.g. gate-cpu_study_lm-s0-L4, main-1)")
     ap.add_argument("--render-only", action="store_true", help="write the report from existing runs")
+    ap.add_argument("--status", action="store_true", help="list each stage's finished, stopped and left jobs; run nothing")
     args = ap.parse_args(argv)
+    if args.status:
+        print("\n".join(status_lines(stages=stages(study=args.study, out=args.out), only=args.only.split(",") if args.only else None)))
+        return 0
     if not args.render_only:
-        seconds = run_study(study=args.study, out=args.out, only=args.only.split(",") if args.only else None)
+        seconds = run_stages(study=args.study, stages=stages(study=args.study, out=args.out), only=args.only.split(",") if args.only else None)
         print(f"[{args.study}] all stages: {seconds / 60:.1f} min wall", flush=True)
     files = [*write_report(study_dir=args.out / args.study, study=args.study,
                            header=STUDIES[args.study].get("header", "")), write_index(out=args.out)]

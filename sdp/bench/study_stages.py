@@ -1,0 +1,100 @@
+"""Running a study's stages one after another (:mod:`sdp.bench.cpu_study` says what they are), each followed by the
+diagnosis of the runs that kept their weights, and what is left of them without running anything
+(``sdp-bench cpu-study --study S --status``).
+
+A study of some hundred runs on two CPU cores spans days and sessions, and is resumed stage by stage
+(``train.skip_done``). Before spending the time a user needs to know, per stage, how many of its sweep's jobs
+finished (a ``summary.json``), how many started and stopped (a run directory without one: the study keeps no
+checkpoints, so such a job restarts from step 0) and how many never started. The job count is the sweep's own: the
+product of its comma-separated overrides, as Hydra's basic sweeper expands them (jobs ``0 .. N-1`` under
+``hydra.sweep.dir``)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdp.bench.runs import sdp_train
+from sdp.results.rundir import RunDir
+
+SWEEP_DIR = "hydra.sweep.dir="
+
+
+def selected(name: str, only: list[str] | None) -> bool:
+    """Whether ``--only`` takes the stage ``name``: no filter, its kind (``main`` for ``main-1``) or its full name."""
+    return not only or name.split("-")[0] in only or name in only
+
+
+def run_stages(*, study: str, stages: list[tuple[str, list[str]]], only: list[str] | None) -> float:
+    """Run every stage (or those ``only`` selects) one after another; returns the wall seconds."""
+    start = time.time()
+    for name, args in stages:
+        if not selected(name, only):
+            continue
+        t0 = time.time()
+        print(f"[{study}] {name}: sdp-train {' '.join(args)}", flush=True)
+        sdp_train(args).check_returncode()
+        diagnose_kept(args)
+        print(f"[{study}] {name}: {time.time() - t0:.0f} s", flush=True)
+    return time.time() - start
+
+
+def diagnose_kept(args: list[str]) -> list[Path]:
+    """A stage whose runs kept their final weights (``train.save_final``) is followed by their diagnosis
+    (:mod:`sdp.bench.diagnose`, issue 39: one process per run, seconds at this scale), so that the study's one
+    command writes what its report reads; a run already diagnosed is skipped, as ``train.skip_done`` skips a run."""
+    from sdp.bench.diagnose import DIAGNOSIS, diagnose
+    from sdp.report.runs import run_dirs
+
+    if not any(a.startswith("train.save_final=") and a != "train.save_final=none" for a in args):
+        return []
+    sweep = Path(next(a for a in args if a.startswith(SWEEP_DIR))[len(SWEEP_DIR):])
+    done = []
+    for run in (Path(r) for r in run_dirs(sweep)):
+        if RunDir(run).final.is_dir() and not (run / DIAGNOSIS).exists():
+            diagnose(run)
+            print(f"diagnosed {run} ({DIAGNOSIS})", flush=True)
+            done.append(run)
+    return done
+
+
+def sweep_jobs(args: list[str]) -> int:
+    """The number of jobs Hydra's basic sweeper makes of ``args``: the product of each override's comma-separated
+    values (``hydra.*`` keys configure the launcher, not the sweep; a ``{...}`` or ``[...]`` value is one value)."""
+    values = [a.split("=", 1)[1] for a in args if "=" in a and not a.startswith("hydra.")]
+    return math.prod(1 if v.startswith(("{", "[")) else len(v.split(",")) for v in values)
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    name: str
+    sweep: Path
+    jobs: int
+    done: list[int]
+    stopped: list[int]  # started, no summary.json: restarts from step 0
+
+    @property
+    def left(self) -> int:
+        return self.jobs - len(self.done)
+
+
+def stage_status(*, name: str, args: list[str]) -> StageStatus:
+    sweep = Path(next(a for a in args if a.startswith(SWEEP_DIR))[len(SWEEP_DIR):])
+    jobs = sweep_jobs(args)
+    done = [i for i in range(jobs) if RunDir(sweep / str(i)).summary.is_file()]
+    stopped = [i for i in range(jobs) if i not in done and (sweep / str(i)).is_dir()]
+    return StageStatus(name=name, sweep=sweep, jobs=jobs, done=done, stopped=stopped)
+
+
+def status_lines(*, stages: list[tuple[str, list[str]]], only: list[str] | None) -> list[str]:
+    """One line per selected stage (name, finished/jobs, the stopped jobs) and a total of the jobs left."""
+    rows = [stage_status(name=name, args=args) for name, args in stages if selected(name, only)]
+    width = max((len(r.name) for r in rows), default=0)
+    out = [f"{r.name:<{width}}  {len(r.done):>3}/{r.jobs:<3} done"
+           + (f"  stopped (restart from step 0): jobs {', '.join(map(str, r.stopped))}" if r.stopped else "")
+           + ("" if r.left else "  (complete)") for r in rows]
+    left = sum(r.left for r in rows)
+    out.append(f"{left} of {sum(r.jobs for r in rows)} jobs left in {sum(1 for r in rows if r.left)} of {len(rows)} stages")
+    return out
