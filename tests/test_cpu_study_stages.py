@@ -135,3 +135,10 @@ def test_status_counts_each_stages_finished_stopped_and_left_jobs(tmp_path: Path
     assert lines[1].startswith("kept-0") and "0/1" in lines[1], lines
     assert lines[-1] == "7 of 9 jobs left in 2 of 2 stages", lines
     assert study_stages.selected("main-1", ["main"]) and not study_stages.selected("main-1", ["kept"])
+
+
+def test_only_that_selects_no_stage_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    stages = cpu_study.stages(study="lm", out=tmp_path)
+    study_stages.check_only(stages=stages, only=["main", "kept-1", "onemodel-0-remedies"])
+    with pytest.raises(SystemExit, match=r"^--only mian,kept-9: no such stage; allowed: a kind \(.*main.*\)"):
+        study_stages.check_only(stages=stages, only=["mian", "main-0", "kept-9"])

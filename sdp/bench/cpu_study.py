@@ -68,7 +68,7 @@ import yaml
 
 from sdp.bench.gate import gate_stages
 from sdp.bench.runs import ROOT, parser
-from sdp.bench.study_stages import run_stages, status_lines
+from sdp.bench.study_stages import check_only, run_stages, status_lines
 from sdp.bench.verdicts import write_index, write_report
 
 PEAK_STEPS, TIMING_STEPS = 20, 60
@@ -257,11 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render-only", action="store_true", help="write the report from existing runs")
     ap.add_argument("--status", action="store_true", help="list each stage's finished, stopped and left jobs; run nothing")
     args = ap.parse_args(argv)
+    todo, only = stages(study=args.study, out=args.out), args.only.split(",") if args.only else None
+    check_only(stages=todo, only=only)
     if args.status:
-        print("\n".join(status_lines(stages=stages(study=args.study, out=args.out), only=args.only.split(",") if args.only else None)))
+        print("\n".join(status_lines(stages=todo, only=only)))
         return 0
     if not args.render_only:
-        seconds = run_stages(study=args.study, stages=stages(study=args.study, out=args.out), only=args.only.split(",") if args.only else None)
+        seconds = run_stages(study=args.study, stages=todo, only=only)
         print(f"[{args.study}] all stages: {seconds / 60:.1f} min wall", flush=True)
     files = [*write_report(study_dir=args.out / args.study, study=args.study,
                            header=STUDIES[args.study].get("header", "")), write_index(out=args.out)]

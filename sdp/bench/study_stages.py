@@ -27,8 +27,20 @@ def selected(name: str, only: list[str] | None) -> bool:
     return not only or name.split("-")[0] in only or name in only
 
 
+def check_only(*, stages: list[tuple[str, list[str]]], only: list[str] | None) -> None:
+    """Refuse, before anything runs, an ``--only`` item that selects no stage (a typo would otherwise run nothing
+    and re-render the report as if it had), naming the kinds and an example of a full stage name."""
+    names = [name for name, _ in stages]
+    kinds = sorted({name.split("-")[0] for name in names})
+    unknown = [o for o in only or [] if not any(selected(name, [o]) for name in names)]
+    if unknown:
+        raise SystemExit(f"--only {','.join(unknown)}: no such stage; allowed: a kind ({', '.join(kinds)}) or a "
+                         f"stage's full name (e.g. {names[-1]}; --status lists them)")
+
+
 def run_stages(*, study: str, stages: list[tuple[str, list[str]]], only: list[str] | None) -> float:
     """Run every stage (or those ``only`` selects) one after another; returns the wall seconds."""
+    check_only(stages=stages, only=only)
     start = time.time()
     for name, args in stages:
         if not selected(name, only):
