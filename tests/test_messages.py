@@ -38,6 +38,16 @@ def test_a_config_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "sdp.errors.ConfigError: train.steps=-3 is invalid" in full.stderr, full.stderr[-3000:]
 
 
+def test_a_required_key_left_unset_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """``dataset=fineweb`` without ``dataset.root`` (``???`` in its YAML): OmegaConf's MissingMandatoryValue, met
+    where validation first reads the node, is a config error too, naming the key."""
+    proc = _train(f"hydra.run.dir={tmp_path / 'run'}", "dataset=fineweb", "model=llama_tiny")
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert proc.returncode == messages.CONFIG_EXIT, (proc.returncode, lines)
+    assert lines == ["sdp-train: dataset.root is required and has no value (??? in its YAML): give it on the "
+                     "command line, dataset.root=..."], lines
+
+
 def test_a_sweep_job_with_a_config_error_fails_without_a_stack(tmp_path: Path) -> None:
     """``-m``: the job's failure stays Hydra's (the sweep's other jobs are run, as before), printed as the
     job's overrides and the message only."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from hydra.errors import CompactHydraException
+from omegaconf.errors import MissingMandatoryValue
 
 from sdp.errors import ConfigError
 from sdp.rank.checkpoint import checkpoints
@@ -54,12 +55,20 @@ def config_errors(*, prog: str, sweep: bool = False) -> Iterator[None]:
     :class:`JobConfigError`, see the module's docstring); the traceback stays with ``HYDRA_FULL_ERROR=1``."""
     try:
         yield
-    except ConfigError as exc:
+    except (ConfigError, MissingMandatoryValue) as exc:
         if full_traceback():
             raise
+        message = str(exc) if isinstance(exc, ConfigError) else missing_message(exc)
         if sweep:
-            raise JobConfigError(str(exc)) from exc
-        refuse(prog=prog, message=str(exc))
+            raise JobConfigError(message) from exc
+        refuse(prog=prog, message=message)
+
+
+def missing_message(exc: MissingMandatoryValue) -> str:
+    """A required key left at ``???`` in its YAML (``dataset.root`` of ``dataset=fineweb``), met wherever the
+    config is first read: the key and what to do, as a config error's one line."""
+    key = exc.full_key or "a key"
+    return f"{key} is required and has no value (??? in its YAML): give it on the command line, {key}=..."
 
 
 def command(*, prog: str, argv: list[str], add: list[str]) -> str:
