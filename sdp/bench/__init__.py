@@ -21,6 +21,7 @@ SUITES: dict[str, str] = {
     "capacity": "the largest LLaMA each strategy trains within a per-rank memory budget",
     "throughput-model": "no run: sdp-plan's predicted step time, DDP vs SDP C=0.5 on LLaMA-1B at 8 and 64 GPUs per link",
     "memory-anchor": "no run: sdp-plan's training peak of Llama-3.1-8B FSDP against torchtitan's measured 8 and 128 H100s",
+    "one-model-scale": "no run: sdp-plan's peak of every one-model remedy phase vs DDP, DDP+AC, FSDP+AC at LLaMA 1B/8B on 8 GPUs",
     "eval-protocols": "the same trained weights under every eval.bn protocol and evaluation-time rescale",
     "cpu-study": "the CPU-scale study (--study lm|lm_text|image): every run, then its report (--render-only: the report)",
     "diagnose": "no training: why block-level SDP's assembled model loses, from a run's final weights (RUN_DIR...)",

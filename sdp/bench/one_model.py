@@ -32,6 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdp.bench import diagnosis_verdict as D
+from sdp.bench.one_model_scale import context_line
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
 from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, write_csv
 from sdp.report.runs import Run, _max_over_ranks, find_runs
@@ -235,6 +236,7 @@ def context_lines(*, one: OneModel) -> list[str]:
     if "DDP+AC" in one.st.peaks:
         parts.append(f"DDP+AC: DDP's model and loss, training peak {peak('DDP+AC')}x DDP's")
     out = [] if not parts else ["Same-memory alternatives, not remedies (measured peaks: runs/peaks): " + "; ".join(parts) + "."]
+    out += ["", *scale] if (scale := context_line(results_root=one.st.dir.parent.parent)) else []
     bb = one.backward_masked()
     if bb is not None:  # the table's column against it: what consolidation's own mechanism reaches over the budget
         ddp = paired_difference(one.st.rows[bb].values("eval_loss"), one.st.ddp.values("eval_loss"))

@@ -1,0 +1,126 @@
+"""``sdp-bench one-model-scale``: issue 39's memory target (every training phase <= 0.60x DDP's peak) at the scale
+users run, predicted by ``sdp-plan``: LLaMA 1B as the paper trains it and Llama-3.1-8B's shape, bf16 under AdamW on
+8 GPUs, each phase of the one-model remedies beside the same-memory alternatives.
+
+Why: the CPU study measures the phases on a tiny model whose activations are most of DDP's peak, so there DDP with
+activation checkpointing is far below 0.60x and every checkpointed phase with it. At paper scale the model state
+(fp32 master weights, gradients and AdamW's two moments) is a larger share, so both the target and the order of the
+methods can change; a verdict on memory must be read at the shapes it is about. Nothing runs: every figure is
+``sdp-plan``'s (live tensors, CUDA rules; anchored against torchtitan's measured Llama-3.1-8B by
+``sdp-bench memory-anchor``), the fullest rank's, the same as ``sdp-plan <SHAPE> <METHOD> cluster.device=cuda`` prints.
+Predicted, not measured: the measured CPU peaks are the LM study's report.
+
+    sdp-bench one-model-scale --out benchmarks/results/one-model-scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from sdp.bench.remedies import MOONSHOT_PEAK
+from sdp.bench.runs import compose
+from sdp.results.contract import provenance
+
+GIB = 2**30
+RESULT = Path("one-model-scale") / "one_model_scale.json"  # under benchmarks/results, where --out puts it
+COMMON = ["optim=adamw", "train.precision=bf16", "cluster.world_size=8", "cluster.device=cuda",
+          "dataset=synthetic_text"]
+# the paper's LLaMA run (conf/experiment/paper_llama_fineweb.yaml: GPT-2 vocabulary, 1024 tokens, 8 sequences per
+# worker) and Llama-3.1-8B's shape (torchtitan's llama3 8B flavor, as sdp.bench.memory_anchor) at the same batch
+SHAPES = {
+    "LLaMA 1B": ["model=llama_1b", "dataset.vocab_size=50257", "dataset.seq_len=1024", "train.batch_size=8"],
+    "Llama-3.1-8B": ["model=llama_1b", "model.dim=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8",
+                     "model.hidden=14336", "dataset.vocab_size=128256", "dataset.seq_len=1024", "train.batch_size=8"],
+}
+# (row, overrides, the phase's memory key): the remedies' phases (B-SDP C = 0.5), then what a user could run instead
+PHASES = [
+    ("B-SDP C=0.5 (fixed plan; phase 1 of every remedy)", ["variant=b_sdp_c50"], "train_peak_bytes"),
+    ("consolidation phase (backward masking + AC)", ["variant=b_sdp_c50_cons30"], "consolidate_peak_bytes"),
+    ("consolidation phase + distillation", ["variant=b_sdp_c50_cons20_kd50"], "consolidate_peak_bytes"),
+    ("calibration phase", ["variant=b_sdp_c50_cal"], "calibrate_peak_bytes"),
+    ("B-SDP C=0.5 + AC", ["variant=b_sdp_c50_ac"], "train_peak_bytes"),
+    ("B_β-SDP C=0.5 (one model, no AC)", ["variant=bb_sdp_c50"], "train_peak_bytes"),
+    ("DDP", ["variant=ddp"], "train_peak_bytes"),
+    ("DDP+AC", ["variant=ddp_ac"], "train_peak_bytes"),
+    ("FSDP+AC", ["variant=fsdp_ac"], "train_peak_bytes"),
+    ("DDP at a worker's depth (half the blocks)", ["variant=ddp", "HALF"], "train_peak_bytes"),
+]
+
+
+def predicted(overrides: list[str], key: str) -> dict[str, float]:
+    """The fullest rank's predicted peak of the phase ``key`` and its model state (GiB), from ``sdp-plan``."""
+    from sdp.planning.planner import predict
+
+    ranks = predict(compose(overrides))["memory"]["per_rank"]
+    peaks = [m.get(key) for m in ranks]
+    assert all(p for p in peaks), f"sdp-plan predicted no {key} for {overrides}: {peaks}"
+    state = max(m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in ranks)
+    return {"peak_gib": max(peaks) / GIB, "model_state_gib": state / GIB}
+
+
+def half_depth(shape: list[str]) -> list[str]:
+    """``shape`` with half its blocks (one B-SDP C = 0.5 worker's depth), read from the composed model."""
+    return [*shape, f"model.n_layers={int(compose([*COMMON, *shape]).model.n_layers) // 2}"]
+
+
+def grid() -> dict[str, dict[str, dict[str, float]]]:
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for shape, shape_over in SHAPES.items():
+        out[shape] = {}
+        for row, over, key in PHASES:
+            base = half_depth(shape_over) if "HALF" in over else shape_over
+            out[shape][row] = predicted([*COMMON, *base, *(o for o in over if o != "HALF")], key)
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = ["# Issue 39's memory target at paper scale (predicted by sdp-plan, not measured)", "",
+             f"Each row: the fullest rank's predicted training peak of one phase (`sdp-plan`, CUDA rules, live tensors), "
+             f"over DDP's at the same shape; the target is ≤ {MOONSHOT_PEAK:.2f}x in every phase. Common overrides: "
+             f"`{' '.join(COMMON)}`; shapes: " + "; ".join(f"{s}: `{' '.join(o)}`" for s, o in SHAPES.items())
+             + ". Written by `sdp-bench one-model-scale --out benchmarks/results/one-model-scale` "
+             "(sdp/bench/one_model_scale.py says why).", ""]
+    shapes = list(results["grid"])
+    lines += ["| phase or method | " + " | ".join(f"{s}: peak GiB | {s}: x DDP | {s}: ≤ {MOONSHOT_PEAK:.2f}x"
+                                                   for s in shapes) + " |",
+              "|---|" + "---|---|---|" * len(shapes)]
+    for row, _, _ in PHASES:
+        cells = []
+        for s in shapes:
+            peak, ddp = results["grid"][s][row]["peak_gib"], results["grid"][s]["DDP"]["peak_gib"]
+            cells += [f"{peak:.1f}", f"{peak / ddp:.3f}", "yes" if peak / ddp <= MOONSHOT_PEAK else "no"]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    lines += ["", "Model state (fp32 weights, gradients, AdamW moments; the fullest rank, GiB): "
+              + "; ".join(f"{s}: DDP {results['grid'][s]['DDP']['model_state_gib']:.1f}, B-SDP C=0.5 "
+                          f"{results['grid'][s][PHASES[0][0]]['model_state_gib']:.1f}" for s in shapes) + ".",
+              "", f"Commit: {results['provenance']['versions'].get('git_commit')}."]
+    return "\n".join(lines) + "\n"
+
+
+def context_line(*, results_root: Path) -> list[str]:
+    """The LM study report's line on this suite (none before it was run): each shape's consolidation phase and
+    DDP+AC against the target, so that the CPU verdict's memory half is read beside the shapes it is about."""
+    path = results_root / RESULT
+    if not path.is_file():
+        return []
+    g = json.loads(path.read_text())["grid"]
+    ratio = lambda s, row: g[s][row]["peak_gib"] / g[s]["DDP"]["peak_gib"]  # noqa: E731
+    parts = [f"{s}: consolidation phase {ratio(s, PHASES[1][0]):.3f}x, DDP+AC {ratio(s, 'DDP+AC'):.3f}x, "
+             f"FSDP+AC {ratio(s, 'FSDP+AC'):.3f}x" for s in g]
+    return [f"At paper scale, predicted by sdp-plan (not measured; bf16, AdamW, 8 GPUs, every phase: "
+            f"[{RESULT.with_suffix('.md').name}](../../{RESULT.with_suffix('.md').as_posix()})): " + "; ".join(parts) + "."]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sdp-bench one-model-scale", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for one_model_scale.md and one_model_scale.json")
+    args = ap.parse_args(argv)
+    results = {"common": COMMON, "shapes": SHAPES, "grid": grid(), "provenance": provenance()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "one_model_scale.json").write_text(json.dumps(results, indent=1, default=str))
+    (args.out / "one_model_scale.md").write_text(render(results))
+    print(render(results))
+    return 0

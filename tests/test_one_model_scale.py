@@ -1,0 +1,43 @@
+"""sdp-bench one-model-scale (sdp/bench/one_model_scale.py): each phase over DDP's predicted peak against the 0.60x
+target, the worker-depth row's half model, and the LM report's line (none before the suite was run). The grid here is
+hand-made; the planner's own figures are the suite's run (benchmarks/results/one-model-scale)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sdp.bench import one_model_scale as S
+from sdp.bench.runs import compose
+
+
+def _grid(peaks: dict[str, float]) -> dict:
+    return {shape: {row: {"peak_gib": peaks.get(row, 50.0), "model_state_gib": 10.0} for row, _, _ in S.PHASES}
+            for shape in S.SHAPES}
+
+
+def test_each_phase_is_read_against_ddp_and_the_target() -> None:
+    cons, ddp_ac = S.PHASES[1][0], "DDP+AC"
+    results = {"grid": _grid({"DDP": 100.0, cons: 45.0, ddp_ac: 61.0}), "provenance": {"versions": {"git_commit": "abc"}}}
+    text = S.render(results)
+    assert f"| {cons} | 45.0 | 0.450 | yes |" in text, text
+    assert "| DDP+AC | 61.0 | 0.610 | no |" in text, text  # above 0.60x: misses the target
+    assert "| DDP | 100.0 | 1.000 | no |" in text and "Commit: abc." in text, text
+
+
+def test_the_worker_depth_row_has_half_the_blocks() -> None:
+    for shape in S.SHAPES.values():
+        full = int(compose([*S.COMMON, *shape]).model.n_layers)
+        assert compose([*S.COMMON, *S.half_depth(shape)]).model.n_layers == full // 2, shape
+
+
+def test_the_lm_report_line_reads_the_suites_result(tmp_path: Path) -> None:
+    assert S.context_line(results_root=tmp_path) == []
+    cons = S.PHASES[1][0]
+    (tmp_path / S.RESULT).parent.mkdir(parents=True)
+    (tmp_path / S.RESULT).write_text(json.dumps({"grid": _grid({"DDP": 100.0, cons: 45.0, "DDP+AC": 61.0,
+                                                                "FSDP+AC": 18.0})}))
+    (line,) = S.context_line(results_root=tmp_path)
+    shape = next(iter(S.SHAPES))
+    assert f"{shape}: consolidation phase 0.450x, DDP+AC 0.610x, FSDP+AC 0.180x" in line, line
+    assert "(../../one-model-scale/one_model_scale.md)" in line and "not measured" in line, line
