@@ -156,3 +156,35 @@ def test_distilled_loss_fits_the_teacher_on_the_scored_positions_only() -> None:
     per_row = (log_t.exp() * (log_t - log_s)).sum(-1)
     got = distilled_loss(ce=ce, student=student, teacher=teacher, targets=targets, alpha=1.0)
     assert torch.allclose(got, per_row.mean()), (got, per_row)
+
+
+@pytest.mark.parametrize("chunk", [3, 4, 1024])
+def test_the_chunked_distillation_term_and_its_gradient_equal_autograds(chunk: int) -> None:
+    """The KL term computed and differentiated ``chunk`` positions at a time (sdp_consolidate._ChunkedKL: no
+    vocabulary-sized float32 copy of the batch) equals autograd over the whole batch, value and gradient in the
+    student's logits, unscored positions included (zero gradient there); the teacher gets no gradient."""
+    from torch.nn import functional as F
+
+    from sdp.data.base import IGNORE_INDEX
+    from sdp.parallel.sdp_consolidate import distilled_loss
+
+    g = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
+    targets = torch.randint(0, 11, (2, 5), generator=g)
+    targets[1, 2:] = IGNORE_INDEX
+    a, b = student.clone().requires_grad_(True), student.clone().requires_grad_(True)
+    t = teacher.clone().requires_grad_(True)
+    ce = torch.zeros(())
+    got = distilled_loss(ce=ce, student=a, teacher=t, targets=targets, alpha=0.7, chunk=chunk)
+    kept = (targets.reshape(-1) != IGNORE_INDEX).float()
+    log_s, log_t = F.log_softmax(b.reshape(-1, 11), dim=-1), F.log_softmax(teacher.reshape(-1, 11), dim=-1)
+    want = 0.7 * ((log_t.exp() * (log_t - log_s)).sum(-1) * kept).sum() / kept.sum()
+    assert torch.allclose(got, want, atol=1e-6), (got, want)
+    got.backward()
+    want.backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-6), (a.grad - b.grad).abs().max()
+    assert a.grad[1, 2:].abs().max() == 0 and t.grad is None, (a.grad[1], t.grad)
+    half = student.to(torch.bfloat16).requires_grad_(True)
+    distilled_loss(ce=ce, student=half, teacher=teacher.to(torch.bfloat16), targets=targets, alpha=1.0,
+                   chunk=chunk).backward()
+    assert half.grad.dtype == torch.bfloat16, half.grad.dtype
