@@ -21,7 +21,8 @@ and consolidation's loss is ``(1 - alpha) CE + alpha KL(teacher || model)`` on t
 Memory in phase 2 (per rank, fp32, Adam; P the model's parameter bytes, h the held share of them): parameters of
 every block P, gradients and two Adam moments of the held part 3 h P, so 2.5 P at h = 0.5 against DDP's 4 P = 0.625x
 DDP's model state before any activation (forward masking: 4 h P = 0.5x); activations are one checkpointed input per
-block plus one block's recomputation, and the teacher adds its own h P. So plain fp32 phase 2 does not meet a
+block plus one block's recomputation, and the teacher adds its own h P and its logits (the KL term is chunked:
+:class:`_ChunkedKL`). So plain fp32 phase 2 does not meet a
 training peak of 0.60x DDP at C = 0.5 unless activations dominate DDP's peak (they enter DDP's peak in full and
 phase 2's only as checkpoints); ``sdp-plan`` predicts phase 2's peak (``consolidate_peak_bytes``,
 :func:`sdp.parallel.sdp_peaks.consolidate_peaks`) and the tracker measures it (memory phase ``consolidate``).
