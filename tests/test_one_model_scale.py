@@ -12,8 +12,10 @@ from sdp.bench.runs import compose
 
 
 def _grid(peaks: dict[str, float]) -> dict:
-    return {shape: {row: {"peak_gib": peaks.get(row, 50.0), "model_state_gib": 10.0} for row, _, _ in S.PHASES}
-            for shape in S.SHAPES}
+    """As grid() writes it: each row's peak, model state and its ratio to DDP's peak."""
+    ddp = peaks.get("DDP", 50.0)
+    return {shape: {row: {"peak_gib": peaks.get(row, 50.0), "model_state_gib": 10.0, "x_ddp": peaks.get(row, 50.0) / ddp}
+                    for row, _, _ in S.PHASES} for shape in S.SHAPES}
 
 
 def test_each_phase_is_read_against_ddp_and_the_target() -> None:
