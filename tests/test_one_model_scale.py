@@ -29,8 +29,8 @@ def test_each_phase_is_read_against_ddp_and_the_target() -> None:
 
 def test_the_worker_depth_row_has_half_the_blocks() -> None:
     for shape in S.SHAPES.values():
-        full = int(compose([*S.COMMON, *shape]).model.n_layers)
-        assert compose([*S.COMMON, *S.half_depth(shape)]).model.n_layers == full // 2, shape
+        full = int(compose(shape).model.n_layers)
+        assert compose(S.half_depth(shape)).model.n_layers == full // 2, shape
 
 
 def test_the_lm_report_line_reads_the_suites_result(tmp_path: Path) -> None:
@@ -39,7 +39,9 @@ def test_the_lm_report_line_reads_the_suites_result(tmp_path: Path) -> None:
     (tmp_path / S.RESULT).parent.mkdir(parents=True)
     (tmp_path / S.RESULT).write_text(json.dumps({"grid": _grid({"DDP": 100.0, cons: 45.0, "DDP+AC": 61.0,
                                                                 "FSDP+AC": 18.0})}))
-    (line,) = S.context_line(results_root=tmp_path)
-    shape = next(iter(S.SHAPES))
+    own, gap, line = S.context_line(results_root=tmp_path)
+    assert gap == "" and "at this study's own shape" in own and "consolidation 0.450x" in own, own
+    shape = [s for s in S.SHAPES if s != S.CPU_SHAPE][0]
     assert f"{shape}: consolidation phase 0.450x, DDP+AC 0.610x, FSDP+AC 0.180x" in line, line
+    assert S.CPU_SHAPE not in line, line
     assert "(../../one-model-scale/one_model_scale.md)" in line and "not measured" in line, line

@@ -1,6 +1,7 @@
 """``sdp-bench one-model-scale``: issue 39's memory target (every training phase <= 0.60x DDP's peak) at the scale
 users run, predicted by ``sdp-plan``: LLaMA 1B as the paper trains it and Llama-3.1-8B's shape, bf16 under AdamW on
-8 GPUs, each phase of the one-model remedies beside the same-memory alternatives.
+8 GPUs, each phase of the one-model remedies beside the same-memory alternatives; and the LM study's own shape,
+whose measured peaks check the planner.
 
 Why: the CPU study measures the phases on a tiny model whose activations are most of DDP's peak, so there DDP with
 activation checkpointing is far below 0.60x and every checkpointed phase with it. At paper scale the model state
@@ -26,14 +27,18 @@ from sdp.results.contract import provenance
 
 GIB = 2**30
 RESULT = Path("one-model-scale") / "one_model_scale.json"  # under benchmarks/results, where --out puts it
-COMMON = ["optim=adamw", "train.precision=bf16", "cluster.world_size=8", "cluster.device=cuda",
-          "dataset=synthetic_text"]
-# the paper's LLaMA run (conf/experiment/paper_llama_fineweb.yaml: GPT-2 vocabulary, 1024 tokens, 8 sequences per
-# worker) and Llama-3.1-8B's shape (torchtitan's llama3 8B flavor, as sdp.bench.memory_anchor) at the same batch
+GPU = ["optim=adamw", "train.precision=bf16", "cluster.world_size=8", "cluster.device=cuda", "dataset=synthetic_text"]
+CPU_SHAPE = "CPU study"
+# the LM study's own model and run (fp32, 4 gloo ranks: the shape whose peaks the study measures, so the planner is
+# checked against them), the paper's LLaMA run (conf/experiment/paper_llama_fineweb.yaml: GPT-2 vocabulary, 1024
+# tokens, 8 sequences per worker) and Llama-3.1-8B's shape (torchtitan's llama3 8B flavor, as
+# sdp.bench.memory_anchor) at the same batch
 SHAPES = {
-    "LLaMA 1B": ["model=llama_1b", "dataset.vocab_size=50257", "dataset.seq_len=1024", "train.batch_size=8"],
-    "Llama-3.1-8B": ["model=llama_1b", "model.dim=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8",
-                     "model.hidden=14336", "dataset.vocab_size=128256", "dataset.seq_len=1024", "train.batch_size=8"],
+    CPU_SHAPE: ["experiment=cpu_study_lm_automaton"],
+    "LLaMA 1B": [*GPU, "model=llama_1b", "dataset.vocab_size=50257", "dataset.seq_len=1024", "train.batch_size=8"],
+    "Llama-3.1-8B": [*GPU, "model=llama_1b", "model.dim=4096", "model.n_layers=32", "model.n_heads=32",
+                     "model.n_kv_heads=8", "model.hidden=14336", "dataset.vocab_size=128256", "dataset.seq_len=1024",
+                     "train.batch_size=8"],
 }
 # (row, overrides, the phase's memory key): the remedies' phases (B-SDP C = 0.5), then what a user could run instead
 PHASES = [
@@ -63,7 +68,7 @@ def predicted(overrides: list[str], key: str) -> dict[str, float]:
 
 def half_depth(shape: list[str]) -> list[str]:
     """``shape`` with half its blocks (one B-SDP C = 0.5 worker's depth), read from the composed model."""
-    return [*shape, f"model.n_layers={int(compose([*COMMON, *shape]).model.n_layers) // 2}"]
+    return [*shape, f"model.n_layers={int(compose(shape).model.n_layers) // 2}"]
 
 
 def grid() -> dict[str, dict[str, dict[str, float]]]:
@@ -72,7 +77,7 @@ def grid() -> dict[str, dict[str, dict[str, float]]]:
         out[shape] = {}
         for row, over, key in PHASES:
             base = half_depth(shape_over) if "HALF" in over else shape_over
-            out[shape][row] = predicted([*COMMON, *base, *(o for o in over if o != "HALF")], key)
+            out[shape][row] = predicted([*base, *(o for o in over if o != "HALF")], key)
         for row in out[shape].values():  # each phase over DDP's peak at the same shape, computed here once
             row["x_ddp"] = row["peak_gib"] / out[shape]["DDP"]["peak_gib"]
     return out
@@ -81,8 +86,9 @@ def grid() -> dict[str, dict[str, dict[str, float]]]:
 def render(results: dict[str, Any]) -> str:
     lines = ["# Issue 39's memory target at paper scale (predicted by sdp-plan, not measured)", "",
              f"Each row: the fullest rank's predicted training peak of one phase (`sdp-plan`, CUDA rules, live tensors), "
-             f"over DDP's at the same shape; the target is ≤ {MOONSHOT_PEAK:.2f}x in every phase. Common overrides: "
-             f"`{' '.join(COMMON)}`; shapes: " + "; ".join(f"{s}: `{' '.join(o)}`" for s, o in SHAPES.items())
+             f"over DDP's at the same shape; the target is ≤ {MOONSHOT_PEAK:.2f}x in every phase. Shapes: "
+             + "; ".join(f"{s}: `{' '.join(o)}`" for s, o in SHAPES.items())
+             + f" ({CPU_SHAPE}: the LM study's own, whose peaks its report measures)"
              + ". Written by `sdp-bench one-model-scale --out benchmarks/results/one-model-scale` "
              "(sdp/bench/one_model_scale.py says why).", ""]
     shapes = list(results["grid"])
@@ -103,23 +109,30 @@ def render(results: dict[str, Any]) -> str:
 
 
 def context_line(*, results_root: Path) -> list[str]:
-    """The LM study report's line on this suite (none before it was run): each shape's consolidation phase and
-    DDP+AC against the target, so that the CPU verdict's memory half is read beside the shapes it is about."""
+    """The LM study report's lines on this suite (none before it was run): the planner's phases at the study's own
+    shape (beside the measured ones), and each paper shape's consolidation phase, DDP+AC and FSDP+AC, so that the
+    CPU verdict's memory half is read beside the shapes it is about."""
     path = results_root / RESULT
     if not path.is_file():
         return []
-    g = json.loads(path.read_text())["grid"]
-    parts = [f"{s}: consolidation phase {g[s][PHASES[1][0]]['x_ddp']:.3f}x, DDP+AC {g[s]['DDP+AC']['x_ddp']:.3f}x, "
-             f"FSDP+AC {g[s]['FSDP+AC']['x_ddp']:.3f}x" for s in g]
-    return [f"At paper scale, predicted by sdp-plan (not measured; bf16, AdamW, 8 GPUs, every phase: "
-            f"[{RESULT.with_suffix('.md').name}](../../{RESULT.with_suffix('.md').as_posix()})): " + "; ".join(parts) + "."]
+    g, link = json.loads(path.read_text())["grid"], f"[{RESULT.with_suffix('.md').name}](../../{RESULT.with_suffix('.md').as_posix()})"
+    x = lambda s, row: f"{g[s][row]['x_ddp']:.3f}x"  # noqa: E731
+    own = [f"sdp-plan's prediction at this study's own shape ({link}), x DDP's predicted peak, beside the measured "
+           f"columns above: phase 1 {x(CPU_SHAPE, PHASES[0][0])}, consolidation {x(CPU_SHAPE, PHASES[1][0])}, with "
+           f"distillation {x(CPU_SHAPE, PHASES[2][0])}, calibration {x(CPU_SHAPE, PHASES[3][0])}; DDP+AC "
+           f"{x(CPU_SHAPE, 'DDP+AC')}."] if CPU_SHAPE in g else []
+    parts = [f"{s}: consolidation phase {x(s, PHASES[1][0])}, DDP+AC {x(s, 'DDP+AC')}, FSDP+AC {x(s, 'FSDP+AC')}"
+             for s in g if s != CPU_SHAPE]
+    return [*own, *([""] if own and parts else []),
+            *([f"At paper scale, predicted by sdp-plan (not measured; bf16, AdamW, 8 GPUs, every phase: {link}): "
+               + "; ".join(parts) + "."] if parts else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sdp-bench one-model-scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for one_model_scale.md and one_model_scale.json")
     args = ap.parse_args(argv)
-    results = {"common": COMMON, "shapes": SHAPES, "grid": grid(), "provenance": provenance()}
+    results = {"shapes": SHAPES, "grid": grid(), "provenance": provenance()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "one_model_scale.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "one_model_scale.md").write_text(render(results))
