@@ -22,9 +22,10 @@ def test_each_phase_is_read_against_ddp_and_the_target() -> None:
     cons, ddp_ac = S.PHASES[1][0], "DDP+AC"
     results = {"grid": _grid({"DDP": 100.0, cons: 45.0, ddp_ac: 61.0}), "provenance": {"versions": {"git_commit": "abc"}}}
     text = S.render(results)
-    assert f"| {cons} | 45.0 | 0.450 | yes |" in text, text
-    assert "| DDP+AC | 61.0 | 0.610 | no |" in text, text  # above 0.60x: misses the target
-    assert "| DDP | 100.0 | 1.000 | no |" in text and "Commit: abc." in text, text
+    assert f"| {cons} | 45.0 GiB | 0.450 | yes |" in text, text
+    assert "| DDP+AC | 61.0 GiB | 0.610 | no |" in text, text  # above 0.60x: misses the target
+    assert "| DDP | 100.0 GiB | 1.000 | no |" in text and "Commit: abc." in text, text
+    assert S.size(0.0275) == "28.16 MiB", S.size(0.0275)
 
 
 def test_the_worker_depth_row_has_half_the_blocks() -> None:

@@ -11,7 +11,8 @@ methods can change; a verdict on memory must be read at the shapes it is about. 
 ``sdp-bench memory-anchor``), the fullest rank's, the same as ``sdp-plan <SHAPE> <METHOD> cluster.device=cuda`` prints.
 Predicted, not measured: the measured CPU peaks are the LM study's report.
 
-    sdp-bench one-model-scale --out benchmarks/results/one-model-scale
+    sdp-bench one-model-scale --out benchmarks/results/one-model-scale                # predict, then write both files
+    sdp-bench one-model-scale --out benchmarks/results/one-model-scale --render-only  # the markdown again from the JSON
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def grid() -> dict[str, dict[str, dict[str, float]]]:
     return out
 
 
+def size(gib: float) -> str:
+    """GiB, or MiB below one GiB (the CPU study's model is a few MiB)."""
+    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.2f} MiB"
+
+
 def render(results: dict[str, Any]) -> str:
     lines = ["# Issue 39's memory target at paper scale (predicted by sdp-plan, not measured)", "",
              f"Each row: the fullest rank's predicted training peak of one phase (`sdp-plan`, CUDA rules, live tensors), "
@@ -92,18 +98,18 @@ def render(results: dict[str, Any]) -> str:
              + ". Written by `sdp-bench one-model-scale --out benchmarks/results/one-model-scale` "
              "(sdp/bench/one_model_scale.py says why).", ""]
     shapes = list(results["grid"])
-    lines += ["| phase or method | " + " | ".join(f"{s}: peak GiB | {s}: x DDP | {s}: ≤ {MOONSHOT_PEAK:.2f}x"
+    lines += ["| phase or method | " + " | ".join(f"{s}: peak | {s}: x DDP | {s}: ≤ {MOONSHOT_PEAK:.2f}x"
                                                    for s in shapes) + " |",
               "|---|" + "---|---|---|" * len(shapes)]
     for row, _, _ in PHASES:
         cells = []
         for s in shapes:
             cell = results["grid"][s][row]
-            cells += [f"{cell['peak_gib']:.1f}", f"{cell['x_ddp']:.3f}", "yes" if cell["x_ddp"] <= MOONSHOT_PEAK else "no"]
+            cells += [size(cell["peak_gib"]), f"{cell['x_ddp']:.3f}", "yes" if cell["x_ddp"] <= MOONSHOT_PEAK else "no"]
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    lines += ["", "Model state (fp32 weights, gradients, AdamW moments; the fullest rank, GiB): "
-              + "; ".join(f"{s}: DDP {results['grid'][s]['DDP']['model_state_gib']:.1f}, B-SDP C=0.5 "
-                          f"{results['grid'][s][PHASES[0][0]]['model_state_gib']:.1f}" for s in shapes) + ".",
+    lines += ["", "Model state (fp32 weights, gradients, AdamW moments; the fullest rank): "
+              + "; ".join(f"{s}: DDP {size(results['grid'][s]['DDP']['model_state_gib'])}, B-SDP C=0.5 "
+                          f"{size(results['grid'][s][PHASES[0][0]]['model_state_gib'])}" for s in shapes) + ".",
               "", f"Commit: {results['provenance']['versions'].get('git_commit')}."]
     return "\n".join(lines) + "\n"
 
@@ -131,10 +137,14 @@ def context_line(*, results_root: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sdp-bench one-model-scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for one_model_scale.md and one_model_scale.json")
+    ap.add_argument("--render-only", action="store_true", help="write one_model_scale.md again from its JSON")
     args = ap.parse_args(argv)
-    results = {"shapes": SHAPES, "grid": grid(), "provenance": provenance()}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "one_model_scale.json").write_text(json.dumps(results, indent=1, default=str))
+    if args.render_only:
+        results = json.loads((args.out / RESULT.name).read_text())
+    else:
+        results = {"shapes": SHAPES, "grid": grid(), "provenance": provenance()}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / RESULT.name).write_text(json.dumps(results, indent=1, default=str))
     (args.out / "one_model_scale.md").write_text(render(results))
     print(render(results))
     return 0
