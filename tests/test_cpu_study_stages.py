@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sdp.bench import cpu_study, study_stages
-from sdp.results.rundir import RunDir
+from sdp.results.rundir import RunDir, checkpoint_meta
 
 
 def _variants(args: list[str]) -> list[str]:
@@ -118,7 +118,8 @@ def test_a_stage_that_keeps_final_weights_is_followed_by_their_diagnosis(tmp_pat
 
 def test_status_counts_each_stages_finished_stopped_and_left_jobs(tmp_path: Path) -> None:
     """--status: a sweep's jobs are the product of its comma lists (Hydra's basic sweeper); a job with summary.json
-    is finished, a run directory without one stopped (it restarts from step 0), the rest never started."""
+    is finished, a run directory without one unfinished (it goes on from its last checkpoint, or from step 0), the
+    rest never started."""
     got = dict(cpu_study.stages(study="lm", out=tmp_path))
     assert study_stages.sweep_jobs(got["main-0"]) == 8, got["main-0"]  # 8 variants x 1 seed
     assert study_stages.sweep_jobs(["variant=a,b", "seed=0,1,2", "model.n_layers=4,12", "hydra.sweep.dir=x,y"]) == 12
@@ -128,10 +129,15 @@ def test_status_counts_each_stages_finished_stopped_and_left_jobs(tmp_path: Path
         (sweep / str(job)).mkdir(parents=True)
     for job in (0, 1):
         RunDir(sweep / str(job)).summary.write_text("{}")
+    (sweep / "5").mkdir()
+    ckpt = RunDir(sweep / "5").checkpoint(40)
+    ckpt.mkdir(parents=True)
+    checkpoint_meta(ckpt).write_text("{}")
     st = study_stages.stage_status(name="main-0", args=got["main-0"])
-    assert (st.jobs, st.done, st.stopped, st.left) == (8, [0, 1], [3], 6), st
+    assert (st.jobs, st.done, st.unfinished, st.left) == (8, [0, 1], {3: None, 5: 40}, 6), st
     lines = study_stages.status_lines(stages=list(got.items()), only=["main-0", "kept-0"])
-    assert lines[0].startswith("main-0") and "2/8" in lines[0] and "jobs 3" in lines[0], lines
+    assert lines[0].startswith("main-0") and "2/8" in lines[0], lines
+    assert "job 3 from step 0; job 5 from its checkpoint at step 40" in lines[0], lines
     assert lines[1].startswith("kept-0") and "0/1" in lines[1], lines
     assert lines[-1] == "7 of 9 jobs left in 2 of 2 stages", lines
     assert study_stages.selected("main-1", ["main"]) and not study_stages.selected("main-1", ["kept"])

@@ -4,8 +4,9 @@ diagnosis of the runs that kept their weights, and what is left of them without 
 
 A study of some hundred runs on two CPU cores spans days and sessions, and is resumed stage by stage
 (``train.skip_done``). Before spending the time a user needs to know, per stage, how many of its sweep's jobs
-finished (a ``summary.json``), how many started and stopped (a run directory without one: the study keeps no
-checkpoints, so such a job restarts from step 0) and how many never started. The job count is the sweep's own: the
+finished (a ``summary.json``), which started and did not finish (a run directory without one: running, or stopped,
+and then going on from its last checkpoint, or from step 0 where it has none, as the CPU studies' runs) and how
+many never started. The job count is the sweep's own: the
 product of its comma-separated overrides, as Hydra's basic sweeper expands them (jobs ``0 .. N-1`` under
 ``hydra.sweep.dir``)."""
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdp.bench.runs import sdp_train
+from sdp.rank.checkpoint import checkpoints
 from sdp.results.rundir import RunDir
 
 SWEEP_DIR = "hydra.sweep.dir="
@@ -85,7 +87,7 @@ class StageStatus:
     sweep: Path
     jobs: int
     done: list[int]
-    stopped: list[int]  # started, no summary.json: restarts from step 0
+    unfinished: dict[int, int | None]  # started, no summary.json (running, or stopped): its last checkpoint's step
 
     @property
     def left(self) -> int:
@@ -96,16 +98,22 @@ def stage_status(*, name: str, args: list[str]) -> StageStatus:
     sweep = Path(next(a for a in args if a.startswith(SWEEP_DIR))[len(SWEEP_DIR):])
     jobs = sweep_jobs(args)
     done = [i for i in range(jobs) if RunDir(sweep / str(i)).summary.is_file()]
-    stopped = [i for i in range(jobs) if i not in done and (sweep / str(i)).is_dir()]
-    return StageStatus(name=name, sweep=sweep, jobs=jobs, done=done, stopped=stopped)
+    unfinished = {i: (checkpoints(sweep / str(i)) or [(None, None)])[-1][0]
+                  for i in range(jobs) if i not in done and (sweep / str(i)).is_dir()}
+    return StageStatus(name=name, sweep=sweep, jobs=jobs, done=done, unfinished=unfinished)
 
 
 def status_lines(*, stages: list[tuple[str, list[str]]], only: list[str] | None) -> list[str]:
-    """One line per selected stage (name, finished/jobs, the stopped jobs) and a total of the jobs left."""
+    """One line per selected stage (name, finished/jobs, the unfinished jobs: where each would go on from) and a
+    total of the jobs left."""
     rows = [stage_status(name=name, args=args) for name, args in stages if selected(name, only)]
     width = max((len(r.name) for r in rows), default=0)
+
+    def from_(step: int | None) -> str:
+        return "from step 0" if step is None else f"from its checkpoint at step {step}"
     out = [f"{r.name:<{width}}  {len(r.done):>3}/{r.jobs:<3} done"
-           + (f"  stopped (restart from step 0): jobs {', '.join(map(str, r.stopped))}" if r.stopped else "")
+           + ("  started, unfinished (running, or stopped: resumes "
+              + "; ".join(f"job {i} {from_(step)}" for i, step in r.unfinished.items()) + ")" if r.unfinished else "")
            + ("" if r.left else "  (complete)") for r in rows]
     left = sum(r.left for r in rows)
     out.append(f"{left} of {sum(r.jobs for r in rows)} jobs left in {sum(1 for r in rows if r.left)} of {len(rows)} stages")
