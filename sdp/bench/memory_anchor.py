@@ -37,8 +37,9 @@ from sdp.results.contract import provenance
 GIB = 2**30
 # Llama-3.1-8B (torchtitan's llama3 "8B" flavor: dim 4096, 32 layers, 32 heads, 8 kv heads, FFN 14,336, vocabulary
 # 128,256) at its llama3_8b.toml's sequence length, Tables 1 and 3's local batch, bf16 FSDP2 with AdamW
-ANCHOR = ["model=llama_1b", "model.dim=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8",
-          "model.hidden=14336", "dataset=synthetic_text", "dataset.vocab_size=128256", "dataset.seq_len=8192",
+LLAMA3_8B = ["model=llama_1b", "model.dim=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8",
+             "model.hidden=14336"]  # the model's overrides alone (throughput_model, one_model_scale too)
+ANCHOR = [*LLAMA3_8B, "dataset=synthetic_text", "dataset.vocab_size=128256", "dataset.seq_len=8192",
           "train.batch_size=2", "parallelism=fsdp", "train.precision=bf16", "optim=adamw", "cluster.device=cuda"]
 # GPUs -> published memory (GiB, torchtitan's max reserved), FSDP without compile or Float8 (Tables 1 and 3)
 PUBLISHED = {8: 82.4, 128: 67.0}
@@ -49,13 +50,22 @@ SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torch
 TOLERANCE = 0.10  # the difference check: predicted within 10 % of the published difference
 
 
-def predicted(overrides: list[str]) -> dict[str, float]:
-    """The fullest rank's predicted training peak and model state (GiB) of ``sdp-plan`` for ``overrides``."""
+def predicted_phase(overrides: list[str], *, key: str = "train_peak_bytes") -> tuple[float, float]:
+    """The fullest rank's predicted peak of the memory phase ``key`` (``summary.json`` memory key: training,
+    consolidation, calibration) and its model state, in GiB, of ``sdp-plan`` for ``overrides``."""
     from sdp.planning.planner import predict
 
     ranks = predict(compose(overrides))["memory"]["per_rank"]
+    peaks = [m.get(key) for m in ranks]
+    assert all(peaks), f"sdp-plan predicted no {key} for {overrides}: {peaks}"
     state = [m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in ranks]
-    return {"train_peak_gib": max(m["train_peak_bytes"] for m in ranks) / GIB, "model_state_gib": max(state) / GIB}
+    return max(peaks) / GIB, max(state) / GIB
+
+
+def predicted(overrides: list[str]) -> dict[str, float]:
+    """The fullest rank's predicted training peak and model state (GiB) of ``sdp-plan`` for ``overrides``."""
+    peak, state = predicted_phase(overrides)
+    return {"train_peak_gib": peak, "model_state_gib": state}
 
 
 def checks(grid: dict[int, dict[str, dict[str, float]]]) -> dict[str, Any]:

@@ -239,7 +239,7 @@ def context_lines(*, one: OneModel) -> list[str]:
     out += ["", *scale] if (scale := context_line(results_root=one.st.dir.parent.parent)) else []
     bb = one.backward_masked()
     if bb is not None:  # the table's column against it: what consolidation's own mechanism reaches over the budget
-        ddp = paired_difference(one.st.rows[bb].values("eval_loss"), one.st.ddp.values("eval_loss"))
+        ddp = one.st.paired(bb)
         out += ["", f"The mark consolidation is read against (one model, but over the peak target: backward masking "
                     f"without AC's recomputation, the whole budget): {bb}: eval loss "
                     f"{pm(*one.st.rows[bb].mean_std('eval_loss'))} (mean ± sd), − DDP {interval(ddp)}, training peak "

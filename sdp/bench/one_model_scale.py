@@ -22,11 +22,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sdp.bench.memory_anchor import LLAMA3_8B, predicted_phase
 from sdp.bench.remedies import MOONSHOT_PEAK
 from sdp.bench.runs import compose
 from sdp.results.contract import provenance
 
-GIB = 2**30
 RESULT = Path("one-model-scale") / "one_model_scale.json"  # under benchmarks/results, where --out puts it
 GPU = ["optim=adamw", "train.precision=bf16", "cluster.world_size=8", "cluster.device=cuda", "dataset=synthetic_text"]
 CPU_SHAPE = "CPU study"
@@ -37,10 +37,9 @@ CPU_SHAPE = "CPU study"
 SHAPES = {
     CPU_SHAPE: ["experiment=cpu_study_lm_automaton"],
     "LLaMA 1B": [*GPU, "model=llama_1b", "dataset.vocab_size=50257", "dataset.seq_len=1024", "train.batch_size=8"],
-    "Llama-3.1-8B": [*GPU, "model=llama_1b", "model.dim=4096", "model.n_layers=32", "model.n_heads=32",
-                     "model.n_kv_heads=8", "model.hidden=14336", "dataset.vocab_size=128256", "dataset.seq_len=1024",
-                     "train.batch_size=8"],
+    "Llama-3.1-8B": [*GPU, *LLAMA3_8B, "dataset.vocab_size=128256", "dataset.seq_len=1024", "train.batch_size=8"],
 }
+WORKER_DEPTH = "DDP at a worker's depth (half the blocks)"  # the row whose shape has half its blocks (half_depth)
 # (row, overrides, the phase's memory key): the remedies' phases (B-SDP C = 0.5), then what a user could run instead
 PHASES = [
     ("B-SDP C=0.5 (fixed plan; phase 1 of every remedy)", ["variant=b_sdp_c50"], "train_peak_bytes"),
@@ -52,19 +51,14 @@ PHASES = [
     ("DDP", ["variant=ddp"], "train_peak_bytes"),
     ("DDP+AC", ["variant=ddp_ac"], "train_peak_bytes"),
     ("FSDP+AC", ["variant=fsdp_ac"], "train_peak_bytes"),
-    ("DDP at a worker's depth (half the blocks)", ["variant=ddp", "HALF"], "train_peak_bytes"),
+    (WORKER_DEPTH, ["variant=ddp"], "train_peak_bytes"),
 ]
 
 
 def predicted(overrides: list[str], key: str) -> dict[str, float]:
     """The fullest rank's predicted peak of the phase ``key`` and its model state (GiB), from ``sdp-plan``."""
-    from sdp.planning.planner import predict
-
-    ranks = predict(compose(overrides))["memory"]["per_rank"]
-    peaks = [m.get(key) for m in ranks]
-    assert all(p for p in peaks), f"sdp-plan predicted no {key} for {overrides}: {peaks}"
-    state = max(m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in ranks)
-    return {"peak_gib": max(peaks) / GIB, "model_state_gib": state / GIB}
+    peak, state = predicted_phase(overrides, key=key)
+    return {"peak_gib": peak, "model_state_gib": state}
 
 
 def half_depth(shape: list[str]) -> list[str]:
@@ -77,8 +71,8 @@ def grid() -> dict[str, dict[str, dict[str, float]]]:
     for shape, shape_over in SHAPES.items():
         out[shape] = {}
         for row, over, key in PHASES:
-            base = half_depth(shape_over) if "HALF" in over else shape_over
-            out[shape][row] = predicted([*base, *(o for o in over if o != "HALF")], key)
+            base = half_depth(shape_over) if row == WORKER_DEPTH else shape_over
+            out[shape][row] = predicted([*base, *over], key)
         for row in out[shape].values():  # each phase over DDP's peak at the same shape, computed here once
             row["x_ddp"] = row["peak_gib"] / out[shape]["DDP"]["peak_gib"]
     return out

@@ -41,8 +41,8 @@ def check_only(*, stages: list[tuple[str, list[str]]], only: list[str] | None) -
 
 
 def run_stages(*, study: str, stages: list[tuple[str, list[str]]], only: list[str] | None) -> float:
-    """Run every stage (or those ``only`` selects) one after another; returns the wall seconds."""
-    check_only(stages=stages, only=only)
+    """Run every stage (or those ``only`` selects, checked by the caller: :func:`check_only`) one after another;
+    returns the wall seconds."""
     start = time.time()
     for name, args in stages:
         if not selected(name, only):
@@ -64,7 +64,7 @@ def diagnose_kept(args: list[str]) -> list[Path]:
 
     if not any(a.startswith("train.save_final=") and a != "train.save_final=none" for a in args):
         return []
-    sweep = Path(next(a for a in args if a.startswith(SWEEP_DIR))[len(SWEEP_DIR):])
+    sweep = sweep_dir(args)
     done = []
     for run in (Path(r) for r in run_dirs(sweep)):
         if RunDir(run).final.is_dir() and not (run / DIAGNOSIS).exists():
@@ -72,6 +72,11 @@ def diagnose_kept(args: list[str]) -> list[Path]:
             print(f"diagnosed {run} ({DIAGNOSIS})", flush=True)
             done.append(run)
     return done
+
+
+def sweep_dir(args: list[str]) -> Path:
+    """The stage's sweep directory (its ``hydra.sweep.dir=`` override): jobs ``0 .. N-1`` live below it."""
+    return Path(next(a for a in args if a.startswith(SWEEP_DIR))[len(SWEEP_DIR):])
 
 
 def sweep_jobs(args: list[str]) -> int:
@@ -95,7 +100,7 @@ class StageStatus:
 
 
 def stage_status(*, name: str, args: list[str]) -> StageStatus:
-    sweep = Path(next(a for a in args if a.startswith(SWEEP_DIR))[len(SWEEP_DIR):])
+    sweep = sweep_dir(args)
     jobs = sweep_jobs(args)
     done = [i for i in range(jobs) if RunDir(sweep / str(i)).summary.is_file()]
     unfinished = {i: (checkpoints(sweep / str(i)) or [(None, None)])[-1][0]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from sdp.bench.memory_anchor import LLAMA3_8B
 from sdp.bench.runs import compose
 from sdp.driver.config import validate
 from sdp.metrics.hardware import links
@@ -41,8 +42,7 @@ GPU = "h100_80gb"
 # local batch 1 at seq 8192, bf16, selective activation checkpointing: 2,904 (layer AC) to 2,973 (op AC) tokens/s/GPU,
 # each predicted at its own setting (ANCHOR_AC: op is train.ac=op; layer AC's frequency is not stated, torchtitan's
 # option 2, every second block, is assumed)
-ANCHOR = ["model=llama_1b", "model.dim=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8",
-          "model.hidden=14336", "dataset=synthetic_text", "dataset.vocab_size=128256", "dataset.seq_len=8192",
+ANCHOR = [*LLAMA3_8B, "dataset=synthetic_text", "dataset.vocab_size=128256", "dataset.seq_len=8192",
           "train.batch_size=1", "cluster.world_size=64", "parallelism=fsdp", "train.precision=bf16", "optim=adamw",
           "cluster.gpu=a100_80gb", "cluster.link=ib_ndr"]
 ANCHOR_TOKENS_S = (2904.0, 2973.0)
