@@ -82,3 +82,35 @@ def test_memory_keys_are_validated() -> None:
 
     with pytest.raises(ConfigCompositionException, match="memory.tracker=maybe"):  # typed: refused by Hydra
         validate(compose([*base, "memory.tracker=maybe"]))
+
+
+def test_the_host_side_of_a_batch_does_not_count_and_its_device_copy_does() -> None:
+    """A GPU run draws the sampler's epoch permutation and assembles a batch on the host; only the batch it moves
+    to the device counts. On a CPU run the permutation (8 bytes per training sample, drawn inside the first step
+    of an epoch) used to count as an activation: 1.6 MB on the LM study's task, in every method's peak."""
+    from torch.utils.data import TensorDataset
+
+    from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches
+    from sdp.rank.device_batches import device_batches
+
+    samples, batch, seq = 100_000, 8, 16
+    x_all = torch.zeros(samples, seq, dtype=torch.long)
+    data = DataBundle(train=TensorDataset(x_all, x_all), val=TensorDataset(x_all[:8], x_all[:8]), task="lm",
+                      num_classes=4, input_shape=(seq,))
+    for tracked in (False, True):
+        peak = PeakTracker(device=torch.device("cpu"))
+        peak.start()
+        try:
+            peak.set_phase("train")
+            sampler = GlobalBatchSampler(num_samples=samples, global_batch=batch, seed=0)
+            raw = train_batches(data, sampler=sampler, start=0, stop=2, replica=0, replicas=1)
+            kept = list(device_batches(raw, device=torch.device("cpu"), peak=peak if tracked else None))
+            out = peak.summary()
+        finally:
+            peak.stop()
+        pair = 2 * batch * seq * 8  # (inputs, targets) of one step, int64
+        assert sampler._perm is not None and sampler._perm.numel() == samples and len(kept) == 2
+        if tracked:  # the two steps' batches are live, the permutation (800 000 bytes) is not counted
+            assert out["train_peak_bytes"] == 2 * pair, out
+        else:  # without the host side the permutation is an activation of the step that drew it
+            assert out["train_peak_bytes"] >= samples * 8, out

@@ -27,13 +27,14 @@ does under ``torch.cuda.set_per_process_memory_fraction``.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
-IGNORED = "ignored"  # storages that exist but are not counted (the in-memory dataset)
+IGNORED = "ignored"  # storages that exist but are not counted (the in-memory dataset, the data pipeline's host work)
 
 
 class MemoryBudgetExceeded(torch.OutOfMemoryError):
@@ -52,20 +53,22 @@ class LiveTensorTracker(TorchDispatchMode):
         self.total = 0
         self.peak = 0
         self.peak_by_cat = dict(self.by_cat)
+        self._made = "activations"  # the category of what ops make now (IGNORED inside :meth:`uncounted`)
 
     # ---- the mode -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        made = self._made
         if isinstance(out, torch.Tensor):
-            self._track(out)
+            self._track(out, made)
         elif isinstance(out, (tuple, list)):
             for t in out:
                 if isinstance(t, torch.Tensor):
-                    self._track(t)
+                    self._track(t, made)
                 elif isinstance(t, (tuple, list)):
                     for u in t:
                         if isinstance(u, torch.Tensor):
-                            self._track(u)
+                            self._track(u, made)
         return out
 
     def _track(self, t: torch.Tensor, category: str = "activations") -> None:
@@ -136,6 +139,16 @@ class LiveTensorTracker(TorchDispatchMode):
                     self.total -= entry[0]
                 entry[1] = category
                 self._add(category, entry[0])
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """What ops make inside exists but does not count (IGNORED) until :meth:`label` names a category for it:
+        the work a GPU run does on the host, such as the data pipeline's epoch permutation and batch assembly."""
+        prev, self._made = self._made, IGNORED
+        try:
+            yield
+        finally:
+            self._made = prev
 
     def reset_peak(self) -> None:
         self.peak = self.total

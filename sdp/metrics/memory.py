@@ -145,6 +145,22 @@ class PeakTracker:
         if self.tracker is not None:
             self.tracker.label(tensors, "ignored")
 
+    @contextmanager
+    def host_side(self) -> Iterator[None]:
+        """Work that a GPU run does on the host does not count on a CPU run either: the data pipeline's epoch
+        permutation (8 bytes per training sample, drawn lazily inside a step) and its batch assembly. Only what
+        reaches the device counts: :meth:`on_device` names it."""
+        if self.tracker is None:
+            yield
+            return
+        with self.tracker.uncounted():
+            yield
+
+    def on_device(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Tensors now on the rank's device (a batch moved there; on the CPU the host's own tensors) count as activations."""
+        if self.tracker is not None:
+            self.tracker.label(tensors, "activations")
+
     def watch(self, state: Callable[[], tuple[nn.Module | None, torch.optim.Optimizer | None]]) -> None:
         """``state()`` -> (model, optimizer) now (SDP's re-draws replace both)."""
         self._watched = state

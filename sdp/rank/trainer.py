@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from sdp.rank import checkpoint, evaluation, guards, hostmem
 from sdp.data.base import DataBundle, GlobalBatchSampler, train_batches
+from sdp.rank.device_batches import device_batches
 from sdp.rank.faults import Faults
 from sdp.rank.schedule import Cadence, lr_lambda
 from sdp.results.evalresult import EvalResult
@@ -139,10 +140,10 @@ class Trainer:
         tc = self.cfg.train
         steps, warmup = self.cadence.steps, int(tc.warmup_steps)
         bar = ProgressBar(total=steps, enabled=self.ctx.rank == 0 and bool(self.cfg.logger.progress))
-        batches = train_batches(
+        batches = device_batches(train_batches(
             self.data, sampler=self.sampler, start=self.state.step, stop=steps,
             replica=self.replica, replicas=self.replicas, num_workers=int(tc.num_workers),
-        )
+        ), device=self.ctx.device, peak=self.peak)
         if self.ctx.device.type == "cpu":
             hostmem.retain_freed_memory()  # steps reuse freed activation pages instead of faulting them in anew
         if self.peak is not None:
@@ -177,17 +178,16 @@ class Trainer:
         """The strategy's phase after the last step (:meth:`~sdp.parallel.base.Strategy.post_training`) on fresh training
         samples: the global batches of the steps after the run's last, this rank's shard as a step reads it."""
         count = self.strategy.post_training_steps()
-        batches = ((x.to(self.ctx.device), y.to(self.ctx.device)) for x, y in train_batches(
+        batches = device_batches(train_batches(
             self.data, sampler=self.sampler, start=steps, stop=steps + count, replica=self.replica, replicas=self.replicas,
-            num_workers=int(self.cfg.train.num_workers)))
+            num_workers=int(self.cfg.train.num_workers)), device=self.ctx.device, peak=self.peak)
         for row in self.strategy.post_training(batches=batches, loss_fn=loss_fn):
             self.logger.log({"step": steps, **row})
 
     def _batch(self, *, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's (inputs, targets) on this rank's device, timed as the ``data`` phase."""
+        """The step's (inputs, targets) on this rank's device (:func:`device_batches`), timed as the ``data`` phase."""
         with self.timer.phase("data"):
-            inputs, targets = next(batches)
-            return inputs.to(self.ctx.device, non_blocking=True), targets.to(self.ctx.device, non_blocking=True)
+            return next(batches)
 
     def _account(self, *, n: int, result: StepResult) -> StepDone:
         """Closes step ``n``: LR schedule, step timer, comm window, the guard's global loss and numerics check
@@ -254,9 +254,11 @@ class Trainer:
                 for r in (range(self.replicas) if every_replica else (self.replica,))]
 
     def _inputs(self, *, steps: range, replica: int) -> Iterator[torch.Tensor]:
-        for x, _ in train_batches(self.data, sampler=self.sampler, start=steps.start, stop=steps.stop,
-                                  replica=replica, replicas=self.replicas, num_workers=int(self.cfg.train.num_workers)):
-            yield x.to(self.ctx.device)
+        for x, _ in device_batches(train_batches(self.data, sampler=self.sampler, start=steps.start, stop=steps.stop,
+                                                 replica=replica, replicas=self.replicas,
+                                                 num_workers=int(self.cfg.train.num_workers)),
+                                   device=self.ctx.device, peak=self.peak):
+            yield x
 
     @torch.no_grad()
     def evaluate(self) -> EvalResult:
