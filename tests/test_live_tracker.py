@@ -114,3 +114,23 @@ def test_the_host_side_of_a_batch_does_not_count_and_its_device_copy_does() -> N
             assert out["train_peak_bytes"] == 2 * pair, out
         else:  # without the host side the permutation is an activation of the step that drew it
             assert out["train_peak_bytes"] >= samples * 8, out
+
+
+def test_a_storage_resized_in_place_counts_its_new_size() -> None:
+    """FSDP2 frees a block's gathered parameters with ``untyped_storage().resize_(0)`` and gathers into them again
+    after ``resize_(size)``; no dispatch mode sees either, so the tracker follows ``resize_`` itself (it kept every
+    block's gathered parameters live after their first gather: FSDP's peaks read 1.6 MB high on the LM study)."""
+    original = torch.UntypedStorage.resize_
+    with LiveTensorTracker() as tr:
+        a = torch.empty(1000)
+        assert tr.total == 4000
+        a.untyped_storage().resize_(0)
+        assert tr.total == 0 and tr.peak == 4000, (tr.total, tr.peak)
+        a.untyped_storage().resize_(8000)
+        assert tr.total == 8000 and tr.peak == 8000, (tr.total, tr.peak)
+        untracked = torch.UntypedStorage(100)
+        untracked.resize_(0)  # not a tensor's output: nothing to follow
+        assert tr.total == 8000 and tr.by_cat["activations"] == 8000
+        del a
+        assert tr.total == 0
+    assert torch.UntypedStorage.resize_ is original  # the hook leaves with the last tracker

@@ -1,10 +1,11 @@
 """sdp-plan's predicted peaks (set-up, train, eval; sdp.parallel.plan_peaks) against the CPU live-tensor
-tracker of the same config on 2 gloo ranks, per rank: within 10 %, except FSDP's training step, a
-rule rather than a rehearsal (FSDP2's all-gather and reduce-scatter buffers are not rehearsed), held
-to 15 % (LOOSE), and the LM study's shape, held to 1 % (the sampler's permutation is host-side work, as on a GPU:
-sdp.rank.device_batches). SDP's evaluation is rehearsed part by part as it runs (sdp.rank.evaluation.partwise_totals);
-under re-draws every peak is the largest over the draws the run makes (and the re-draw peak is checked too);
-the evaluation batch is a rank's share of the real validation set (digits: no ``dataset.num_val``)."""
+tracker of the same config on 2 gloo ranks, per rank: within 10 %, except FSDP's training step, a rule rather than
+a rehearsal (FSDP2's all-gather and reduce-scatter buffers are not rehearsed): an upper bound, at most 20 % above
+(BOUNDS; it counts the largest block four times, the tracker finds about three), and the LM study's shape, within
+1 % (the sampler's permutation is host-side work, as on a GPU: sdp.rank.device_batches). SDP's evaluation is
+rehearsed part by part as it runs (sdp.rank.evaluation.partwise_totals); under re-draws every peak is the largest
+over the draws the run makes (and the re-draw peak is checked too); the evaluation batch is a rank's share of the
+real validation set (digits: no ``dataset.num_val``)."""
 
 from __future__ import annotations
 
@@ -51,10 +52,15 @@ CASES = {
     "ddp_ac_automaton": ["parallelism=ddp", "train.ac=full", "model=llama_tiny", "model.n_layers=8", "dataset=automaton",
                          "dataset.num_val=32", "optim=adamw", "train.batch_size=8", "train.steps=4",
                          "train.warmup_steps=2", "train.eval_every=0", "train.eval_batch_size=16"],
+    # and FSDP+AC there: each block's gathered parameters freed by resize_(0) (sdp.metrics.live follows it)
+    "fsdp_ac_automaton": ["parallelism=fsdp", "train.ac=full", "model=llama_tiny", "model.n_layers=8",
+                          "dataset=automaton", "dataset.num_val=32", "optim=adamw", "train.batch_size=8", "train.steps=4",
+                          "train.warmup_steps=2", "train.eval_every=0", "train.eval_batch_size=16"],
 }
 PEAKS = ("setup_peak_bytes", "train_peak_bytes", "eval_peak_bytes")
-LOOSE = {("fsdp", "train_peak_bytes"): 0.15, ("fsdp_llama_bf16", "train_peak_bytes"): 0.15,
-         **{("ddp_ac_automaton", key): 0.01 for key in PEAKS}}
+BOUNDS = {("fsdp", "train_peak_bytes"): (0.0, 0.20), ("fsdp_llama_bf16", "train_peak_bytes"): (0.0, 0.20),
+          ("fsdp_ac_automaton", "train_peak_bytes"): (0.0, 0.05),
+          **{("ddp_ac_automaton", key): (-0.01, 0.01) for key in PEAKS}}  # (predicted - measured) / measured; else ±10 %
 
 
 @pytest.mark.dist
@@ -72,7 +78,8 @@ def test_predicted_peaks_match_the_cpu_tracker(name: str, tmp_path: Path) -> Non
         for key in keys:
             p, m = pm[key], mm[key]
             checked += 1
-            if abs(p - m) > LOOSE.get((name, key), 0.10) * m:
+            low, high = BOUNDS.get((name, key), (-0.10, 0.10))
+            if not low * m <= p - m <= high * m:
                 errors.append(f"rank {mm['rank']} {key}: predicted {p / 2**20:.2f} MiB, measured {m / 2**20:.2f} MiB "
                               f"({(p - m) / m:+.1%})")
     assert checked == 2 * len(keys) and not errors, f"{name}: " + "; ".join(errors)

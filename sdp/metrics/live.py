@@ -6,7 +6,9 @@ of live tensor storages; this tracker counts the same thing on the CPU. It is a
 ``TorchDispatchMode`` that sees every ATen op's outputs (forward, backward on the calling thread,
 optimizer, collectives' staging) and keys each output by its storage (the C++ ``StorageImpl``), so
 views, in-place results and tensors sharing a storage count once. A weak reference on the storage
-removes it when it dies (storages keep their Python object alive as long as the C++ storage lives).
+removes it when it dies (storages keep their Python object alive as long as the C++ storage lives). A storage
+resized in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees and re-fills its gathered
+parameters so) is followed through a hook on that method while a tracker is entered.
 ``device_type="meta"`` counts meta tensors the same way: ``sdp-plan`` rehearses steps on the meta
 device with it (:mod:`sdp.parallel.plan_peaks`).
 
@@ -34,6 +36,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+_RESIZE = torch.UntypedStorage.resize_
+_TRACKING: list["LiveTensorTracker"] = []  # the trackers entered now, told of every storage resize (_resize)
+
+
+def _resize(storage: torch.UntypedStorage, size: int) -> Any:
+    """``UntypedStorage.resize_`` is a storage method, not an ATen op, so no dispatch mode sees it; FSDP2 frees a
+    block's gathered parameters with ``resize_(0)`` and gathers into them again after ``resize_(size)``. Without this
+    hook the tracker kept every block's gathered parameters live after their first gather."""
+    out = _RESIZE(storage, size)
+    for tracker in _TRACKING:
+        tracker._resized(storage)
+    return out
+
+
 IGNORED = "ignored"  # storages that exist but are not counted (the in-memory dataset, the data pipeline's host work)
 
 
@@ -56,6 +72,18 @@ class LiveTensorTracker(TorchDispatchMode):
         self._made = "activations"  # the category of what ops make now (IGNORED inside :meth:`uncounted`)
 
     # ---- the mode -------------------------------------------------------------------------------
+    def __enter__(self) -> "LiveTensorTracker":
+        if not _TRACKING:
+            torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign]
+        _TRACKING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _TRACKING.remove(self)
+        if not _TRACKING:
+            torch.UntypedStorage.resize_ = _RESIZE  # type: ignore[method-assign]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         made = self._made
@@ -94,6 +122,18 @@ class LiveTensorTracker(TorchDispatchMode):
         ref = weakref.ref(st, lambda r, key=key: self._free(key, r))
         self._live[key] = [nb, category, ref]
         self._add(category, nb)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """A tracked storage's new size, smaller or larger (:func:`_resize`)."""
+        entry = self._live.get(storage._cdata)
+        if entry is None:
+            return
+        old, entry[0] = entry[0], storage.nbytes()
+        if entry[0] > old:
+            self._add(entry[1], entry[0] - old)
+        elif entry[0] < old and entry[1] != IGNORED:
+            self.by_cat[entry[1]] -= old - entry[0]
+            self.total -= old - entry[0]
 
     def _add(self, category: str, nb: int) -> None:
         if category == IGNORED:

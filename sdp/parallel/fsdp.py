@@ -202,7 +202,8 @@ def fsdp_peaks(*, job: JobFacts, model: SDPModel, eval_batch: int, state: list[d
     replica's activation transient, the root unsharded, and for the largest block its unsharded
     parameters twice (running + prefetched) and its unsharded gradients, all in ``param_dtype``, and its
     reduce-scatter input in ``reduce_dtype`` (float32); evaluation unshards every unit (the full
-    parameters in ``param_dtype``) with one all-gather buffer in flight."""
+    parameters in ``param_dtype``) with one all-gather buffer in flight. The training rule is an upper bound: at the
+    peak the CPU tracker finds the largest block about three times, not four (``tests/test_plan_peaks.py``)."""
     compute = compute_replica(model, precision=job.precision)
     full = rehearse(module=compute, trainable=list(compute.parameters()), batch=job.batch_size,
                     eval_batch=eval_batch, optimizer=job.optimizer, example=model.example_input,

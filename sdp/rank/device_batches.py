@@ -5,9 +5,9 @@ where host and device are the same memory. A GPU run draws the sampler's epoch p
 sample, held for the epoch and drawn lazily inside the step that begins it) and indexes the in-memory dataset on
 the host; only the batch it moves to the device counts against the device. Counting the host work on a CPU run
 added the permutation to every method's peak alike (1.6 MB for the LM study's 200 000 sequences), so every ratio
-over DDP's peak read high, and ``sdp-plan``'s rehearsal, which models the device, never sees it. So the batch is made inside the tracker's host side
-(:meth:`sdp.metrics.memory.PeakTracker.host_side`) and counted once on the device
-(:meth:`~sdp.metrics.memory.PeakTracker.on_device`); the in-memory dataset itself is ignored at set-up the same way.
+over DDP's peak read high, and ``sdp-plan``'s rehearsal, which models the device, never sees it. So the batch is
+made inside the tracker's host side (:meth:`sdp.metrics.memory.PeakTracker.host_side`) and counted once on the
+device (:meth:`~sdp.metrics.memory.PeakTracker.on_device`); the in-memory dataset is ignored at set-up the same way.
 """
 
 from __future__ import annotations
