@@ -84,6 +84,7 @@ def trial(*, overrides: list[str], rank: int, world: int, budget: int, device: t
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=dev, backend="gloo")
     sampler = GlobalBatchSampler(num_samples=len(data.train), global_batch=int(cfg.train.batch_size) * world, seed=0)
     x_all, y_all = data.train.tensors
+    sampler.indices(0)  # the epoch's permutation, drawn before the tracker: host-side work (sdp.rank.device_batches)
     tracker = LiveTensorTracker(device_type=dev.type) if dev.type == "cpu" else None
     ok, peak = True, 0
     if dev.type == "cuda":
