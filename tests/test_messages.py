@@ -141,3 +141,22 @@ def test_ctrl_c_of_a_run_names_its_resume_command(tmp_path: Path) -> None:
     assert proc.returncode == messages.INTERRUPT_EXIT and "Traceback" not in out, (proc.returncode, out[-3000:])
     assert _command(lines[-1], "; to resume: ") == ["sdp-train", *QUIET, *args, "train.resume=auto",
                                                     f"hydra.run.dir={run_dir}"], lines[-1]
+
+
+def test_a_fresh_start_into_a_directory_holding_a_run_is_refused_and_nothing_is_lost(tmp_path: Path) -> None:
+    """The metrics logger appends: a second fresh run into the same directory used to add its rows to the first
+    run's (12 rows for a 5-step run), and beside a slimmed run's metrics.jsonl.gz the directory could not be read.
+    Refused in one line, before any rank starts, the directory left as it was."""
+    run = tmp_path / "run"
+    tiny = ["parallelism=ddp", "cluster.world_size=1", "train.steps=3", "train.eval_every=0", "train.warmup_steps=1"]
+    first = _train(f"hydra.run.dir={run}", *tiny)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    again = _train(f"hydra.run.dir={run}", *tiny)
+    lines = [ln for ln in (again.stdout + again.stderr).splitlines() if ln.strip()]
+    assert again.returncode == messages.CONFIG_EXIT and len(lines) == 1, (again.returncode, lines)
+    assert lines[0].startswith(f"sdp-train: hydra.run.dir={str(run)!r} is invalid for a fresh start: it holds "
+                               "another run's metrics.jsonl, summary.json; allowed: a new directory"), lines
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    skipped = _train(f"hydra.run.dir={run}", *tiny, "train.skip_done=true")  # the documented way to re-use it
+    assert skipped.returncode == 0 and "skipped" in skipped.stdout, (skipped.stdout + skipped.stderr)[-3000:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -74,9 +75,13 @@ def split_spec(spec: str) -> tuple[str, str]:
 
 def run_one(*, label: str, spec: str, common: list[str], out: Path, root: Path = ROOT) -> Summary:
     """One ``sdp-train`` job into ``out/label`` and its summary; ``spec``: ``preset[,override,...]``
-    (a ``conf/parallelism`` name and the overrides of this run only), after the ``common`` ones."""
+    (a ``conf/parallelism`` name and the overrides of this run only), after the ``common`` ones. A suite measures
+    again: the label's previous run in ``out`` is replaced (``sdp-train`` refuses a fresh start into a directory
+    holding a run, :func:`sdp.driver.sweep.refuse_used_dir`; committed results stay in git)."""
     preset, *extra = spec.split(",")
     run_dir = Path(out).resolve() / label
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
     args = [f"parallelism={preset}", *common, *extra, f"hydra.run.dir={run_dir}"]
     print("$", sys.executable, "-m sdp.driver.train", " ".join(args), flush=True)
     proc = sdp_train(args, root=root, capture=True, env={"WANDB_MODE": "disabled"})

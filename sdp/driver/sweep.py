@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from sdp.rank import checkpoint
 from sdp.errors import ConfigError
 from sdp.results.contract import RUN_CONTROL_KEYS, scrub
-from sdp.results.rundir import FAILURE, METRICS, METRICS_GZ, RunDir
+from sdp.results.rundir import FAILURE, METRICS, METRICS_GZ, SUMMARY, RunDir
 from sdp.results.summary import Summary, read_json
 
 LEFTOVERS = (METRICS, METRICS_GZ, FAILURE)
@@ -111,3 +111,16 @@ def clear_leftovers(run_dir: Path) -> list[str]:
             (run_dir / name).unlink()
             removed.append(name)
     return removed
+
+
+def refuse_used_dir(run_dir: Path) -> None:
+    """A fresh start (no checkpoint to continue) into a directory that holds another run's results is refused
+    before any rank starts, and nothing is removed: the metrics logger appends, so the rows of two runs would read
+    as one run (a second 5-step run left 12 rows), and beside a slimmed run's ``metrics.jsonl.gz`` the directory
+    could not be read at all. ``train.skip_done`` clears what a run killed before its first checkpoint left."""
+    held = [name for name in (METRICS, METRICS_GZ, SUMMARY) if (run_dir / name).exists()]
+    if held:
+        raise ConfigError(
+            f"hydra.run.dir={str(run_dir)!r} is invalid for a fresh start: it holds another run's {', '.join(held)}; "
+            "allowed: a new directory, train.resume=auto to continue its checkpoint, or train.skip_done=true "
+            "(a complete run with the same config is skipped, one killed before its first checkpoint starts afresh)")

@@ -96,6 +96,8 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
             if done is not None:
                 print(format_summary(done), flush=True)
             return done
+    if ckpt is None:
+        sweep.refuse_used_dir(run_dir)  # every process: the ranks of an external launcher all stop alike
     cfg.train.resume = str(ckpt) if ckpt is not None else None  # ranks load exactly this directory
     if ckpt is not None and driver:
         step = checkpoint_resume.prepare_run_dir(ckpt=ckpt, run_dir=run_dir)
