@@ -96,7 +96,7 @@ def run(cfg: DictConfig, *, run_dir: Path) -> Summary | None:
             if done is not None:
                 print(format_summary(done), flush=True)
             return done
-    if ckpt is None:
+    if ckpt is None and not cfg.train.get("skip_done"):  # skip_done's plan has cleared what it starts over
         sweep.refuse_used_dir(run_dir)  # every process: the ranks of an external launcher all stop alike
     cfg.train.resume = str(ckpt) if ckpt is not None else None  # ranks load exactly this directory
     if ckpt is not None and driver:
