@@ -134,3 +134,19 @@ def test_a_storage_resized_in_place_counts_its_new_size() -> None:
         del a
         assert tr.total == 0
     assert torch.UntypedStorage.resize_ is original  # the hook leaves with the last tracker
+
+
+def test_a_batch_that_is_a_view_of_the_ignored_dataset_adds_nothing() -> None:
+    """A slice of the in-memory dataset shares its storage: on the CPU it costs no bytes, and counting it would
+    count the whole dataset."""
+    peak = PeakTracker(device=torch.device("cpu"))
+    peak.start()
+    try:
+        data = torch.zeros(10_000, 16)
+        peak.ignore([data])
+        with peak.host_side():
+            copy = data[torch.arange(8)]  # advanced indexing: a new storage, the batch
+        peak.on_device([data[:8], copy])
+        assert peak.tracker is not None and peak.tracker.total == copy.numel() * 4, peak.tracker.by_cat
+    finally:
+        peak.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -150,16 +150,15 @@ class PeakTracker:
         """Work that a GPU run does on the host does not count on a CPU run either: the data pipeline's epoch
         permutation (8 bytes per training sample, drawn lazily inside a step) and its batch assembly. Only what
         reaches the device counts: :meth:`on_device` names it."""
-        if self.tracker is None:
-            yield
-            return
-        with self.tracker.uncounted():
+        with self.tracker.uncounted() if self.tracker is not None else nullcontext():
             yield
 
     def on_device(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Tensors now on the rank's device (a batch moved there; on the CPU the host's own tensors) count as activations."""
+        """Tensors now on the rank's device (a batch moved there; on the CPU the host's own tensors) count as activations;
+        a view into a larger storage (a slice of the ignored dataset) adds no bytes on the CPU and is left as it is."""
         if self.tracker is not None:
-            self.tracker.label(tensors, "activations")
+            self.tracker.label((t for t in tensors if t.untyped_storage().nbytes() <= t.numel() * t.element_size()),
+                               "activations")
 
     def watch(self, state: Callable[[], tuple[nn.Module | None, torch.optim.Optimizer | None]]) -> None:
         """``state()`` -> (model, optimizer) now (SDP's re-draws replace both)."""
