@@ -49,6 +49,14 @@ class Recorder:
     def start_measuring(self) -> None:
         self.current = "train"
 
+    @contextmanager
+    def host_side(self) -> Iterator[None]:
+        """The batch's host work (sdp.rank.device_batches): nothing to record."""
+        yield
+
+    def on_device(self, tensors: Any) -> None:
+        pass
+
     def state_dict(self) -> dict[str, Any]:
         """The peak tracker's record a checkpoint keeps (``Trainer.record``): nothing to keep in this stand-in."""
         return {}
