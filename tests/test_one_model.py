@@ -19,19 +19,14 @@ import yaml
 from sdp.bench import cpu_study
 from sdp.bench.one_model import FIXED, PHASES, OneModel, label, one_model_section, phases
 from sdp.bench.study_report import Study
+from sdp.report.runs import run_figures
 from sdp.report.stats import t_half_width
+from sdp.results.summary import read_summary
 
 LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm_text" / "runs"
 
-
-def _train_peak(job: int) -> int:
-    """The fullest rank's training peak of the committed ``runs/peaks/<job>`` (read, so a re-measured peak run keeps
-    the test's hand computation true)."""
-    summary = json.loads((LM / "peaks" / str(job) / "summary.json").read_text())
-    return max(r["train_peak_bytes"] for r in summary["memory"]["per_rank"])
-
-
-DDP_PEAK, BSDP_PEAK = _train_peak(0), _train_peak(2)  # runs/peaks/0 (DDP) and /2 (B-SDP C=0.5)
+# the committed runs/peaks/0 (DDP) and /2 (B-SDP C=0.5), fullest rank, read (a re-measured peak run keeps the test true)
+DDP_PEAK, BSDP_PEAK = (run_figures(read_summary(LM / "peaks" / str(j)))["train_peak_bytes"] for j in (0, 2))
 CONS20 = (0.0, 0.005, 0.01)   # assembled − DDP by seed: +0.005 ± 0.012, upper end +0.017 <= +0.03: quality met
 CONS10 = (0.05, 0.06, 0.07)   # upper end +0.085: quality missed
 CAL = (0.0, 0.005, 0.01)      # quality met, but its calibration peak is 0.65x DDP's

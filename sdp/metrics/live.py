@@ -131,9 +131,8 @@ class LiveTensorTracker(TorchDispatchMode):
         old, entry[0] = entry[0], storage.nbytes()
         if entry[0] > old:
             self._add(entry[1], entry[0] - old)
-        elif entry[0] < old and entry[1] != IGNORED:
-            self.by_cat[entry[1]] -= old - entry[0]
-            self.total -= old - entry[0]
+        elif entry[0] < old:
+            self._sub(entry[1], old - entry[0])
 
     def _add(self, category: str, nb: int) -> None:
         if category == IGNORED:
@@ -148,13 +147,17 @@ class LiveTensorTracker(TorchDispatchMode):
                     f"live tensor bytes {self.total / 2**20:.1f} MiB passed memory.budget_mb="
                     f"{self.budget_bytes / 2**20:.1f} MiB ({', '.join(f'{k} {v / 2**20:.1f}' for k, v in self.by_cat.items())} MiB)")
 
+    def _sub(self, category: str, nb: int) -> None:
+        """``nb`` bytes of ``category`` no longer live (freed, shrunk, or moved to another category)."""
+        if category != IGNORED:
+            self.by_cat[category] -= nb
+            self.total -= nb
+
     def _free(self, key: int, ref: weakref.ref) -> None:
         entry = self._live.get(key)
         if entry is not None and entry[2] is ref:
             del self._live[key]
-            if entry[1] != IGNORED:
-                self.by_cat[entry[1]] -= entry[0]
-                self.total -= entry[0]
+            self._sub(entry[1], entry[0])
 
     # ---- labels and peaks -----------------------------------------------------------------------
     def label(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
@@ -174,9 +177,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 continue
             entry = self._live[key]
             if entry[1] != category:
-                if entry[1] != IGNORED:
-                    self.by_cat[entry[1]] -= entry[0]
-                    self.total -= entry[0]
+                self._sub(entry[1], entry[0])
                 entry[1] = category
                 self._add(category, entry[0])
 
