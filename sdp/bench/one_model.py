@@ -32,6 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdp.bench import diagnosis_verdict as D
+from sdp.bench.baseline_verdicts import small_dense
 from sdp.bench.one_model_scale import context_line
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
 from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, write_csv
@@ -107,18 +108,9 @@ class OneModel:
         return row.runs[min(row.runs)]
 
     def small_dense(self) -> str | None:
-        """The study's DDP row at one worker's depth (the blocks a worker of the remedies' row holds, from its
-        recorded plan: units x k / n; FLOP-matched to the full model; the gate's DDP-4 for C = 0.5): what a user gets
-        at SDP's phase-1 peak without SDP."""
-        if not self.rows:
-            return None
-        run = self.first(next(iter(self.rows.values())))
-        plan = (run.summary.strategy_info if run.summary is not None else {}).get("plan") or {}
-        if not plan:
-            return None
-        depth = round(plan["units"] * plan["k"] / plan["world_size"])  # the blocks each worker holds, as planned
-        return next((name for name, row in self.st.rows.items() if name.startswith("DDP ")
-                     and int(self.first(row).flat.get("model.n_layers", 0)) == depth), None)
+        """The study's DDP row at one worker's depth (:func:`sdp.bench.baseline_verdicts.small_dense`, the blocks a
+        worker of the remedies' row holds as planned): what a user gets at SDP's phase-1 peak without SDP."""
+        return small_dense(self.st, self.first(next(iter(self.rows.values())))) if self.rows else None
 
     def backward_masked(self) -> str | None:
         """The main table's backward-masked row at the remedies' level, coverage, depth and budget, without AC or a

@@ -13,6 +13,7 @@ from pathlib import Path
 from scipy.stats import t as student_t
 
 from sdp.report.runs import Run, run_figures
+from sdp.bench.baseline_verdicts import baseline_lines
 from sdp.bench.frontier import GPU, LINKS, frontier_lines, plot_frontier
 from sdp.bench.gate import gate_section, no_gate_lines
 from sdp.bench.one_model import one_model_section
@@ -146,6 +147,7 @@ def claims(st: Study) -> list[str]:
     lines += ["", "### The reviewers' same-iteration question (DDP's step count, so fewer FLOPs: the table's FLOPs x DDP)", ""]
     for name in ("B-SDP C=0.5 (same iterations)", "B_β-SDP C=0.5 (same iterations)"):
         lines.append(f"- {verdict(st.paired(name), what=f'{name} − DDP', unit=unit)}")
+    lines += ["", *baseline_lines(st, unit=unit)]
     lines += ["", "### The assembled model vs the subnetworks that were trained (B-SDP C = 0.5)", ""]
     lines += gap_lines(st, unit=unit)
     if "FSDP" in st.rows:

@@ -1,0 +1,121 @@
+"""Issue 38's verdicts against the baselines a reviewer asks for, in a CPU study's report: SDP read per resource
+against what a user could run instead, each comparison paired by seed (same data, initial weights and FLOP budget).
+
+Why a section of its own: the parity verdicts compare every method with DDP, which spends more memory and traffic
+than SDP; a reviewer's question is whether SDP buys its saving more cheaply than the field's answers to the same
+constraint. Two kinds of alternative, each from the study's own runs:
+
+- **the small dense model at one worker's depth** (DDP on the blocks a block-level worker holds, FLOP-matched to
+  the full model: :func:`small_dense`): the same training peak without SDP, so SDP's assembled model, its workers'
+  own subnetworks and their ensemble are each paired with it;
+- **the memory and traffic baselines** (activation checkpointing on DDP and FSDP, local SGD, DiLoCo, PowerSGD:
+  :data:`BASELINES`, rows of the main table where they were run): each one's measured training peak and wire bytes
+  per token beside B-SDP C = 0.5's, and B-SDP C = 0.5 minus it.
+
+The closing lines name, per resource, the methods that spend no more than B-SDP C = 0.5 (within
+:data:`SAME_WITHIN`, the grain of a measured peak) and are resolved better in quality: the methods that dominate it
+on that axis. Nothing here is a new measurement: peaks come from ``runs/peaks``, bytes from the main runs
+(:func:`sdp.bench.frontier.frontier_points`), losses from the main table's runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sdp.bench.frontier import frontier_points
+from sdp.bench.study_report import Study, verdict
+from sdp.report.runs import Run
+
+HEADLINE = "B-SDP C=0.5"
+BASELINES = ("DDP+AC", "FSDP+AC", "LocalSGD", "DiLoCo", "PowerSGD")  # row-name prefixes (H, r follow in the name)
+SAME_WITHIN = 0.01  # a resource within 1 % of the headline's counts as the same spend (peaks differ by bytes)
+
+
+def worker_depth(run: Run) -> int | None:
+    """The blocks one worker of a block-level SDP run holds, from its recorded plan (units x k / n); None for
+    another level or a run without a plan."""
+    plan = ((run.summary.strategy_info or {}).get("plan") or {}) if run.summary is not None else {}
+    if plan.get("level") != "block":
+        return None
+    return round(plan["units"] * plan["k"] / plan["world_size"])
+
+
+def small_dense(st: Study, run: Run) -> str | None:
+    """The study's DDP row at ``run``'s worker depth (:func:`worker_depth`), FLOP-matched to the full model (the
+    gate's DDP-4 for B-SDP C = 0.5 of 8 blocks): what a user trains at SDP's peak without SDP; None without one."""
+    depth = worker_depth(run)
+    if depth is None:
+        return None
+    return next((name for name, row in st.rows.items() if name.startswith("DDP ")
+                 and int(row.runs[min(row.runs)].flat.get("model.n_layers", 0)) == depth), None)
+
+
+def _peak(st: Study, name: str) -> str:
+    p = st.ratio(name, "train_peak_bytes", source="peaks")
+    return "peak not measured" if p is None else f"peak {p:.3f}x"
+
+
+def dense_lines(st: Study, *, unit: str) -> list[str]:
+    """Each block-level SDP row against the small dense model at its worker depth (same training peak)."""
+    out = []
+    for name, row in st.rows.items():
+        dense = small_dense(st, row.runs[min(row.runs)])
+        if dense is None or not name.startswith("B-SDP C=") or " " in name[len("B-SDP C="):]:
+            continue  # the plain rows only (no rescale, same-iterations or remedy variants)
+        out.append(f"- {name} ({_peak(st, name)}) against {dense} ({_peak(st, dense)}, the dense model of one "
+                   f"worker's depth):")
+        out.append(f"  - {verdict(st.paired(name, reference=dense), what='assembled model − dense', unit=unit)}")
+        workers = st.paired(name, "eval_loss_workers", reference=dense, ref_key="eval_loss")
+        own = "workers' own subnetworks − dense"
+        out.append(f"  - {verdict(workers, what=own, unit=unit)}")
+        ensemble = st.paired(name, "eval_loss_ensemble", reference=dense, ref_key="eval_loss")
+        if ensemble.mean is not None:
+            out.append(f"  - {verdict(ensemble, what='their ensemble (2x inference) − dense', unit=unit)}")
+    return out or ["- no block-level SDP row with a DDP row at its worker depth"]
+
+
+def _ratio(points: dict[str, dict[str, Any]], name: str, key: str) -> float | None:
+    mine, ddp = points.get(name, {}).get(key), points.get("DDP", {}).get(key)
+    if key == "peak":
+        return mine
+    return None if mine is None or not ddp else mine / ddp
+
+
+def baseline_rows(st: Study) -> list[str]:
+    """The baselines' names, as rows of the main table or, not run yet, of the peak runs."""
+    names = [*st.rows, *(n for n in st.peaks if n not in st.rows)]
+    return [n for n in names if n.startswith(BASELINES)]
+
+
+def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str) -> list[str]:
+    """Per resource, the rows that spend no more than the headline (within SAME_WITHIN) and are resolved better."""
+    out = []
+    for key, what in (("peak", "training peak"), ("wire_per_token", "wire bytes per token")):
+        mine = _ratio(points, HEADLINE, key)
+        if mine is None:
+            continue
+        better = []
+        for name in points:
+            theirs, p = _ratio(points, name, key), st.paired(name, reference=HEADLINE)
+            if name != HEADLINE and theirs is not None and theirs <= mine * (1 + SAME_WITHIN) and p.resolved and p.mean < 0:
+                better.append(f"{name} ({theirs:.3f}x DDP's, lower by {-p.mean:.3f} ± {p.half_width:.3f} {unit}, n = {p.n})")
+        out.append(f"- at or below {HEADLINE}'s {what} ({mine:.3f}x DDP's) and resolved better than its assembled model: "
+                   + ("; ".join(better) if better else "none among the rows run"))
+    return out
+
+
+def baseline_lines(st: Study, *, unit: str) -> list[str]:
+    """The section: the small dense models, each baseline per resource, and which methods dominate B-SDP C = 0.5."""
+    points = frontier_points(st)
+    out = ["### Against the baselines a reviewer asks for (issue 38; FLOP-matched, paired by seed)", "",
+           "Same training peak without SDP: the dense model of one worker's depth.", "", *dense_lines(st, unit=unit),
+           "", f"Memory and traffic baselines (training peak: runs/peaks; wire bytes per token: the main runs), "
+           f"each against {HEADLINE}:", ""]
+    for name in baseline_rows(st):
+        peak, wire = st.ratio(name, "train_peak_bytes", source="peaks"), _ratio(points, name, "wire_per_token")
+        spend = "; ".join([f"peak {peak:.3f}x DDP's" if peak is not None else "peak not measured",
+                           f"wire bytes per token {wire:.3f}x DDP's" if wire is not None else "no main runs yet"])
+        out.append(f"- {name} ({spend}): {verdict(st.paired(HEADLINE, reference=name), what=f'{HEADLINE} − {name}', unit=unit)}")
+    if not baseline_rows(st):
+        out.append(f"- no baseline row (looked for names starting {', '.join(BASELINES)})")
+    return [*out, "", "Which methods dominate it, per resource:", "", *dominance_lines(st, points, unit=unit)]
