@@ -37,7 +37,7 @@ from sdp.bench.one_model_scale import context_line
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
 from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, write_csv
 from sdp.report.runs import Run, _max_over_ranks, find_runs
-from sdp.report.stats import Paired, paired_difference, ratio
+from sdp.report.stats import Paired, paired_difference, ratio, seeds_needed
 
 ONEMODEL, PEAKS = "onemodel", "peaks"  # runs/onemodel and its peak runs (sdp.bench.cpu_study writes them there)
 FIXED = "fixed plan"
@@ -166,8 +166,10 @@ class OneModel:
             out.append("no run paired with DDP by seed")
         elif p.half_width is None:
             out.append(f"quality: one seed ({p.mean:+.3f} nats), no interval")
-        elif p.mean + p.half_width > MOONSHOT_NATS:
-            out.append(f"quality: upper 95 % end {p.mean + p.half_width:+.3f} > +{MOONSHOT_NATS} nats")
+        elif p.mean + p.half_width > MOONSHOT_NATS:  # and whether more seeds could meet it, if the mean held
+            more = ("its mean is above it: at that mean no number of seeds would meet it" if p.mean >= MOONSHOT_NATS else
+                    f"about {seeds_needed(p, MOONSHOT_NATS - p.mean)} seeds would at the observed spread, if the mean held")
+            out.append(f"quality: upper 95 % end {p.mean + p.half_width:+.3f} > +{MOONSHOT_NATS} nats ({more})")
         for col, value in self.peak_ratios(name).items():
             if value is None:
                 out.append(f"{col} peak not measured")

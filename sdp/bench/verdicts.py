@@ -6,11 +6,8 @@ runs rewrites the verdicts too.
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
-
-from scipy.stats import t as student_t
 
 from sdp.report.runs import Run, run_figures
 from sdp.bench.baseline_verdicts import baseline_lines
@@ -18,21 +15,11 @@ from sdp.bench.frontier import GPU, LINKS, frontier_lines, plot_frontier
 from sdp.bench.gate import gate_section, no_gate_lines
 from sdp.bench.one_model import one_model_section
 from sdp.bench.remedies import remedies_section
-from sdp.report.stats import CONFIDENCE, TARGET_FACTOR, Paired, paired_difference
+from sdp.report.stats import TARGET_FACTOR, paired_difference, seeds_needed
 from sdp.bench.study_report import (NOMINAL_RANGE, PAPER_COMMANDS, Row, Study, curve, markdown_table, mean_interval,
                                     pm, verdict, write_csv)
 
 LM_TARGET_HW, IMAGE_TARGET_HW = 0.02, 1.5  # issue 17's interval targets (nats; accuracy points)
-
-
-def seeds_needed(p: Paired, goal: float, *, most: int = 1000) -> str:
-    """The smallest n whose 95 % half-width t(n-1) x sd / sqrt(n) is within ``goal``, at the observed sd of the
-    paired differences (sd recovered from the half-width of the n seeds run)."""
-    sd = p.half_width * math.sqrt(p.n) / float(student_t.ppf(0.5 + CONFIDENCE / 2, p.n - 1))
-    for n in range(2, most + 1):
-        if float(student_t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * sd / math.sqrt(n) <= goal:
-            return str(n)
-    return f"more than {most}"
 
 
 AC_ROWS = ("DDP+AC", "FSDP+AC", "B-SDP+AC C=0.5")  # their peak runs (runs/peaks); B-SDP+AC: conf/variant/b_sdp_c50_ac.yaml
