@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from sdp.bench.baseline_verdicts import baseline_lines, small_dense, worker_depth
+from sdp.bench.baseline_verdicts import baseline_lines, ensemble_cost, small_dense, worker_depth
 from sdp.bench.study_report import Study
 
 LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm_text" / "runs"
@@ -66,6 +66,9 @@ def test_sdp_is_paired_with_the_dense_model_of_a_workers_depth(tmp_path: Path) -
     workers = statistics.fmean(w - s for w, s in zip(WORKERS, SMALL))
     assert f"assembled model − dense: higher by {assembled:.3f}" in text, text
     assert f"workers' own subnetworks − dense: lower by {-workers:.3f}" in text, text
+    plan = st.rows["B-SDP C=0.5"].runs[0].summary.strategy_info["plan"]
+    assert ensemble_cost(st.rows["B-SDP C=0.5"].runs[0]) == (
+        f"{plan['world_size']} subnetworks of {full // 2} blocks: {plan['k']}x the assembled model's blocks at inference")
 
 
 def test_each_baseline_with_its_spend_and_the_methods_that_dominate(tmp_path: Path) -> None:

@@ -31,13 +31,25 @@ BASELINES = ("DDP+AC", "FSDP+AC", "LocalSGD", "DiLoCo", "PowerSGD")  # row-name 
 SAME_WITHIN = 0.01  # a resource within 1 % of the headline's counts as the same spend (peaks differ by bytes)
 
 
+def block_plan(run: Run) -> dict[str, Any]:
+    """A block-level SDP run's recorded plan (units, k holders per unit, world_size); empty otherwise."""
+    plan = ((run.summary.strategy_info or {}).get("plan") or {}) if run.summary is not None else {}
+    return plan if plan.get("level") == "block" else {}
+
+
 def worker_depth(run: Run) -> int | None:
     """The blocks one worker of a block-level SDP run holds, from its recorded plan (units x k / n); None for
     another level or a run without a plan."""
-    plan = ((run.summary.strategy_info or {}).get("plan") or {}) if run.summary is not None else {}
-    if plan.get("level") != "block":
-        return None
-    return round(plan["units"] * plan["k"] / plan["world_size"])
+    plan = block_plan(run)
+    return round(plan["units"] * plan["k"] / plan["world_size"]) if plan else None
+
+
+def ensemble_cost(run: Run) -> str:
+    """What the workers' ensemble runs at inference: every worker's subnetwork (n of them, units x k / n blocks
+    each), so k times the blocks of the assembled model (embedding and head once per worker besides)."""
+    plan = block_plan(run)
+    return (f"{plan['world_size']} subnetworks of {worker_depth(run)} blocks: {plan['k']}x the assembled "
+            f"model's blocks at inference") if plan else "every worker's subnetwork at inference"
 
 
 def small_dense(st: Study, run: Run) -> str | None:
@@ -70,7 +82,8 @@ def dense_lines(st: Study, *, unit: str) -> list[str]:
         out.append(f"  - {verdict(workers, what=own, unit=unit)}")
         ensemble = st.paired(name, "eval_loss_ensemble", reference=dense, ref_key="eval_loss")
         if ensemble.mean is not None:
-            out.append(f"  - {verdict(ensemble, what='their ensemble (2x inference) − dense', unit=unit)}")
+            what = f"their ensemble ({ensemble_cost(row.runs[min(row.runs)])}) − dense"
+            out.append(f"  - {verdict(ensemble, what=what, unit=unit)}")
     return out or ["- no block-level SDP row with a DDP row at its worker depth"]
 
 
