@@ -168,7 +168,7 @@ class OneModel:
             out.append(f"quality: one seed ({p.mean:+.3f} nats), no interval")
         elif p.mean + p.half_width > MOONSHOT_NATS:  # and whether more seeds could meet it, if the mean held
             more = ("its mean is above it: at that mean no number of seeds would meet it" if p.mean >= MOONSHOT_NATS else
-                    f"about {seeds_needed(p, MOONSHOT_NATS - p.mean)} seeds would at the observed spread, if the mean held")
+                    f"{seeds_needed(p, MOONSHOT_NATS - p.mean)} seeds would at the observed spread, if the mean held")
             out.append(f"quality: upper 95 % end {p.mean + p.half_width:+.3f} > +{MOONSHOT_NATS} nats ({more})")
         for col, value in self.peak_ratios(name).items():
             if value is None:

@@ -152,7 +152,7 @@ def claims(st: Study) -> list[str]:
             continue
         met = q.half_width is not None and q.half_width <= (target if q is p else LM_TARGET_HW)
         goal = target if q is p else LM_TARGET_HW
-        need = "" if met or q.half_width is None else f" At the observed spread of the differences about {seeds_needed(q, goal)} seeds would meet it."
+        need = "" if met or q.half_width is None else f" At the observed spread of the differences {seeds_needed(q, goal)} seeds would meet it."
         lines.append(f"- {what}: half-width {'–' if q.half_width is None else f'{q.half_width:.3f}'} against the target "
                      f"± {goal}: {'met' if met else 'NOT met'} with n = {q.n} seeds.{need}")
     lines += [

@@ -85,10 +85,10 @@ def run_time_to_target(path: Any, *, target: float) -> tuple[int | None, float |
 
 
 def seeds_needed(p: Paired, goal: float, *, most: int = 1000) -> str:
-    """The smallest n whose 95 % half-width t(n-1) x sd / sqrt(n) is within ``goal``, at the observed sd of the
-    paired differences (sd recovered from the half-width of the n seeds run)."""
+    """``about N``: the smallest n whose 95 % half-width t(n-1) x sd / sqrt(n) is within ``goal``, at the observed
+    sd of the paired differences (sd recovered from the half-width of the n seeds run); ``more than <most>``."""
     sd = p.half_width * math.sqrt(p.n) / float(student_t.ppf(0.5 + CONFIDENCE / 2, p.n - 1))
     for n in range(2, most + 1):
         if float(student_t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * sd / math.sqrt(n) <= goal:
-            return str(n)
+            return f"about {n}"
     return f"more than {most}"
