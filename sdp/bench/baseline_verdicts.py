@@ -71,9 +71,12 @@ def dense_lines(st: Study, *, unit: str) -> list[str]:
     """Each block-level SDP row against the small dense model at its worker depth (same training peak)."""
     out = []
     for name, row in st.rows.items():
-        dense = small_dense(st, row.runs[min(row.runs)])
-        if dense is None or not name.startswith("B-SDP C=") or " " in name[len("B-SDP C="):]:
+        if not name.startswith("B-SDP C=") or " " in name[len("B-SDP C="):]:
             continue  # the plain rows only (no rescale, same-iterations or remedy variants)
+        first = row.runs[min(row.runs)]
+        dense = small_dense(st, first)
+        if dense is None:
+            continue
         out.append(f"- {name} ({_peak(st, name)}) against {dense} ({_peak(st, dense)}, the dense model of one "
                    f"worker's depth):")
         out.append(f"  - {verdict(st.paired(name, reference=dense), what='assembled model − dense', unit=unit)}")
@@ -82,7 +85,7 @@ def dense_lines(st: Study, *, unit: str) -> list[str]:
         out.append(f"  - {verdict(workers, what=own, unit=unit)}")
         ensemble = st.paired(name, "eval_loss_ensemble", reference=dense, ref_key="eval_loss")
         if ensemble.mean is not None:
-            what = f"their ensemble ({ensemble_cost(row.runs[min(row.runs)])}) − dense"
+            what = f"their ensemble ({ensemble_cost(first)}) − dense"
             out.append(f"  - {verdict(ensemble, what=what, unit=unit)}")
     return out or ["- no block-level SDP row with a DDP row at its worker depth"]
 
@@ -124,11 +127,12 @@ def baseline_lines(st: Study, *, unit: str) -> list[str]:
            "Same training peak without SDP: the dense model of one worker's depth.", "", *dense_lines(st, unit=unit),
            "", f"Memory and traffic baselines (training peak: runs/peaks; wire bytes per token: the main runs), "
            f"each against {HEADLINE}:", ""]
-    for name in baseline_rows(st):
+    baselines = baseline_rows(st)
+    for name in baselines:
         peak, wire = st.ratio(name, "train_peak_bytes", source="peaks"), _ratio(points, name, "wire_per_token")
         spend = "; ".join([f"peak {peak:.3f}x DDP's" if peak is not None else "peak not measured",
                            f"wire bytes per token {wire:.3f}x DDP's" if wire is not None else "no main runs yet"])
         out.append(f"- {name} ({spend}): {verdict(st.paired(HEADLINE, reference=name), what=f'{HEADLINE} − {name}', unit=unit)}")
-    if not baseline_rows(st):
+    if not baselines:
         out.append(f"- no baseline row (looked for names starting {', '.join(BASELINES)})")
     return [*out, "", "Which methods dominate it, per resource:", "", *dominance_lines(st, points, unit=unit)]
