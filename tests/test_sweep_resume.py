@@ -45,6 +45,7 @@ def test_first_difference_names_the_first_key_and_ignores_run_control() -> None:
 def test_rerun_of_a_sweep_skips_resumes_starts_and_refuses(tmp_path: Path) -> None:
     root = tmp_path / "sweep"
     run_train(root, *SWEEP, multirun=True, timeout=400)
+    sweep_record = (root / "multirun.yaml").read_text()
     uninterrupted = curve(root / "1")
     # Job 1 as if killed after step 3 (its step-2 checkpoint survives, no summary); job 2 never ran.
     shutil.rmtree(root / "1" / "checkpoints" / "step_00000004")
@@ -61,8 +62,13 @@ def test_rerun_of_a_sweep_skips_resumes_starts_and_refuses(tmp_path: Path) -> No
     assert curve(root / "1") == uninterrupted, "the resumed job logs each step once, exactly as before"
     assert json.loads((root / "2" / "summary.json").read_text())["steps"] == 4, "the missing job ran"
     assert "| DDP | 3 |" in out, f"the multirun-end report covers every job, skipped ones included:\n{out[-3000:]}"
+    assert (root / "multirun.yaml").read_text() == sweep_record, "the sweep's first record is kept (SweepRecord)"
+    launches = list(root.glob("multirun.launch-*.yaml"))
+    assert len(launches) == 1 and "train.skip_done=true" in launches[0].read_text(), launches
 
     changed = run_train(root, *SWEEP, "optim.optimizer.lr=0.1", "train.skip_done=true", multirun=True, check=False)
     assert changed.proc.returncode != 0
     assert f"optim.optimizer.lr=0.1 is invalid for re-using {root / '0'}" in changed.output, changed.output[-3000:]
     assert "its config.yaml has optim.optimizer.lr=0.05" in changed.output
+    assert (root / "multirun.yaml").read_text() == sweep_record, "a launch stopped by a refused job restores it too"
+    assert len(list(root.glob("multirun.launch-*.yaml"))) == 2

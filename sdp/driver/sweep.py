@@ -19,9 +19,14 @@ Under ``cluster=slurm`` every task of a job makes the same decision from the sam
 
 from __future__ import annotations
 
+import atexit
+import os
+import socket
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from sdp.rank import checkpoint
@@ -124,3 +129,57 @@ def refuse_used_dir(run_dir: Path) -> None:
             f"hydra.run.dir={str(run_dir)!r} is invalid for a fresh start: it holds another run's {', '.join(held)}; "
             "allowed: a new directory, train.resume=auto to continue its checkpoint, or train.skip_done=true "
             "(a complete run with the same config is skipped, one killed before its first checkpoint starts afresh)")
+
+
+class SweepRecord(Callback):
+    """Hydra callback (``hydra.callbacks.record``): a multirun launched into a sweep directory that already holds a
+    ``multirun.yaml`` keeps it. Hydra's sweeper rewrites that file at every launch, so re-running one failed job of a
+    sweep (``hydra.sweep.dir=<sweep> hydra.sweep.subdir=<j>``) or finishing it with ``train.skip_done`` used to leave
+    a record of a one-job sweep where the sweep's own had been. The earlier file is restored and this launch's config,
+    when it differs, is written beside it as ``multirun.launch-<UTC time>.yaml``: nothing already written is lost and
+    every launch stays on record (each job's ``config.yaml`` also records what that job ran). Restored at the first
+    job's start, at the multirun's end and at interpreter exit (a sweep stopped by a failed job)."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.before: bytes | None = None
+        self.stamp = ""
+        self.launch: Path | None = None  # this launch's record, once written
+        self.driver: tuple[str, int] | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.path = Path(str(config.hydra.sweep.dir)) / "multirun.yaml"
+        self.before = self.path.read_bytes() if self.path.is_file() else None
+        self.stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        self.driver = (socket.gethostname(), os.getpid())
+        if self.before is not None:
+            atexit.register(self.settle)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.driver == (socket.gethostname(), os.getpid()):  # a local launcher's job: the sweeper has just saved
+            self.settle()  # (a Slurm task runs elsewhere, beside its array siblings: the driver settles at the end)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self.settle()
+
+    def settle(self) -> Path | None:
+        """Put the earlier ``multirun.yaml`` back if this launch rewrote it; the launch record's path, if written."""
+        if self.before is None or self.path is None or not self.path.is_file():
+            return None
+        now = self.path.read_bytes()
+        if now == self.before:
+            return None
+        for n in range(1000):  # exclusive create: two launches in one second keep two records
+            self.launch = self.path.with_name(f"multirun.launch-{self.stamp}{f'-{n}' if n else ''}.yaml")
+            try:
+                with self.launch.open("xb") as f:
+                    f.write(now)
+                break
+            except FileExistsError:
+                continue
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        tmp.write_bytes(self.before)
+        os.replace(tmp, self.path)  # a reader never sees half a file
+        print(f"sweep record: kept {self.path} (the sweep's earlier launch); this launch's: {self.launch.name}",
+              flush=True)
+        return self.launch
