@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from sdp.bench.baseline_verdicts import baseline_lines, ensemble_cost, small_dense, worker_depth
+from sdp.bench.baseline_verdicts import baseline_lines, ensemble_cost, loss_twin, small_dense, worker_depth
 from sdp.bench.study_report import Study
 
 LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm_text" / "runs"
@@ -86,12 +86,20 @@ def test_each_baseline_with_its_spend_and_the_methods_that_dominate(tmp_path: Pa
     assert "FSDP+AC (peak " in text and "no main runs yet" in text, text  # measured peak, no main runs
 
 
-def test_without_baseline_runs_the_section_says_so(tmp_path: Path) -> None:
+def test_without_its_own_runs_ddp_ac_is_read_from_ddps_and_other_baselines_say_so(tmp_path: Path) -> None:
+    """DDP+AC without main runs: DDP's losses and bytes by construction (its peak run is DDP's config with
+    checkpointing on), its own measured peak; FSDP+AC's base (FSDP) has no main runs here, so it has no pairs."""
     st = _study(tmp_path, ac=False)
+    assert loss_twin(st, "DDP+AC") == "DDP" and loss_twin(st, "FSDP+AC") is None and loss_twin(st, "DDP") is None
     text = "\n".join(baseline_lines(st, unit="nats"))
-    assert "B-SDP C=0.5 − DDP+AC: no paired runs" in text, text
+    gap = statistics.fmean(BSDP)
+    assert f"B-SDP C=0.5 − DDP+AC: higher by {gap:.3f}" in text and "DDP's runs, by construction" in text, text
+    assert "B-SDP C=0.5 − FSDP+AC: no paired runs" in text, text
+    peak = st.ratio("DDP+AC", "train_peak_bytes", source="peaks")
     line = next(x for x in text.splitlines() if x.startswith("- at or below B-SDP C=0.5's training peak"))
-    assert "DDP+AC" not in line, line
+    assert f"DDP+AC ({peak:.3f}x DDP's, lower by {gap:.3f}" in line, line
+    wire = next(x for x in text.splitlines() if x.startswith("- DDP+AC ("))
+    assert "wire bytes per token 1.000x DDP's" in wire, wire
 
 
 def test_no_worker_depth_off_the_block_level(tmp_path: Path) -> None:

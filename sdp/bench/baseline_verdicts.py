@@ -10,7 +10,10 @@ constraint. Two kinds of alternative, each from the study's own runs:
   own subnetworks and their ensemble are each paired with it;
 - **the memory and traffic baselines** (activation checkpointing on DDP and FSDP, local SGD, DiLoCo, PowerSGD:
   :data:`BASELINES`, rows of the main table where they were run): each one's measured training peak and wire bytes
-  per token beside B-SDP C = 0.5's, and B-SDP C = 0.5 minus it.
+  per token beside B-SDP C = 0.5's, and B-SDP C = 0.5 minus it. A baseline that is another row's method with
+  activation checkpointing on and has no main runs of its own takes that row's losses and wire bytes by
+  construction (:func:`loss_twin`): checkpointing recomputes the same forward, so every loss is unchanged bit for
+  bit (tests/test_ac.py) and the collectives are the base's; main runs of it would re-measure the base's figures.
 
 The closing lines name, per resource, the methods that spend no more than B-SDP C = 0.5 (within
 :data:`SAME_WITHIN`, the grain of a measured peak) and are resolved better in quality: the methods that dominate it
@@ -28,6 +31,7 @@ from sdp.report.runs import Run
 
 HEADLINE = "B-SDP C=0.5"
 BASELINES = ("DDP+AC", "FSDP+AC", "LocalSGD", "DiLoCo", "PowerSGD")  # row-name prefixes (H, r follow in the name)
+AC_KEYS = ("train.ac", "train.ac_every", "parallelism.ac_every")  # what turns checkpointing on (sdp.parallel.job.ac_every)
 SAME_WITHIN = 0.01  # a resource within 1 % of the headline's counts as the same spend (peaks differ by bytes)
 
 
@@ -97,14 +101,54 @@ def _ratio(points: dict[str, dict[str, Any]], name: str, key: str) -> float | No
     return None if mine is None or not ddp else mine / ddp
 
 
+def _checkpointing(run: Run) -> bool:
+    return str(run.flat.get("train.ac", "none")) != "none" or run.flat.get("parallelism.ac_every") is not None
+
+
+def _without_ac(run: Run) -> dict[str, Any]:
+    """``run``'s config without what turns checkpointing on (an ``*_ac`` preset's name read as its base's)."""
+    flat = {k: v for k, v in run.flat.items() if k not in AC_KEYS}
+    flat["parallelism.name"] = str(flat.get("parallelism.name", "")).removesuffix("_ac")
+    return flat
+
+
+def loss_twin(st: Study, name: str) -> str | None:
+    """The main row whose losses ``name`` has by construction (module docstring): ``name`` has no main runs, its peak
+    run checkpoints, and another peak run, without checkpointing, has the same config but for :data:`AC_KEYS` (and
+    the preset's ``_ac`` suffix) and a main row of its name. None otherwise."""
+    if name in st.rows or name not in st.peaks:
+        return None
+    mine = st.peaks[name].runs[min(st.peaks[name].runs)]
+    if not _checkpointing(mine):
+        return None
+    for base, row in st.peaks.items():
+        run = row.runs[min(row.runs)]
+        if base != name and base in st.rows and not _checkpointing(run) and _without_ac(run) == _without_ac(mine):
+            return base
+    return None
+
+
+def twin_points(st: Study, points: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Adds to ``points`` each baseline that has a :func:`loss_twin` (its twin's quality and wire bytes, its own
+    measured peak; no predicted time: its recomputation is not in the twin's runs); returns {baseline: twin}."""
+    twins = {n: t for n in baseline_rows(st) if (t := loss_twin(st, n)) is not None and t in points}
+    for name, twin in twins.items():
+        points[name] = {**points[twin], "peak": st.ratio(name, "train_peak_bytes", source="peaks"),
+                        **{k: None for k in points[twin] if k.startswith("time_")}}
+    return twins
+
+
 def baseline_rows(st: Study) -> list[str]:
     """The baselines' names, as rows of the main table or, not run yet, of the peak runs."""
     names = [*st.rows, *(n for n in st.peaks if n not in st.rows)]
     return [n for n in names if n.startswith(BASELINES)]
 
 
-def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str) -> list[str]:
-    """Per resource, the rows that spend no more than the headline (within SAME_WITHIN) and are resolved better."""
+def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str,
+                    twins: dict[str, str] | None = None) -> list[str]:
+    """Per resource, the rows that spend no more than the headline (within SAME_WITHIN) and are resolved better;
+    a baseline in ``twins`` is paired through its twin's runs."""
+    twins = twins or {}
     out = []
     for key, what in (("peak", "training peak"), ("wire_per_token", "wire bytes per token")):
         mine = _ratio(points, HEADLINE, key)
@@ -112,7 +156,7 @@ def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str) 
             continue
         better = []
         for name in points:
-            theirs, p = _ratio(points, name, key), st.paired(name, reference=HEADLINE)
+            theirs, p = _ratio(points, name, key), st.paired(twins.get(name, name), reference=HEADLINE)
             if name != HEADLINE and theirs is not None and theirs <= mine * (1 + SAME_WITHIN) and p.resolved and p.mean < 0:
                 better.append(f"{name} ({theirs:.3f}x DDP's, lower by {-p.mean:.3f} ± {p.half_width:.3f} {unit}, n = {p.n})")
         out.append(f"- at or below {HEADLINE}'s {what} ({mine:.3f}x DDP's) and resolved better than its assembled model: "
@@ -123,6 +167,7 @@ def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str) 
 def baseline_lines(st: Study, *, unit: str) -> list[str]:
     """The section: the small dense models, each baseline per resource, and which methods dominate B-SDP C = 0.5."""
     points = frontier_points(st)
+    twins = twin_points(st, points)
     out = ["### Against the baselines a reviewer asks for (issue 38; FLOP-matched, paired by seed)", "",
            "Same training peak without SDP: the dense model of one worker's depth.", "", *dense_lines(st, unit=unit),
            "", f"Memory and traffic baselines (training peak: runs/peaks; wire bytes per token: the main runs), "
@@ -132,7 +177,11 @@ def baseline_lines(st: Study, *, unit: str) -> list[str]:
         peak, wire = st.ratio(name, "train_peak_bytes", source="peaks"), _ratio(points, name, "wire_per_token")
         spend = "; ".join([f"peak {peak:.3f}x DDP's" if peak is not None else "peak not measured",
                            f"wire bytes per token {wire:.3f}x DDP's" if wire is not None else "no main runs yet"])
-        out.append(f"- {name} ({spend}): {verdict(st.paired(HEADLINE, reference=name), what=f'{HEADLINE} − {name}', unit=unit)}")
+        twin = twins.get(name)
+        spend += "" if twin is None else (f"; its losses and wire bytes: {twin}'s runs, by construction (checkpointing "
+                                          "changes no loss, bit for bit: tests/test_ac.py), its recomputation uncharged")
+        pair = st.paired(HEADLINE, reference=twin or name)
+        out.append(f"- {name} ({spend}): {verdict(pair, what=f'{HEADLINE} − {name}', unit=unit)}")
     if not baselines:
         out.append(f"- no baseline row (looked for names starting {', '.join(BASELINES)})")
-    return [*out, "", "Which methods dominate it, per resource:", "", *dominance_lines(st, points, unit=unit)]
+    return [*out, "", "Which methods dominate it, per resource:", "", *dominance_lines(st, points, unit=unit, twins=twins)]
