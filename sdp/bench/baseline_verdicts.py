@@ -179,7 +179,7 @@ def baseline_lines(st: Study, *, unit: str) -> list[str]:
                            f"wire bytes per token {wire:.3f}x DDP's" if wire is not None else "no main runs yet"])
         twin = twins.get(name)
         spend += "" if twin is None else (f"; its losses and wire bytes: {twin}'s runs, by construction (checkpointing "
-                                          "changes no loss, bit for bit: tests/test_ac.py), its recomputation uncharged")
+                                          "changes no loss, bit for bit: tests/test_ac.py), its recomputation not charged to the budget")
         pair = st.paired(HEADLINE, reference=twin or name)
         out.append(f"- {name} ({spend}): {verdict(pair, what=f'{HEADLINE} − {name}', unit=unit)}")
     if not baselines:
