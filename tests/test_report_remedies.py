@@ -131,3 +131,14 @@ def _keep(run: Path) -> None:
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["train"]["save_final"] = "fp32"
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_a_rows_label_keeps_what_sets_it_apart_from_the_fixed_plan() -> None:
+    """Two scale rules of one re-draw (rescale=none and the default) must not read alike in the table."""
+    rem = Remedies.__new__(Remedies)
+    rem.fixed = "B-SDP C=0.5, fixed plan"
+    assert rem.label("B-SDP C=0.5, shuffle every 50") == "shuffle every 50"
+    assert rem.label("B-SDP C=0.5 rescale=none, shuffle every 50") == "rescale=none, shuffle every 50"
+    assert rem.label("B-SDP C=0.5, fixed plan") == "fixed plan"
+    rem.fixed = None  # no fixed plan in the study: the whole name
+    assert rem.label("B-SDP C=0.5 rescale=none, shuffle every 50") == "B-SDP C=0.5 rescale=none, shuffle every 50"

@@ -145,6 +145,15 @@ class Remedies:
             sec, ref = _mean(row, step_s), None if fixed is None else _mean(fixed, step_s)
         return None if sec is None or not ref else sec / ref
 
+    def label(self, name: str) -> str:
+        """A row's name in the table: how its plan moves, after what else sets it apart from the fixed plan's row
+        (``rescale=none, shuffle every 50``), so two rules of one re-draw never read alike."""
+        own, how = name.split(", ", 1)
+        if self.fixed is None:  # nothing to read it against: the whole name
+            return name
+        base = self.fixed.split(", ", 1)[0]
+        return how if own == base else f"{own.removeprefix(base).strip()}, {how}"
+
     def records(self) -> list[dict[str, str]]:
         fixed = self.rows.get(self.fixed) if self.fixed else None
         ddp_comm = _mean(self.st.ddp, comm_per_step)
@@ -152,7 +161,7 @@ class Remedies:
         for name, row in self.rows.items():
             comm = _mean(row, comm_per_step)
             out.append({
-                "remedy (B-SDP C=0.5)": name.split(", ", 1)[1], "seeds": ",".join(map(str, sorted(row.runs))),
+                "remedy (B-SDP C=0.5)": self.label(name), "seeds": ",".join(map(str, sorted(row.runs))),
                 "re-draws": fmt(_mean(row, lambda r: float((r.summary.strategy_info or {}).get("redraws", 0) or 0)), ".0f"),
                 "assembled − DDP": interval(self.paired(name, "eval_loss")),
                 "ensemble − DDP": interval(self.paired(name, "eval_loss_ensemble")),
