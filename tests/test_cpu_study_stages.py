@@ -76,7 +76,7 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     assert len([n for n in got if n.startswith("onemodel-")]) == 5 and "remedies-3-R50" not in got, sorted(got)
     # the shuffle re-draw without branch scaling (LayerDrop's scale rule at SDP's memory): a preset, not a job of R50
     assert _variants(got["remedies-0-R50"]) == ["b_sdp_c50_roll50", "b_sdp_c50_shuffle50"]
-    par = compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c50_shuffle50_none"]).parallelism
+    par = compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c50_shuffle50_rn"]).parallelism
     assert (par.rescale, par.redraw, par.resample_every, par.coverage) == ("none", "shuffle", 50, 0.5), par
     # consolidation from the first step appended after lm_text's remedies: the sweep's earlier job numbers hold
     shared, lm = _variants(cpu_study.LM_SHARED["onemodel"]["remedies"]), _variants(got["onemodel-0-remedies"])

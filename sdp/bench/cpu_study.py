@@ -152,7 +152,7 @@ STUDIES = {
            "peak_extras": ["ddp", *LM_BASELINES, "b_sdp_c50_ac"],  # + DDP (not in the main sweep), B-SDP C=0.5+AC last
            "small_dense": "model.n_layers=4,2",  # the gate's DDP-4 and DDP-2 (B-SDP C = 0.5 and 0.25's worker depth)
            **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5,
-           # (runs/remedies/seed-0/R50/2 holds b_sdp_c50_shuffle50_none, seed 0: the shuffle re-draw without branch
+           # (runs/remedies/seed-0/R50/2 holds b_sdp_c50_shuffle50_rn, seed 0: the shuffle re-draw without branch
            # scaling. Its training equals job 1's bit for bit, the scale rule acting at evaluation only, so it is not
            # a job of the sweep: another scale rule is read from kept weights, sdp-bench diagnose)
            "remedies": {"R50": "variant=b_sdp_c50_roll50,b_sdp_c50_shuffle50", "R200": LM_SHARED["remedies"]["R200"]},
