@@ -25,8 +25,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from sdp.bench.frontier import frontier_points
 from sdp.bench.study_report import Study, verdict
+from sdp.parallel.job import ac_every
 from sdp.report.runs import Run
 
 HEADLINE = "B-SDP C=0.5"
@@ -102,7 +105,7 @@ def _ratio(points: dict[str, dict[str, Any]], name: str, key: str) -> float | No
 
 
 def _checkpointing(run: Run) -> bool:
-    return str(run.flat.get("train.ac", "none")) != "none" or run.flat.get("parallelism.ac_every") is not None
+    return ac_every(OmegaConf.create(run.config)) > 0  # the job's own reading of its checkpointing keys
 
 
 def _without_ac(run: Run) -> dict[str, Any]:
@@ -128,10 +131,10 @@ def loss_twin(st: Study, name: str) -> str | None:
     return None
 
 
-def twin_points(st: Study, points: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Adds to ``points`` each baseline that has a :func:`loss_twin` (its twin's quality and wire bytes, its own
-    measured peak; no predicted time: its recomputation is not in the twin's runs); returns {baseline: twin}."""
-    twins = {n: t for n in baseline_rows(st) if (t := loss_twin(st, n)) is not None and t in points}
+def twin_points(st: Study, points: dict[str, dict[str, Any]], baselines: list[str]) -> dict[str, str]:
+    """Adds to ``points`` each of ``baselines`` that has a :func:`loss_twin` (its twin's quality and wire bytes, its
+    own measured peak; no predicted time: its recomputation is not in the twin's runs); returns {baseline: twin}."""
+    twins = {n: t for n in baselines if (t := loss_twin(st, n)) is not None and t in points}
     for name, twin in twins.items():
         points[name] = {**points[twin], "peak": st.ratio(name, "train_peak_bytes", source="peaks"),
                         **{k: None for k in points[twin] if k.startswith("time_")}}
@@ -166,13 +169,12 @@ def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str,
 
 def baseline_lines(st: Study, *, unit: str) -> list[str]:
     """The section: the small dense models, each baseline per resource, and which methods dominate B-SDP C = 0.5."""
-    points = frontier_points(st)
-    twins = twin_points(st, points)
+    points, baselines = frontier_points(st), baseline_rows(st)
+    twins = twin_points(st, points, baselines)
     out = ["### Against the baselines a reviewer asks for (issue 38; FLOP-matched, paired by seed)", "",
            "Same training peak without SDP: the dense model of one worker's depth.", "", *dense_lines(st, unit=unit),
            "", f"Memory and traffic baselines (training peak: runs/peaks; wire bytes per token: the main runs), "
            f"each against {HEADLINE}:", ""]
-    baselines = baseline_rows(st)
     for name in baselines:
         peak, wire = st.ratio(name, "train_peak_bytes", source="peaks"), _ratio(points, name, "wire_per_token")
         spend = "; ".join([f"peak {peak:.3f}x DDP's" if peak is not None else "peak not measured",
