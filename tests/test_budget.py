@@ -159,8 +159,9 @@ def test_llama_scale_cpu_maps_each_size_to_a_tiny_llama_on_text():
 # *_iters: the same row under the same-iteration budget; *_shuffleR / *_rollR: the row with a plan re-draw every R steps;
 # *_consF / *_consF_kdA: the row with consolidation over the last F % of the budget, distilled at weight A / 100;
 # *_cal: the row with assembly calibration after training; *_ac: the row with activation checkpointing (train.ac=full);
-# *_rt: the row at branch scale 1 (parallelism.rescale=train); *_rn: the row with no branch scaling (rescale=none)
-_FRACTION = re.compile(r"_c(\d+)(_iters)?(?:_(shuffle|roll)(\d+))?(?:_cons(\d+))?(?:_kd(\d+))?(_cal)?(_ac)?(_r[tn])?$")
+# *_rt: the row at branch scale 1 (parallelism.rescale=train); *_rn: the row with no branch scaling (rescale=none);
+# *_exact: a drop baseline whose ranks keep exactly p x n blocks per batch (parallelism.depth=exact)
+_FRACTION = re.compile(r"_c(\d+)(_iters)?(?:_(shuffle|roll)(\d+))?(?:_cons(\d+))?(?:_kd(\d+))?(_cal)?(_ac)?(_r[tn])?(_exact)?$")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -194,6 +195,7 @@ def test_variant_sets_method_and_coverage(variant: str):
     rescale, default = cfg.parallelism.get("rescale"), "none" if cfg.parallelism.get("masking") == "backward" else None
     want = {"_rt": "train", "_rn": "none"}.get(m.group(9), default)  # backward masking scales no branch: none, always
     assert (rescale if rescale in ("train", "none") else None) == want, (variant, rescale)
+    assert (cfg.parallelism.get("depth") == "exact") == bool(m.group(10)), (variant, cfg.parallelism.get("depth"))
 
 
 @pytest.mark.parametrize("variant", ["sd_c50", "layerdrop_c50"])

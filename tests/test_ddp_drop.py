@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sdp.models.mlp import MLP
-from sdp.parallel.ddp_drop import draw_blocks, reset_blocks, survival_probs
+from sdp.errors import ConfigError
+from sdp.parallel.ddp_drop import draw_blocks, exact_count, reset_blocks, survival_probs
 from tests.helpers import CORE, run_job, train_losses
 
 COMMON = ["model=mlp", "dataset=digits", "train.batch_size=8", "train.eval_every=0", "train.warmup_steps=1"]
@@ -38,6 +39,23 @@ def test_dropped_branches_are_not_computed_and_kept_ones_rescaled() -> None:
     for b in model.blocks:
         b.branch_scale = 2.0
     assert torch.allclose(out, skipped(x))  # a dropped block is the identity, the kept ones scaled 1/p
+
+
+def test_exact_depth_keeps_exactly_p_n_blocks_each_equally_often() -> None:
+    """``depth=exact``: every draw keeps p x n blocks (the random draw's depth varies), each block about p of the
+    time (400 draws: a block's fraction has std 0.025; 0.1 is 4 std)."""
+    model = MLP(num_classes=10, input_shape=(1, 4, 4), dim=8, hidden=8, depth=6)
+    blocks, gen = list(model.blocks), torch.Generator().manual_seed(3)
+    k = exact_count(n=6, p=0.5, depth="exact")
+    exact = [draw_blocks(blocks, probs=[0.5] * 6, rescale=False, generator=gen, exact=k) for _ in range(400)]
+    assert {sum(d) for d in exact} == {3}, sorted({sum(d) for d in exact})
+    for i in range(6):
+        assert abs(sum(d[i] for d in exact) / 400 - 0.5) < 0.1, [sum(d[j] for d in exact) / 400 for j in range(6)]
+    random = [draw_blocks(blocks, probs=[0.5] * 6, rescale=False, generator=gen) for _ in range(50)]
+    assert len({sum(d) for d in random}) > 1  # what exact removes: the depth of the random draw varies
+    assert exact_count(n=6, p=0.5, depth="random") is None
+    with pytest.raises(ConfigError, match="parallelism.survival_prob"):
+        exact_count(n=8, p=0.3, depth="exact")
 
 
 @pytest.fixture(scope="module")

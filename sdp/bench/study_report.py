@@ -51,6 +51,8 @@ def row_name(run: Run, *, remedies: bool = True) -> str:
     rescale = f.get("parallelism.rescale")
     if f.get("parallelism.masking") == "forward" and rescale not in (None, "auto"):  # backward: always none
         name += f" rescale={rescale}"
+    if f.get("parallelism.depth") == "exact":  # a drop baseline keeping exactly p x n blocks per rank and batch
+        name += " exact depth"
     if remedies and f.get("parallelism.consolidate") is not None:  # issue 39: the last share of the budget trains the assembled model
         name += f" consolidate={f['parallelism.consolidate']:g}"
         name += f" distill={f['parallelism.distill_alpha']:g}" if f.get("parallelism.distill_alpha") else ""

@@ -44,14 +44,32 @@ def survival_probs(*, n: int, p: float, decay: str) -> list[float]:
     return [1.0 - (i + 1) / n * (1.0 - p) for i in range(n)]
 
 
-def draw_blocks(blocks: Sequence[ResidualBlock], *, probs: Sequence[float], rescale: bool, generator: torch.Generator) -> list[bool]:
-    """Switch each block on with its probability (others skip their branch); returns the draws."""
-    u = torch.rand(len(blocks), generator=generator).tolist()
-    kept = [ui < pi for ui, pi in zip(u, probs)]
+def draw_blocks(blocks: Sequence[ResidualBlock], *, probs: Sequence[float], rescale: bool, generator: torch.Generator,
+                exact: int | None = None) -> list[bool]:
+    """Switch each block on with its probability (others skip their branch); returns the draws. ``exact``: keep
+    exactly that many blocks, a uniform draw without replacement (each block's survival is then exact / n, the
+    depth never varies: an SDP worker's fixed depth without SDP's holder structure)."""
+    if exact is None:
+        u = torch.rand(len(blocks), generator=generator).tolist()
+        kept = [ui < pi for ui, pi in zip(u, probs)]
+    else:
+        chosen = set(torch.randperm(len(blocks), generator=generator)[:exact].tolist())
+        kept = [i in chosen for i in range(len(blocks))]
     for block, keep, pi in zip(blocks, kept, probs):
         block.active = keep
         block.branch_scale = 1.0 / pi if (keep and rescale) else 1.0
     return kept
+
+
+def exact_count(*, n: int, p: float, depth: str) -> int | None:
+    """The blocks a rank keeps under ``depth=exact`` (``p`` x n, which must be whole, as an SDP worker's n x C is);
+    None under ``depth=random`` (each block kept independently)."""
+    if depth != "exact":
+        return None
+    k = round(p * n)
+    require(abs(k - p * n) < 1e-9 and k >= 1, "parallelism.survival_prob", p,
+            f"p x {n} blocks whole and >= 1 with parallelism.depth=exact (a rank keeps exactly p x n blocks)")
+    return k
 
 
 def reset_blocks(blocks: Sequence[ResidualBlock]) -> None:
@@ -68,6 +86,7 @@ class _DropStrategy(DDPStrategy):
         self.blocks = [b for _, b in units]
         self.probs = survival_probs(n=len(self.blocks), p=float(self.cfg.survival_prob), decay=str(self.cfg.decay))
         self.rescale = bool(self.cfg.rescale)
+        self.exact = exact_count(n=len(self.blocks), p=float(self.cfg.survival_prob), depth=str(self.cfg.depth))
         self.generator = torch.Generator().manual_seed(self.job.seed * 1_000_003 + 17 * self.ctx.rank + 1)
         self.kept_counts = [0] * len(self.blocks)
         self.draws = 0
@@ -77,7 +96,7 @@ class _DropStrategy(DDPStrategy):
     def train_step(
         self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer, step: int
     ) -> StepResult:
-        kept = draw_blocks(self.blocks, probs=self.probs, rescale=self.rescale, generator=self.generator)
+        kept = draw_blocks(self.blocks, probs=self.probs, rescale=self.rescale, generator=self.generator, exact=self.exact)
         try:
             result = super().train_step(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer, step=step)
         finally:
@@ -123,6 +142,9 @@ class DropConfig(DDPReducerConfig):
     """uniform: p for every block | linear: block l of n survives with 1 - (l+1)/n (1 - p) (stochastic depth only)."""
     rescale: bool = flag()
     """Scale a kept branch by 1 / its survival probability."""
+    depth: str = key(choices=("random", "exact"))
+    """random: each block kept independently (a rank's depth varies per batch) | exact: each rank keeps exactly
+    p x n blocks, drawn uniformly per batch (uniform decay only; SDP's fixed worker depth without its holder sets)."""
 
 
 @dataclass
@@ -133,13 +155,25 @@ class LayerDropConfig(DropConfig):
     """uniform only: every block survives with p (the linear decay is ddp_stochastic_depth's)."""
 
 
+
+
 class _DropSpec(DDPSpec):
     """The drop baselines in the driver: DDP's prediction (every block kept), a coverage of the mean
     survival probability and FLOP matching like SDP's forward masking at that coverage."""
 
     runtime = _DropStrategy
 
-    schema: type = DropConfig  # every key is one key's rule (p in (0, 1], the decays, booleans): no validate of its own
+    schema: type = DropConfig  # each key's own rule (p in (0, 1], the decays, booleans), and depth's below
+
+    @classmethod
+    def validate(cls, *, cfg: DictConfig, job: JobFacts) -> None:
+        require(str(cfg.depth) == "random" or str(cfg.decay) == "uniform", "parallelism.depth", cfg.depth,
+                f"random with parallelism.decay={cfg.decay} (exact keeps p x n blocks, every one equally likely)")
+
+    @classmethod
+    def prepare(cls, *, cfg: DictConfig, job: JobFacts, model: SDPModel) -> None:
+        """Checks ``depth=exact``'s count against the model's blocks before any rank starts; nothing to hand over."""
+        exact_count(n=len(model.sdp_units()), p=float(cfg.survival_prob), depth=str(cfg.depth))
     plan_note = "stochastic depth / LayerDrop predicted with every block kept"
 
     @classmethod
