@@ -76,13 +76,17 @@ def test_survival_one_is_ddp(tmp_path: Path, ddp_losses: list[float], strategy: 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy,p,decay", [("ddp_stochastic_depth", 0.5, "linear"), ("ddp_layerdrop", 0.6, "uniform")])
-def test_executed_fraction_matches_survival(tmp_path: Path, strategy: str, p: float, decay: str) -> None:
+@pytest.mark.parametrize("strategy,p,decay,depth", [("ddp_stochastic_depth", 0.5, "linear", "random"),
+                                                    ("ddp_layerdrop", 0.6, "uniform", "random"), ("ddp_layerdrop", 0.5, "uniform", "exact")])
+def test_executed_fraction_matches_survival(tmp_path: Path, strategy: str, p: float, decay: str, depth: str) -> None:
     steps = 150
     summary, rows = run_job([f"parallelism={strategy}", f"parallelism.survival_prob={p}", f"parallelism.decay={decay}",
-                             f"train.steps={steps}", "train.log_every=50", *COMMON], world=2, run_dir=tmp_path)
+                             f"parallelism.depth={depth}", f"train.steps={steps}", "train.log_every=50", *COMMON],
+                            world=2, run_dir=tmp_path)
     info = summary["strategy_info"]
     assert info["steps_drawn"] == steps
+    if depth == "exact":  # every draw kept p x n blocks: the executed fraction is p, not about p
+        assert info["executed_fraction"] == p, info
     # 4 blocks x 150 draws: std of the mean <= 0.021, of one block's fraction <= 0.041
     assert abs(info["executed_fraction"] - info["expected_fraction"]) < 0.07, info
     for got, want in zip(info["executed_fraction_per_block"], info["survival_probs"]):

@@ -81,8 +81,15 @@ def test_no_section_without_remedy_runs(tmp_path: Path) -> None:
 
 def test_step_time_comes_from_the_quiet_timing_runs_when_the_study_has_them(tmp_path: Path) -> None:
     """With runs/remedies/timing, a row's step time is its rule's timing-run median plus one re-draw's
-    seconds over the row's period R, over the fixed plan's timing median: not the sweep's own wall-clock."""
+    seconds over the row's period R, over the fixed plan's timing median: not the sweep's own median step. One
+    re-draw's seconds: the mean over the row's own re-draws (1.0 s over 4: 0.25 s), not the timing run's two
+    (1.5 s each, first-time costs included)."""
     study = _study(tmp_path)
+    for seed in range(3):
+        own = study / "runs" / "remedies" / f"seed-{seed}" / "1" / "summary.json"
+        summary = json.loads(own.read_text())
+        summary["strategy_info"]["redraws"] = 4
+        own.write_text(json.dumps(summary))
     src = LM / "main" / "6"
     timing = study / "runs" / "remedies" / "timing"
     _run(src, timing / "0")  # the fixed plan
@@ -95,7 +102,7 @@ def test_step_time_comes_from_the_quiet_timing_runs_when_the_study_has_them(tmp_
     assert sorted(rem.timing) == ["fixed", "rolling"], sorted(rem.timing)
     assert sorted(rem.rows) == ["B-SDP C=0.5, fixed plan", "B-SDP C=0.5, rolling every 50"], sorted(rem.rows)  # timing runs are not rows
     records = {r["remedy (B-SDP C=0.5)"]: r for r in rem.records()}
-    expected = max(m + 1.5 / 50 for m in medians) / max(medians)
+    expected = (max(medians) + 0.25 / 50) / max(medians)
     assert records["rolling every 50"]["step s x fixed plan (incl. re-draws)"] == f"{expected:.3f}", (records, expected)
     assert records["fixed plan"]["step s x fixed plan (incl. re-draws)"] == "1.000", records
 

@@ -12,9 +12,10 @@ did before them.
 What is measured: every loss, the peaks (live tensors, fullest rank), the bytes each collective carried
 (the re-draws' own traffic counted apart by the comm phase "resample", then spread over the training
 steps) and the step time (median step plus the re-draws' total seconds spread over the steps: a median
-alone would drop a phase that runs every R steps). The step-time ratio is to the fixed plan's, from the quiet
-timing runs of ``<study>/runs/remedies/timing`` where the study has them (each rule and the fixed plan, one after
-another on one machine), else from the rows' own runs.
+alone would drop a phase that runs every R steps). The step-time ratio is to the fixed plan's: where the study has the quiet
+timing runs of ``<study>/runs/remedies/timing`` (each rule and the fixed plan, one after another on one machine),
+their median steps plus one re-draw's seconds from the row's own runs (the mean over hundreds of re-draws: a
+timing run's two re-draws are mostly first-time costs); else from the rows' own runs.
 """
 
 from __future__ import annotations
@@ -72,17 +73,17 @@ def step_s(run: Run) -> float | None:
     return max(values) if values else None
 
 
-def timed_step_s(run: Run, *, every: int | None) -> float | None:
-    """A quiet timing run's step time for a re-draw period ``every``: its median step plus one re-draw's
-    measured seconds (the mean over its re-draws) divided by the period, on the slowest rank. Why: a re-draw's
-    cost does not depend on R, and the long sweeps' own wall-clock is not used (other jobs may have run)."""
+def median_step_s(run: Run) -> float | None:
+    """A run's median step on the slowest rank (a quiet timing run's: warm-up excluded, re-draws not in it)."""
+    values = [r["step_s_median"] for r in (run.summary.time or {}).get("per_rank") or [] if r.get("step_s_median") is not None]
+    return max(values) if values else None
+
+
+def redraw_s(run: Run) -> float | None:
+    """Seconds per re-draw on the slowest rank: its re-draw seconds over its re-draws (None without re-draws)."""
     count = float((run.summary.strategy_info or {}).get("redraws", 0) or 0)
-    values = []
-    for r in (run.summary.time or {}).get("per_rank") or []:
-        if r.get("step_s_median") is None:
-            continue
-        per_redraw = (r.get("phases_s_total") or {}).get("resample", 0.0) / count if count else 0.0
-        values.append(r["step_s_median"] + (per_redraw / every if every else 0.0))
+    values = [(r.get("phases_s_total") or {}).get("resample", 0.0) / count
+              for r in (run.summary.time or {}).get("per_rank") or []] if count else []
     return max(values) if values else None
 
 
@@ -132,15 +133,22 @@ class Remedies:
         return None if value is None else value / ddp
 
     def step_ratio(self, name: str, row: Row, fixed: Row | None) -> float | None:
-        """The row's step time (re-draws included) over the fixed plan's: from the quiet timing runs when the
-        study has them, else from the sweep's own runs (one sweep, one machine, whatever else ran beside it)."""
+        """The row's step time (re-draws included) over the fixed plan's: with the quiet timing runs, the rule's
+        median step plus one re-draw's seconds over the period R, over the fixed plan's median step; one re-draw's
+        seconds are the mean over the row's own runs' re-draws (hundreds, so their first-time costs, which fill a
+        timing run's two, are spread as in training), the timing run's where the row has none. Without timing
+        runs: the sweep's own runs (one sweep, one machine, whatever else ran beside it)."""
         if self.timing:
             run = next(iter(row.runs.values()))
             mine, base = self.timing.get(rule(run)), self.timing.get("fixed")
             if mine is None or base is None:
                 return None
-            sec = _mean(mine, lambda r: timed_step_s(r, every=period(run)))
-            ref = _mean(base, lambda r: timed_step_s(r, every=None))
+            sec, ref = _mean(mine, median_step_s), _mean(base, median_step_s)
+            every = period(run)
+            if every and sec is not None:
+                per = _mean(row, redraw_s)
+                per = _mean(mine, redraw_s) if per is None else per
+                sec += (per or 0.0) / every
         else:
             sec, ref = _mean(row, step_s), None if fixed is None else _mean(fixed, step_s)
         return None if sec is None or not ref else sec / ref
@@ -217,7 +225,8 @@ def remedies_section(*, study: Study) -> list[str]:
             "(live-tensor tracker, fullest rank) over DDP's training peak. Comm: payload bytes per step with the "
             "re-draws' traffic spread over the steps. Step time: median step plus re-draw seconds per step, over "
             + ("the fixed plan's, from short runs made with nothing else on the machine (runs/remedies/timing: one "
-               "run per rule, seed 0, two re-draws; one re-draw's seconds over the period R). "
+               "run per rule, seed 0: its median step), plus one re-draw's seconds (the mean over the row's own "
+               "re-draws) over the period R. "
                if rem.timing else "the fixed plan's runs. ")
             + "The ensemble is not a model of DDP's cost: it runs all n workers' "
             "subnetworks at inference (n x C = 2x the full model's forward FLOPs at n = 4, C = 0.5), while the "
