@@ -148,7 +148,10 @@ STUDIES = {
                       [f"variant={','.join(b for b in LM_BASELINES if b not in ('ddp_ac', 'powersgd_r4'))}", "seed=0,1,2"],
                       # PowerSGD's plain all-reduce phase at 10 % of DDP's 8000 steps (torch's advice for
                       # start_powerSGD_iter; conf/variant/powersgd_r4.yaml's default suits a 1000-step run)
-                      ["variant=powersgd_r4", "seed=0,1,2", "parallelism.start_iter=800"]],
+                      ["variant=powersgd_r4", "seed=0,1,2", "parallelism.start_iter=800"],
+                      # issue 39's diagnosis: LayerDrop keeping exactly an SDP worker's 4 blocks per batch (a fixed
+                      # depth, re-composed every batch, no holder sets), beside layerdrop_c50's varying depth
+                      ["variant=layerdrop_c50_exact", "seed=0,1,2"]],
            "peak_extras": ["ddp", *LM_BASELINES, "b_sdp_c50_ac"],  # + DDP (not in the main sweep), B-SDP C=0.5+AC last
            "small_dense": "model.n_layers=4,2",  # the gate's DDP-4 and DDP-2 (B-SDP C = 0.5 and 0.25's worker depth)
            **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5,
