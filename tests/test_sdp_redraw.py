@@ -131,3 +131,16 @@ def test_redraws_keep_holders_identical_in_checkpoint_files(tmp_path) -> None:  
     run_job(sel, world=4, run_dir=tmp_path)
     res = differing(tmp_path / "checkpoints" / f"step_{STEPS:08d}", cfg=compose([*sel, "cluster.world_size=4"]))
     assert res["trained_by_several"] > 0 and not (res["params"] or res["state"] or res["missing_state"]), res
+
+
+def test_summary_lists_the_first_redraws_and_totals_every_one() -> None:
+    """A run re-drawing every step writes a summary of fixed size: the first DRAWS_LISTED re-draws one by one,
+    the totals and each rank's largest re-draw over all of them."""
+    from sdp.subnet.redraw import DRAWS_LISTED, summary
+    log = [{"draw": d, "sent_bytes": [d, 0], "received_bytes": [0, d], "peak_bytes": 1} for d in range(1, DRAWS_LISTED + 51)]
+    info = summary(count=len(log), log=log, world=2)
+    assert [d["draw"] for d in info["draws"]] == list(range(1, DRAWS_LISTED + 1)) and info["draws_listed"] == DRAWS_LISTED
+    total = sum(range(1, DRAWS_LISTED + 51))
+    assert info["bytes_moved"] == {"sent": [total, 0], "received": [0, total]}, info["bytes_moved"]
+    assert info["largest_draw_bytes"] == {"sent": [DRAWS_LISTED + 50, 0], "received": [0, DRAWS_LISTED + 50]}, info
+    assert summary(count=0, log=[], world=2)["largest_draw_bytes"] == {"sent": [0, 0], "received": [0, 0]}

@@ -105,7 +105,8 @@ class Summary:
     """``launcher.per_rank``: which process / task each rank was (host, pid, SLURM_* and torchrun variables)."""
     strategy_info: dict[str, Any] = field(default_factory=dict)
     """The strategy's own facts (:meth:`sdp.parallel.base.Strategy.summary_extra`), e.g. SDP's ``plan`` and
-    ``redraw`` (count, per re-draw the bytes every rank sent and received, their totals ``bytes_moved``)."""
+    ``redraw`` (count, the first re-draws' bytes every rank sent and received, totals ``bytes_moved`` and maxima
+    ``largest_draw_bytes`` over every re-draw)."""
     versions: dict[str, Any] = field(default_factory=dict)
     """python, torch, sdp, ``git_commit``, ``git_dirty``, cuda (:func:`sdp.results.contract.versions`)."""
     machine: dict[str, Any] = field(default_factory=dict)

@@ -271,10 +271,9 @@ def built_empty(*, skeleton: nn.Module, plan: Plan, rank: int, mode: str, device
 def redraw(*, module: nn.Module, optimizer: torch.optim.Optimizer, old: list[Piece], old_layout: dict[str, Local],
            new_model: nn.Module, new: list[Piece], new_layout: dict[str, Local], rank: int, world: int, mode: str,
            device: torch.device | str, full: dict[str, torch.Tensor], wire: Wire) -> list[dict[str, int]]:
-    """Re-draw this rank from ``module`` (its optimizer's state taken along) to ``new_model`` (from
-    :func:`masked_on_meta`, filled in place): gradients dropped first, then :func:`move`. The optimizer
-    is left holding the new state and no parameters (the caller lists its new trainable tensors).
-    Returns every rank's traffic."""
+    """Re-draw this rank from ``module`` (its optimizer's state taken along) to ``new_model`` (from :func:`masked_on_meta`,
+    filled in place): gradients dropped first, then :func:`move`. The optimizer is left holding the new state and no
+    parameters (the caller lists its new trainable tensors). Returns every rank's traffic."""
     for t in module.parameters():
         t.grad = None
     state = dict(optimizer.state)
@@ -287,9 +286,15 @@ def redraw(*, module: nn.Module, optimizer: torch.optim.Optimizer, old: list[Pie
     return table
 
 
+DRAWS_LISTED = 100  # re-draws whose bytes summary.json lists one by one; the totals and maxima cover every one
+
+
 def summary(*, count: int, log: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    """``strategy_info.redraw``: the plan's re-draw count, and per re-draw of the run (a resumed run's from its
-    checkpoint, then its own) the bytes every rank sent and received (point to point, values and optimizer
-    state), with their totals. Each rank's measured peak of each re-draw: ``memory.per_rank[r].redraw_peaks_bytes``."""
-    return {"count": count, "draws": [{k: d[k] for k in ("draw", "sent_bytes", "received_bytes")} for d in log],
-            "bytes_moved": {k: [sum(d[f"{k}_bytes"][r] for d in log) for r in range(world)] for k in ("sent", "received")}}
+    """``strategy_info.redraw``: the re-draw count; the bytes each rank sent and received (point to point, values and
+    optimizer state) per re-draw (a resumed run's from its checkpoint, then its own), the first :data:`DRAWS_LISTED`
+    only (a run re-drawing every step would write a summary as long as the run), and their totals and maxima over
+    every re-draw. Each rank's measured peak of each re-draw: ``memory.per_rank[r].redraw_peaks_bytes``."""
+    per = {k: [[d[f"{k}_bytes"][r] for d in log] for r in range(world)] for k in ("sent", "received")}  # per rank
+    return {"count": count, "draws": [{k: d[k] for k in ("draw", "sent_bytes", "received_bytes")} for d in log[:DRAWS_LISTED]],
+            "draws_listed": min(len(log), DRAWS_LISTED), "bytes_moved": {k: [sum(v) for v in per[k]] for k in per},
+            "largest_draw_bytes": {k: [max(v, default=0) for v in per[k]] for k in per}}
