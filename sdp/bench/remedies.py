@@ -14,8 +14,8 @@ What is measured: every loss, the peaks (live tensors, fullest rank), the bytes 
 steps) and the step time (median step plus the re-draws' total seconds spread over the steps: a median
 alone would drop a phase that runs every R steps). The step-time ratio is to the fixed plan's: where the study has the quiet
 timing runs of ``<study>/runs/remedies/timing`` (each rule and the fixed plan, one after another on one machine),
-their median steps plus one re-draw's seconds from the row's own runs (the mean over hundreds of re-draws: a
-timing run's two re-draws are mostly first-time costs); else from the rows' own runs.
+their median steps plus one re-draw's seconds from the row's own runs (the mean over all their re-draws, what
+those runs paid: a timing run's two re-draws are mostly first-time costs); else from the rows' own runs.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ class Remedies:
     def step_ratio(self, name: str, row: Row, fixed: Row | None) -> float | None:
         """The row's step time (re-draws included) over the fixed plan's: with the quiet timing runs, the rule's
         median step plus one re-draw's seconds over the period R, over the fixed plan's median step; one re-draw's
-        seconds are the mean over the row's own runs' re-draws (hundreds, so their first-time costs, which fill a
-        timing run's two, are spread as in training), the timing run's where the row has none. Without timing
+        seconds are the mean over the row's own runs' re-draws (their first-time costs, which fill a timing run's
+        two, spread over as many re-draws as the row made), the timing run's where the row has none. Without timing
         runs: the sweep's own runs (one sweep, one machine, whatever else ran beside it)."""
         if self.timing:
             run = next(iter(row.runs.values()))
