@@ -33,6 +33,7 @@ from pathlib import Path
 
 from sdp.bench import diagnosis_verdict as D
 from sdp.bench.baseline_verdicts import small_dense
+from sdp.bench.depth_mismatch import depth_lines
 from sdp.bench.one_model_scale import context_line
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
 from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, write_csv
@@ -261,4 +262,5 @@ def one_model_section(*, study: Study) -> list[str]:
             "summary.json: `sdp-plan` with a run's overrides prints them. Inference FLOPs: the evaluated model's FLOP "
             "count per sample (summary.json budget.flops_per_sample) over DDP's. Against B_β-SDP: the main table's "
             "backward-masked row (consolidation's mechanism over the whole budget, without AC), paired by seed.", "",
-            markdown_table(records), "", *verdict_lines(one=one, explanations=explanations), "", *diagnosis]
+            markdown_table(records), "", *verdict_lines(one=one, explanations=explanations), "", *depth_lines(study=study),
+            *diagnosis]

@@ -1,0 +1,44 @@
+"""The one-model section's depth table (sdp/bench/depth_mismatch.py), read from the committed LM study: each row's
+training depth, re-composition and branch scales come from its own config, its interval is the paired difference
+to DDP that the rest of the report prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from sdp.bench.depth_mismatch import blocks_per_step, branch_scales, depth_lines, recomposed
+from sdp.bench.study_report import Study, interval
+from sdp.report.stats import paired_difference
+
+LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm"
+
+
+def _cells(lines: list[str]) -> dict[str, list[str]]:
+    return {cells[0]: cells[1:] for line in "\n".join(lines).splitlines() if line.startswith("| ") and not line.startswith("| row")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+
+
+def test_rows_of_the_committed_lm_study() -> None:
+    st = Study(study_dir=LM, study="lm")
+    rows = _cells(depth_lines(study=st))
+    ld, sd = rows["DDP+LayerDrop p=0.5"], rows["DDP+StochDepth p=0.5"]
+    assert ld[:3] == ["Binomial(8, 0.5): 4 of 8 on average, varies per step", "every step, each rank its own draw", "1; 1"], ld
+    assert sd[2] == "1/p = 2; 1", sd  # stochastic depth scales kept branches, LayerDrop does not
+    fixed = rows["B-SDP C=0.5, fixed plan"]
+    assert fixed[:3] == ["exactly 4 of 8 (a worker's subnetwork)", "never (fixed plan)", "1; k/n = 0.5"], fixed
+    assert rows["B-SDP C=0.5 rescale=none, shuffle every 1"][1:3] == ["every 1 steps (shuffle)", "1; 1"]
+    want = paired_difference(st.rows["DDP+LayerDrop p=0.5"].values("eval_loss"), st.ddp.values("eval_loss"))
+    assert ld[3] == interval(want) and ld[4] == ",".join(map(str, sorted(st.rows["DDP+LayerDrop p=0.5"].runs))), ld
+    assert rows["B-SDP C=0.5, fixed plan"][3] == interval(st.paired("B-SDP C=0.5")), fixed  # the main table's figure
+
+
+def test_depth_of_each_rule_from_the_config() -> None:
+    def run(**flat: object) -> SimpleNamespace:
+        return SimpleNamespace(flat={"model.n_layers": 8, **flat}, summary=SimpleNamespace(strategy_info={}))
+    exact = run(**{"parallelism.name": "ddp_layerdrop", "parallelism.survival_prob": 0.5, "parallelism.depth": "exact"})
+    assert blocks_per_step(exact) == "exactly 4 of 8" and recomposed(exact) == "every step, each rank its own draw"
+    sdp = run(**{"parallelism.name": "sdp", "parallelism.coverage": 0.25, "parallelism.rescale": "train",
+                 "parallelism.resample_every": 200, "parallelism.redraw": "rolling"})
+    assert blocks_per_step(sdp) == "exactly 2 of 8 (a worker's subnetwork)" and branch_scales(sdp) == "n/k = 4; 1"
+    assert recomposed(sdp) == "every 200 steps (rolling)"
