@@ -1,6 +1,6 @@
-"""SDP's consolidation phase (``parallelism.consolidate``) and distillation during it (``parallelism.distill_alpha``),
-issue 39 item 2: the mechanism (at C = 1 it is DDP; alpha = 0 is no distillation, bit for bit), a resume across the
-phase switch and the budget's phase step counts from the model's own FLOP count. The one-line refusals of bad
+"""SDP's consolidation phase (``parallelism.consolidate``), distillation during it (``parallelism.distill_alpha``) and
+its block drops (``consolidate_survival``), issue 39 item 2: the mechanism (at C = 1 it is DDP; alpha = 0 is no
+distillation and survival 1 no drop, bit for bit), a resume across the phase switch and the budget's phase step counts from the model's own FLOP count. The one-line refusals of bad
 settings are rows of the bad-input catalogue (``tests/test_validation.py``, ``sdp-consolidate-*``, ``sdp-distill-*``);
 sdp-plan's consolidation peak against the tracker is ``tests/test_plan_peaks.py`` (``sdp_consolidate*``)."""
 
@@ -43,7 +43,8 @@ def test_consolidation_at_full_coverage_is_ddp(tmp_path: Path) -> None:
         s1, s2 = phases(summary)
         assert s1 + s2 == 6 and (s1 == 0) == (f == 1.0) and s2 >= 1, summary["budget"]["phases"]
         info = summary["strategy_info"]["consolidate"]
-        assert info == {"start_step": s1, "distill_alpha": 0.0, "switched": True}, info
+        assert info == {"start_step": s1, "distill_alpha": 0.0, "switched": True, "survival": 1.0,
+                        "blocks_run_fraction": None}, info
         losses = train_losses(rows)
         for step, (a, b) in enumerate(zip(losses, ref, strict=True), start=1):
             assert abs(a - b) <= 1e-5, f"f={f} step {step} (switch after step {s1}): loss {a} vs DDP {b}"
@@ -88,12 +89,33 @@ def test_alpha_zero_is_no_distillation_and_alpha_half_is_not(tmp_path: Path) -> 
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-def test_resume_after_the_switch_reaches_the_uninterrupted_run(tmp_path: Path) -> None:
+def test_survival_drops_blocks_after_the_switch_only(tmp_path: Path) -> None:
+    """consolidate_survival=1 is consolidation without the key, bit for bit; at 0.5 the first phase is unchanged
+    (no draw before the switch), the second differs, and each rank ran about half its blocks there (rank 0's share:
+    4 blocks x 20 steps, std 0.056)."""
+    base = MLP + ["train.steps=40", "parallelism=sdp", "parallelism.coverage=0.5", "parallelism.consolidate=0.5"]
+    plain, plain_rows = run_job(base, run_dir=tmp_path / "plain")
+    one, one_rows = run_job(base + ["parallelism.consolidate_survival=1"], run_dir=tmp_path / "one")
+    assert train_losses(plain_rows) == train_losses(one_rows) and plain["final"] == one["final"], (plain_rows, one_rows)
+    half, half_rows = run_job(base + ["parallelism.consolidate_survival=0.5"], run_dir=tmp_path / "half")
+    s1, a, b = phases(half)[0], train_losses(plain_rows), train_losses(half_rows)
+    assert phases(half) == phases(plain) and 0 < s1 < 40 and a[:s1] == b[:s1], (phases(half), a, b)
+    assert a[s1 + 1:] != b[s1 + 1:], f"dropping blocks changed nothing after the switch: {a} {b}"
+    info = half["strategy_info"]["consolidate"]
+    assert info["survival"] == 0.5 and abs(info["blocks_run_fraction"] - 0.5) < 0.25, info
+    assert all(x == x for x in b), b  # finite
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("extra", [["parallelism.distill_alpha=0.5"], ["parallelism.consolidate_survival=0.5"]])
+def test_resume_after_the_switch_reaches_the_uninterrupted_run(tmp_path: Path, extra: list[str]) -> None:
     """A run stopped at a checkpoint written after the switch (its later checkpoints and summary removed, what a
-    killed job leaves) and resumed with ``train.resume=auto`` rebuilds the consolidated model and the teacher and
-    ends exactly where the uninterrupted run ends: the same loss at every step and the same evaluation."""
+    killed job leaves) and resumed with ``train.resume=auto`` rebuilds the consolidated model and the teacher (or,
+    with survival below 1, each rank's draw generator) and ends exactly where the uninterrupted run ends: the same
+    loss at every step and the same evaluation."""
     job = MLP + ["train.steps=8", "parallelism=sdp", "parallelism.coverage=0.5", "parallelism.consolidate=0.5",
-                 "parallelism.distill_alpha=0.5", "train.checkpoint_every=1", "train.checkpoint_keep=0"]
+                 *extra, "train.checkpoint_every=1", "train.checkpoint_keep=0"]
     full, rows = run_job(job, run_dir=tmp_path / "full")
     s1 = phases(full)[0]
     assert 0 < s1 < 7, full["budget"]["phases"]
@@ -107,17 +129,19 @@ def test_resume_after_the_switch_reaches_the_uninterrupted_run(tmp_path: Path) -
     assert again["final"] == full["final"], (again["final"], full["final"])
 
 
-@pytest.mark.parametrize(("f", "alpha"), [(0.3, 0.0), (0.3, 0.5), (1.0, 0.0)])
-def test_phase_steps_follow_from_the_models_flops(f: float, alpha: float) -> None:
+@pytest.mark.parametrize(("f", "alpha", "q"), [(0.3, 0.0, 1.0), (0.3, 0.5, 1.0), (1.0, 0.0, 1.0), (0.5, 0.0, 0.5)])
+def test_phase_steps_follow_from_the_models_flops(f: float, alpha: float, q: float) -> None:
     """train.budget=flops: the first phase spends (1 - f) of DDP's FLOPs at the plan's forward-masking fraction,
     the second f at full forward + the blocks' recomputation + the input-gradient backward + the held weight
     gradients (+ the teacher's forward of the worker's own blocks), each counted here from the model's per-module
     FLOPs; the total is DDP's budget up to each phase's rounding. f = 1: no step of the first phase (consolidation
-    from the first step, as under train.budget=iterations)."""
+    from the first step, as under train.budget=iterations). Survival q < 1: every block branch term is q of its
+    value (the blocks a step runs on average), the stem and head, and the teacher, whole."""
     base = 100
     cfg = compose_config("model=llama_tiny", "dataset=synthetic_text", "dataset.seq_len=32", "parallelism=sdp",
                          "cluster.world_size=4", f"train.steps={base}", "train.budget=flops", "train.flops_ratio=measured",
-                         f"parallelism.consolidate={f}", f"parallelism.distill_alpha={alpha}")
+                         f"parallelism.consolidate={f}", f"parallelism.distill_alpha={alpha}",
+                         f"parallelism.consolidate_survival={q}")
     steps, info = resolve_steps(cfg)
     with torch.device("meta"):
         model = build(cfg.model)
@@ -128,7 +152,10 @@ def test_phase_steps_follow_from_the_models_flops(f: float, alpha: float) -> Non
     runs = {b: sum(1 for r in range(4) if r in plan.block_holders(b)) / 4 for b in blocks}  # workers running block b
     forward = 1 - sum(share * (1 - runs[b]) for b, share in blocks.items())
     first = forward  # forward masking: the backward follows the forward
-    second = (1 + sum(blocks.values()) + 1 + forward + (forward if alpha else 0)) / 3
+    branches = sum(blocks.values())
+    full = 1 - branches + q * branches  # the forward, and the input-gradient backward, of the blocks run
+    held = 1 - branches + q * (forward - (1 - branches))  # weight gradients of the held blocks run
+    second = (full + q * branches + full + held + (forward if alpha else 0)) / 3
     s1, s2 = round((1 - f) * base / first), round(f * base / second)
     assert [p["steps"] for p in info["phases"]] == [s1, s2] and steps == s1 + s2, (info["phases"], s1, s2)
     assert info["phases"][1]["fraction_computed"] == pytest.approx(second), info["phases"]

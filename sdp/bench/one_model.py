@@ -58,12 +58,14 @@ def remedy(run: Run) -> tuple[float | None, float, int]:
 
 
 def label(run: Run) -> str:
-    """The table's name of a run's remedy: ``fixed plan`` or its parts, e.g. ``consolidate f=0.2 + distill α=0.5``;
+    """The table's name of a run's remedy: ``fixed plan`` or its parts, e.g. ``consolidate f=0.2 + distill α=0.5``,
+    ``consolidate f=1 + LayerDrop p=0.5`` (``consolidate_survival``);
     a branch scale set apart from the default (``parallelism.rescale``: what consolidation's blocks are scaled by)
     follows in brackets, e.g. ``consolidate f=1 (rescale=train)``."""
     f, alpha, cal = remedy(run)
     parts = ([] if f is None else [f"consolidate f={f:g}"]) + ([f"distill α={alpha:g}"] if alpha else [])
-    parts += [f"calibrate {cal} steps"] if cal else []
+    q = float(run.flat.get("parallelism.consolidate_survival") or 1.0)  # consolidation's LayerDrop survival
+    parts += ([f"LayerDrop p={q:g}"] if q < 1 else []) + ([f"calibrate {cal} steps"] if cal else [])
     rescale = run.flat.get("parallelism.rescale")
     return (" + ".join(parts) or FIXED) + (f" (rescale={rescale})" if rescale not in (None, "auto") else "")
 

@@ -44,19 +44,27 @@ def survival_probs(*, n: int, p: float, decay: str) -> list[float]:
     return [1.0 - (i + 1) / n * (1.0 - p) for i in range(n)]
 
 
-def draw_blocks(blocks: Sequence[ResidualBlock], *, probs: Sequence[float], rescale: bool, generator: torch.Generator,
+def draw_active(blocks: Sequence[ResidualBlock], *, probs: Sequence[float], generator: torch.Generator,
                 exact: int | None = None) -> list[bool]:
-    """Switch each block on with its probability (others skip their branch); returns the draws. ``exact``: keep
-    exactly that many blocks, a uniform draw without replacement (each block's survival is then exact / n, the
-    depth never varies: an SDP worker's fixed depth without SDP's holder structure)."""
+    """Switch each block on with its probability (the others skip their branch), touching nothing else; returns
+    the draws. ``exact``: keep exactly that many blocks, a uniform draw without replacement (each block's survival
+    is then exact / n, the depth never varies: an SDP worker's fixed depth without SDP's holder sets)."""
     if exact is None:
         u = torch.rand(len(blocks), generator=generator).tolist()
         kept = [ui < pi for ui, pi in zip(u, probs)]
     else:
         chosen = set(torch.randperm(len(blocks), generator=generator)[:exact].tolist())
         kept = [i in chosen for i in range(len(blocks))]
-    for block, keep, pi in zip(blocks, kept, probs):
+    for block, keep in zip(blocks, kept):
         block.active = keep
+    return kept
+
+
+def draw_blocks(blocks: Sequence[ResidualBlock], *, probs: Sequence[float], rescale: bool, generator: torch.Generator,
+                exact: int | None = None) -> list[bool]:
+    """:func:`draw_active`, then each kept branch scaled by 1 / its probability (``rescale``) or 1."""
+    kept = draw_active(blocks, probs=probs, generator=generator, exact=exact)
+    for block, keep, pi in zip(blocks, kept, probs):
         block.branch_scale = 1.0 / pi if (keep and rescale) else 1.0
     return kept
 

@@ -88,6 +88,8 @@ class SDPConfig:
     activation checkpointing (:mod:`sdp.parallel.sdp_consolidate`); 1: from the first step."""
     distill_alpha: Number = key(at_least=0, at_most=1)
     """During consolidation: loss = (1 - alpha) CE + alpha KL(own subnetwork frozen at the switch || model)."""
+    consolidate_survival: Number = key(above=0, at_most=1)
+    """During consolidation: each rank runs each block with this probability per step, unscaled (LayerDrop); 1: all."""
 
 
 def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
@@ -135,17 +137,20 @@ def validate(*, cfg: DictConfig, world_size: int) -> None:
 
 
 def consolidation_rules(*, cfg: DictConfig) -> None:
-    """``parallelism.consolidate`` and ``distill_alpha`` (each key's range is :class:`SDPConfig`'s): consolidation
-    switches a forward-masked block-level run to backward masking, so it needs forward masking (backward masking
-    already trains the assembled model) and block level (a neuron-level switch would re-split every narrowed
-    tensor into held and frozen parts: not built), no re-draws (the switch fixes the plan's holders for the rest of
-    the run) and a distillation weight needs a consolidation phase to act in. ``cfg.get``: configs recorded before
-    the keys existed read as off."""
+    """``parallelism.consolidate``, ``distill_alpha`` and ``consolidate_survival`` (each key's range is
+    :class:`SDPConfig`'s): consolidation switches a forward-masked block-level run to backward masking, so it needs
+    forward masking (backward masking already trains the assembled model) and block level (a neuron-level switch
+    would re-split every narrowed tensor into held and frozen parts: not built), no re-draws (the switch fixes the
+    plan's holders for the rest of the run), and a distillation weight or a survival below 1 needs a consolidation
+    phase to act in. ``cfg.get``: configs recorded before the keys existed read as off."""
     f, alpha = cfg.get("consolidate"), float(cfg.get("distill_alpha") or 0)
     require(f is None or 0 < float(f) <= 1, "parallelism.consolidate", f, "null or a number in (0, 1]")
     require(0 <= alpha <= 1, "parallelism.distill_alpha", alpha, "a number in [0, 1]")
     require(f is not None or alpha == 0, "parallelism.distill_alpha", alpha,
             "0 without parallelism.consolidate (the teacher is frozen at the consolidation switch): set consolidate")
+    q = float(cfg.get("consolidate_survival", 1.0))
+    require(f is not None or q == 1, "parallelism.consolidate_survival", q,
+            "1 without parallelism.consolidate (blocks are dropped during consolidation only): set consolidate")
     if f is None:
         return
     require(str(cfg.masking) == "forward", "parallelism.consolidate", f,

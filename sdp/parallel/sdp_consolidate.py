@@ -14,6 +14,11 @@ evaluated one) and activation-checkpointed (:mod:`sdp.parallel.ac`). From then o
 over their holders, non-held blocks refreshed from a holder after each update. The held parameters stay the same
 objects, so their optimizer state carries over unchanged.
 
+Block drops: with ``consolidate_survival`` q < 1 each rank runs each block with probability q per consolidation step
+(its own draw, seeded by seed and rank, checkpointed), kept branches unscaled: LayerDrop inside the assembled model,
+whose full model the LM study found good where training at exactly k blocks was not (REPORT.md's depth table). A
+skipped block's held weights get no gradient on that rank: the holders' average counts it as zero.
+
 Distillation: with ``distill_alpha`` > 0 the worker's own subnetwork is frozen at the switch (:func:`frozen_teacher`)
 and consolidation's loss is ``(1 - alpha) CE + alpha KL(teacher || model)`` on the worker's own batch
 (:func:`distilled_loss`): no logit traffic; averaged over the workers' gradients it fits the workers' ensemble.
@@ -46,6 +51,7 @@ from sdp.metrics.flops import forward_fraction
 from sdp.metrics.memory import later_phase as later_memory_phase
 from sdp.models.base import SDPModel
 from sdp.parallel.ac import apply_checkpointing
+from sdp.parallel.ddp_drop import draw_active
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import LaterPhase
 from sdp.subnet import masking as M
@@ -62,6 +68,7 @@ class Consolidation:
 
     start: int
     alpha: float
+    survival: float = 1.0  # each block's probability of running in a consolidation step, per rank (1: every block)
 
     @classmethod
     def of(cls, *, cfg: DictConfig, job: JobFacts) -> Consolidation | None:
@@ -72,18 +79,23 @@ class Consolidation:
             return None
         require(len(job.phase_steps) == 2, "parallelism.consolidate", f,
                 f"a run whose budget split it into two phases (JobFacts.phase_steps={job.phase_steps}): run it through the driver")
-        return cls(start=int(job.phase_steps[0]), alpha=float(cfg.get("distill_alpha") or 0))
+        return cls(start=int(job.phase_steps[0]), alpha=float(cfg.get("distill_alpha") or 0),
+                   survival=float(cfg.get("consolidate_survival", 1.0)))
 
 
-def later_phase_fraction(*, shares: dict[int, Any], forward: float, alpha: float) -> float:
+def later_phase_fraction(*, shares: dict[int, Any], forward: float, alpha: float, survival: float = 1.0) -> float:
     """Consolidation's training FLOPs per step as a fraction of DDP's (3 forwards): the full forward (1), the
     recomputation of every block under activation checkpointing (the unit blocks' branch shares, ``shares``:
     :class:`sdp.metrics.flops.BlockShare` per block; stem, head and shortcuts are not recomputed), the backward's
     input gradients in full (1) and weight gradients of the held share (``forward``: the forward fraction a worker
     holds, :func:`sdp.metrics.flops.forward_fraction`), plus, with distillation (``alpha`` > 0), the teacher's
-    forward (the worker's own subnetwork: ``forward`` again)."""
-    recompute = sum(s.branch for s in shares.values())
-    return (2.0 + forward + recompute + (forward if alpha > 0 else 0.0)) / 3.0
+    forward (the worker's own subnetwork: ``forward`` again). ``survival`` q < 1: each block's branch runs with
+    probability q, so every branch term (forward, recomputation, both backwards) is q of its full value on average;
+    the stem, head and the teacher are not dropped."""
+    branches = sum(s.branch for s in shares.values())
+    rest = 1.0 - branches  # stem, head, shortcuts: run whatever the draw
+    full, held = rest + survival * branches, rest + survival * (forward - rest)
+    return (2.0 * full + held + survival * branches + (forward if alpha > 0 else 0.0)) / 3.0
 
 
 def frozen_teacher(module: nn.Module) -> nn.Module:
@@ -177,6 +189,9 @@ class Consolidating:
         super().__init__(**kwargs)  # type: ignore[call-arg]
         self.consolidation = Consolidation.of(cfg=self.cfg, job=self.job)  # type: ignore[attr-defined]
         self.consolidated, self.teacher = False, None
+        s: Any = self  # each rank its own draws, seeded by (seed, rank), as the drop baselines' (sdp/parallel/ddp_drop.py)
+        self.drops = torch.Generator().manual_seed(s.job.seed * 1_000_003 + 17 * s.ctx.rank + 2)
+        self.blocks_run, self.drawn = 0, 0
 
     def _consolidate_at(self, *, step: int, timer: Any) -> None:
         """Before 0-based ``step``: the switch where consolidation starts (timed as the step's ``resample``
@@ -204,6 +219,23 @@ class Consolidating:
         s.optimizer.param_groups[0]["params"] = s._trainable()
 
     def _forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any, timer: Any) -> torch.Tensor:
+        """:meth:`_step_loss`; during consolidation with ``consolidate_survival`` q < 1, with each block run with
+        probability q on this rank (:func:`~sdp.parallel.ddp_drop.draw_active`: a skipped block is the identity, its
+        held weights get no gradient here, so their holder average counts it as zero, as DDP's LayerDrop does),
+        every block active again after."""
+        c, s = self.consolidation, self
+        if c is None or not self.consolidated or c.survival >= 1:
+            return self._step_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
+        blocks = list(s.module.blocks)  # type: ignore[attr-defined]
+        kept = draw_active(blocks, probs=[c.survival] * len(blocks), generator=self.drops)
+        self.blocks_run, self.drawn = self.blocks_run + sum(kept), self.drawn + len(kept)
+        try:
+            return self._step_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
+        finally:
+            for block in blocks:
+                block.active = True
+
+    def _step_loss(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any, timer: Any) -> torch.Tensor:
         """The base step's; with a teacher (consolidation with ``distill_alpha`` > 0) the distilled loss's backward
         (:func:`distilled_loss`), the teacher run without gradients on the same batch. The step reports the
         cross-entropy either way (what every run's loss curve shows)."""
@@ -224,12 +256,17 @@ class Consolidating:
 
     def _consolidation_state(self) -> dict[str, Any]:
         """What a checkpoint's ``"local"`` part keeps of consolidation: whether the switch happened and the teacher."""
-        return {"consolidation": {"done": self.consolidated,
+        c = self.consolidation
+        drops = {"drops": self.drops.get_state(), "blocks_run": [self.blocks_run, self.drawn]} if c and c.survival < 1 else {}
+        return {"consolidation": {"done": self.consolidated, **drops,
                                   **({"teacher": self.teacher.state_dict()} if self.teacher is not None else {})}}
 
     def _load_consolidated(self, local: dict[str, Any]) -> None:
         """A checkpoint written after the switch: the consolidated structure (and teacher) built, values to load."""
         saved = local.get("consolidation") or {}
+        if "drops" in saved:  # consolidate_survival < 1 only: without, no draw is made
+            self.drops.set_state(saved["drops"])
+            self.blocks_run, self.drawn = (int(v) for v in saved["blocks_run"])
         if saved.get("done"):
             self._consolidate(resumed=True)
             if self.teacher is not None:
@@ -238,7 +275,9 @@ class Consolidating:
     def _consolidation_summary(self) -> dict[str, Any] | None:
         """summary.json ``strategy_info.consolidate``: where it started, its weight, whether it ran."""
         c = self.consolidation
-        return None if c is None else {"start_step": c.start, "distill_alpha": c.alpha, "switched": self.consolidated}
+        return None if c is None else {"start_step": c.start, "distill_alpha": c.alpha, "switched": self.consolidated,
+                                       "survival": c.survival,  # and the share of blocks this rank ran (rank 0's in summary.json)
+                                       "blocks_run_fraction": self.blocks_run / self.drawn if self.drawn else None}
 
 
 def later_phase(cls: type, *, cfg: DictConfig, shares: dict[str, Any] | None, prepared: Any = None) -> LaterPhase | None:
@@ -251,4 +290,5 @@ def later_phase(cls: type, *, cfg: DictConfig, shares: dict[str, Any] | None, pr
     block = shares["block"]  # type: ignore[index]
     forward = forward_fraction(shares=block, computed=prepared.block_coverage())
     return LaterPhase(name=PHASE, share=float(f),
-                      fraction=later_phase_fraction(shares=block, forward=forward, alpha=float(cfg.get("distill_alpha") or 0)))
+                      fraction=later_phase_fraction(shares=block, forward=forward, alpha=float(cfg.get("distill_alpha") or 0),
+                                                    survival=float(cfg.get("consolidate_survival", 1.0))))
