@@ -80,7 +80,7 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     assert (par.rescale, par.redraw, par.resample_every, par.coverage) == ("none", "shuffle", 50, 0.5), par
     # consolidation from the first step appended after lm_text's remedies: the sweep's earlier job numbers hold
     shared, lm = _variants(cpu_study.LM_SHARED["onemodel"]["remedies"]), _variants(got["onemodel-0-remedies"])
-    assert lm == [*shared, "b_sdp_c50_cons100", "b_sdp_c50_cons50", "b_sdp_c50_cons100_rt"], lm
+    assert lm == [*shared, "b_sdp_c50_cons100", "b_sdp_c50_cons50", "b_sdp_c50_cons100_rt", "b_sdp_c50_cons100_ld50_rn"], lm
     for variant, f, rescale in (("b_sdp_c50_cons100", 1.0, "auto"), ("b_sdp_c50_cons50", 0.5, "auto"),
                                 ("b_sdp_c50_cons100_rt", 1.0, "train")):
         par = compose(["experiment=cpu_study_lm_automaton", f"variant={variant}"]).parallelism

@@ -159,7 +159,8 @@ STUDIES = {
            # scaling. Its training equals job 1's bit for bit, the scale rule acting at evaluation only, so it is not
            # a job of the sweep: another scale rule is read from kept weights, sdp-bench diagnose)
            "remedies": {"R50": "variant=b_sdp_c50_roll50,b_sdp_c50_shuffle50", "R200": LM_SHARED["remedies"]["R200"]},
-           "onemodel": {"remedies": [LM_SHARED["onemodel"]["remedies"][0] + ",b_sdp_c50_cons100,b_sdp_c50_cons50,b_sdp_c50_cons100_rt"]}},  # appended
+           "onemodel": {"remedies": [LM_SHARED["onemodel"]["remedies"][0]  # appended: the earlier job numbers hold
+                                     + ",b_sdp_c50_cons100,b_sdp_c50_cons50,b_sdp_c50_cons100_rt,b_sdp_c50_cons100_ld50_rn"]}},
     "lm_text": _lm_record(),
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],
