@@ -221,7 +221,7 @@ class Consolidating:
     def _forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any, timer: Any) -> torch.Tensor:
         """:meth:`_step_loss`; during consolidation with ``consolidate_survival`` q < 1, with each block run with
         probability q on this rank (:func:`~sdp.parallel.ddp_drop.draw_active`: a skipped block is the identity, its
-        held weights get no gradient here, so their holder average counts it as zero, as DDP's LayerDrop does),
+        held weights get a zero gradient here, so their holder average counts it as zero, as DDP's LayerDrop does),
         every block active again after."""
         c, s = self.consolidation, self
         if c is None or not self.consolidated or c.survival >= 1:
@@ -230,10 +230,14 @@ class Consolidating:
         kept = draw_active(blocks, probs=[c.survival] * len(blocks), generator=self.drops)
         self.blocks_run, self.drawn = self.blocks_run + sum(kept), self.drawn + len(kept)
         try:
-            return self._step_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
+            loss = self._step_loss(inputs=inputs, targets=targets, loss_fn=loss_fn, timer=timer)
         finally:
             for block in blocks:
                 block.active = True
+        for p in s.optimizer.param_groups[0]["params"]:  # a skipped held block's gradient is zero, not absent:
+            if p.grad is None:  # the optimizer steps it as DDP's LayerDrop does (find_unused_parameters), whether or
+                p.grad = torch.zeros_like(p)  # not it has co-holders, and whatever the previous step left in .grad
+        return loss
 
     def _step_loss(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any, timer: Any) -> torch.Tensor:
         """The base step's; with a teacher (consolidation with ``distill_alpha`` > 0) the distilled loss's backward
