@@ -17,7 +17,7 @@ objects, so their optimizer state carries over unchanged.
 Block drops: with ``consolidate_survival`` q < 1 each rank runs each block with probability q per consolidation step
 (its own draw, seeded by seed and rank, checkpointed), kept branches unscaled: LayerDrop inside the assembled model,
 whose full model the LM study found good where training at exactly k blocks was not (REPORT.md's depth table). A
-skipped block's held weights get no gradient on that rank: the holders' average counts it as zero.
+skipped block's held weights get a zero gradient on that rank: the holders' average counts it as zero.
 
 Distillation: with ``distill_alpha`` > 0 the worker's own subnetwork is frozen at the switch (:func:`frozen_teacher`)
 and consolidation's loss is ``(1 - alpha) CE + alpha KL(teacher || model)`` on the worker's own batch
@@ -259,7 +259,8 @@ class Consolidating:
         return ce
 
     def _consolidation_state(self) -> dict[str, Any]:
-        """What a checkpoint's ``"local"`` part keeps of consolidation: whether the switch happened and the teacher."""
+        """What a checkpoint's ``"local"`` part keeps of consolidation: whether the switch happened, the teacher, and
+        under ``consolidate_survival`` < 1 this rank's draw generator and its count of blocks run."""
         c = self.consolidation
         drops = {"drops": self.drops.get_state(), "blocks_run": [self.blocks_run, self.drawn]} if c and c.survival < 1 else {}
         return {"consolidation": {"done": self.consolidated, **drops,
