@@ -1,8 +1,9 @@
 """SDP's consolidation phase (``parallelism.consolidate``), distillation during it (``parallelism.distill_alpha``) and
 its block drops (``consolidate_survival``), issue 39 item 2: the mechanism (at C = 1 it is DDP; alpha = 0 is no
-distillation and survival 1 no drop, bit for bit), a resume across the phase switch and the budget's phase step counts from the model's own FLOP count. The one-line refusals of bad
-settings are rows of the bad-input catalogue (``tests/test_validation.py``, ``sdp-consolidate-*``, ``sdp-distill-*``);
-sdp-plan's consolidation peak against the tracker is ``tests/test_plan_peaks.py`` (``sdp_consolidate*``)."""
+distillation and survival 1 no drop, bit for bit), a resume across the phase switch and the budget's phase step
+counts from the model's own FLOP count. The one-line refusals of bad settings are rows of the bad-input catalogue
+(``tests/test_validation.py``, ``sdp-consolidate-*``, ``sdp-distill-*``, ``sdp-survival-*``); sdp-plan's consolidation peak against the tracker is ``tests/test_plan_peaks.py``
+(``sdp_consolidate*``)."""
 
 from __future__ import annotations
 

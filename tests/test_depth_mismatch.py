@@ -34,11 +34,13 @@ def test_rows_of_the_committed_lm_study() -> None:
 
 
 def test_depth_of_each_rule_from_the_config() -> None:
-    def run(**flat: object) -> SimpleNamespace:
-        return SimpleNamespace(flat={"model.n_layers": 8, **flat}, summary=SimpleNamespace(strategy_info={}))
+    def run(fraction: float | None = None, **flat: object) -> SimpleNamespace:
+        return SimpleNamespace(flat={"model.n_layers": 8, **flat},
+                               summary=SimpleNamespace(strategy_info={}, coverage={"fraction": fraction}))
     exact = run(**{"parallelism.name": "ddp_layerdrop", "parallelism.survival_prob": 0.5, "parallelism.depth": "exact"})
     assert blocks_per_step(exact) == "exactly 4 of 8" and recomposed(exact) == "every step, each rank its own draw"
-    sdp = run(**{"parallelism.name": "sdp", "parallelism.coverage": 0.25, "parallelism.rescale": "train",
+    # C = 0.3 asked, k / n = 0.25 realised (world 4, k = 1): the row reads the plan's, as the run recorded it
+    sdp = run(0.25, **{"parallelism.name": "sdp", "parallelism.coverage": 0.3, "parallelism.rescale": "train",
                  "parallelism.resample_every": 200, "parallelism.redraw": "rolling"})
     assert blocks_per_step(sdp) == "exactly 2 of 8 (a worker's subnetwork)" and branch_scales(sdp) == "n/k = 4; 1"
     assert recomposed(sdp) == "every 200 steps (rolling)"

@@ -6,9 +6,10 @@ drop baselines evaluate the full model too after training that skipped blocks. S
 how often the chains were re-composed (never: SDP's fixed plan; every R steps: its re-draws; every step, per rank:
 the drop baselines), how many blocks a training step ran (exactly k, or a depth that varies per step: LayerDrop's
 Binomial(n, p)) and how kept branches were scaled, so the report shows which of these the full model's quality
-follows: what a remedy for the assembly gap has to reproduce. Read from the rows the
-report already has (the main table's drop rows, the remedies section's re-draw rows, its fixed plan), paired by seed
-with DDP as there; nothing is computed here that those sections do not show, only the depth each row trained at.
+follows: what a remedy for the assembly gap has to reproduce. Read from the rows the report already has (the main
+table's drop rows, the remedies section's re-draw rows, its fixed plan), paired by seed with DDP as there; an SDP
+row's k / n is its plan's, the realised coverage the run recorded (``summary.json`` ``coverage.fraction``), not
+re-derived from the coverage asked for.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ def blocks_per_step(run: Run) -> str:
         if f.get("parallelism.decay") == "linear":
             return f"each block with 1 - (l+1)/{n} x {1 - p:g}: varies per step"
         return f"Binomial({n}, {p:g}): {p * n:g} of {n} on average, varies per step"
-    return f"exactly {round(float(f['parallelism.coverage']) * n)} of {n} (a worker's subnetwork)"
+    return f"exactly {round(_realised(run) * n)} of {n} (a worker's subnetwork)"
+
+
+def _realised(run: Run) -> float:
+    """An SDP run's k / n (block level: the share of blocks a worker holds), as its plan realised it."""
+    return float(run.summary.coverage["fraction"])
 
 
 def branch_scales(run: Run) -> str:
@@ -42,7 +48,7 @@ def branch_scales(run: Run) -> str:
     if f.get("parallelism.name") in DROPS:
         p = float(f["parallelism.survival_prob"])
         return f"1/p = {1 / p:g}; 1" if str(f.get("parallelism.rescale")) in ("True", "true") else "1; 1"
-    c = float(f["parallelism.coverage"])  # k / n at block level
+    c = _realised(run)
     rule = str((run.summary.strategy_info or {}).get("rescale", f.get("parallelism.rescale")))
     return {"eval": f"1; k/n = {c:g}", "train": f"n/k = {1 / c:g}; 1"}.get(rule, "1; 1")
 

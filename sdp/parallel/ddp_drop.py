@@ -44,6 +44,12 @@ def survival_probs(*, n: int, p: float, decay: str) -> list[float]:
     return [1.0 - (i + 1) / n * (1.0 - p) for i in range(n)]
 
 
+def draw_generator(*, seed: int, rank: int, stream: int) -> torch.Generator:
+    """Each rank's own generator of block draws, seeded by (``seed``, ``rank``) and a ``stream`` per user (1: the drop
+    baselines, 2: SDP's consolidation drops), so runs are reproducible and ranks draw differently."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + 17 * rank + stream)
+
+
 def draw_active(blocks: Sequence[ResidualBlock], *, probs: Sequence[float], generator: torch.Generator,
                 exact: int | None = None) -> list[bool]:
     """Switch each block on with its probability (the others skip their branch), touching nothing else; returns
@@ -95,7 +101,7 @@ class _DropStrategy(DDPStrategy):
         self.probs = survival_probs(n=len(self.blocks), p=float(self.cfg.survival_prob), decay=str(self.cfg.decay))
         self.rescale = bool(self.cfg.rescale)
         self.exact = exact_count(n=len(self.blocks), p=float(self.cfg.survival_prob), depth=str(self.cfg.depth))
-        self.generator = torch.Generator().manual_seed(self.job.seed * 1_000_003 + 17 * self.ctx.rank + 1)
+        self.generator = draw_generator(seed=self.job.seed, rank=self.ctx.rank, stream=1)
         self.kept_counts = [0] * len(self.blocks)
         self.draws = 0
         self.cfg = OmegaConf.merge(self.cfg, {"find_unused_parameters": min(self.probs) < 1.0})

@@ -51,7 +51,7 @@ from sdp.metrics.flops import forward_fraction
 from sdp.metrics.memory import later_phase as later_memory_phase
 from sdp.models.base import SDPModel
 from sdp.parallel.ac import apply_checkpointing
-from sdp.parallel.ddp_drop import draw_active
+from sdp.parallel.ddp_drop import draw_active, draw_generator
 from sdp.parallel.job import JobFacts
 from sdp.parallel.spec import LaterPhase
 from sdp.subnet import masking as M
@@ -189,8 +189,8 @@ class Consolidating:
         super().__init__(**kwargs)  # type: ignore[call-arg]
         self.consolidation = Consolidation.of(cfg=self.cfg, job=self.job)  # type: ignore[attr-defined]
         self.consolidated, self.teacher = False, None
-        s: Any = self  # each rank its own draws, seeded by (seed, rank), as the drop baselines' (sdp/parallel/ddp_drop.py)
-        self.drops = torch.Generator().manual_seed(s.job.seed * 1_000_003 + 17 * s.ctx.rank + 2)
+        s: Any = self  # each rank its own draws, as the drop baselines' (their stream 1)
+        self.drops = draw_generator(seed=s.job.seed, rank=s.ctx.rank, stream=2)
         self.blocks_run, self.drawn = 0, 0
 
     def _consolidate_at(self, *, step: int, timer: Any) -> None:
