@@ -151,7 +151,10 @@ STUDIES = {
                       ["variant=powersgd_r4", "seed=0,1,2", "parallelism.start_iter=800"],
                       # issue 39's diagnosis: LayerDrop keeping exactly an SDP worker's 4 blocks per batch (a fixed
                       # depth, re-composed every batch, no holder sets), beside layerdrop_c50's varying depth
-                      ["variant=layerdrop_c50_exact", "seed=0,1,2"]],
+                      ["variant=layerdrop_c50_exact", "seed=0,1,2"],
+                      # issue 39's holder-averaging control: consolidation from the first step with LayerDrop inside
+                      # at C = 1 (every block averaged over all ranks, as DDP+LayerDrop's), beside C = 0.5's onemodel job 8
+                      ["variant=b_sdp_c100_cons100_ld50_rn", "seed=0,1,2"]],
            "peak_extras": ["ddp", *LM_BASELINES, "b_sdp_c50_ac"],  # + DDP (not in the main sweep), B-SDP C=0.5+AC last
            "small_dense": "model.n_layers=4,2",  # the gate's DDP-4 and DDP-2 (B-SDP C = 0.5 and 0.25's worker depth)
            **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5,
@@ -160,7 +163,8 @@ STUDIES = {
            # a job of the sweep: another scale rule is read from kept weights, sdp-bench diagnose)
            "remedies": {"R50": "variant=b_sdp_c50_roll50,b_sdp_c50_shuffle50", "R200": LM_SHARED["remedies"]["R200"]},
            "onemodel": {"remedies": [LM_SHARED["onemodel"]["remedies"][0]  # appended: the earlier job numbers hold
-                                     + ",b_sdp_c50_cons100,b_sdp_c50_cons50,b_sdp_c50_cons100_rt,b_sdp_c50_cons100_ld50_rn"]}},
+                                     + ",b_sdp_c50_cons100,b_sdp_c50_cons50,b_sdp_c50_cons100_rt,b_sdp_c50_cons100_ld50_rn"
+                                     ",b_sdp_c50_cons50_ld50_rn"]}},
     "lm_text": _lm_record(),
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],
