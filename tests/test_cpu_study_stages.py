@@ -80,11 +80,19 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     assert (par.rescale, par.redraw, par.resample_every, par.coverage) == ("none", "shuffle", 50, 0.5), par
     # consolidation from the first step appended after lm_text's remedies: the sweep's earlier job numbers hold
     shared, lm = _variants(cpu_study.LM_SHARED["onemodel"]["remedies"]), _variants(got["onemodel-0-remedies"])
-    assert lm == [*shared, "b_sdp_c50_cons100", "b_sdp_c50_cons50", "b_sdp_c50_cons100_rt", "b_sdp_c50_cons100_ld50_rn"], lm
+    assert lm == [*shared, "b_sdp_c50_cons100", "b_sdp_c50_cons50", "b_sdp_c50_cons100_rt", "b_sdp_c50_cons100_ld50_rn",
+                  "b_sdp_c50_cons50_ld50_rn"], lm
     for variant, f, rescale in (("b_sdp_c50_cons100", 1.0, "auto"), ("b_sdp_c50_cons50", 0.5, "auto"),
                                 ("b_sdp_c50_cons100_rt", 1.0, "train")):
         par = compose(["experiment=cpu_study_lm_automaton", f"variant={variant}"]).parallelism
         assert (par.consolidate, par.rescale) == (f, rescale), (variant, par)
+    # the holder-averaging control (extras): consolidation with drops at C = 1, the C = 0.5 row's twin otherwise
+    (control,) = [a for n, a in got.items() if n.startswith("extras-") and "b_sdp_c100_cons100_ld50_rn" in _variants(a)]
+    assert "seed=0,1,2" in control, control
+    par = compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c100_cons100_ld50_rn"]).parallelism
+    twin = compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c50_cons100_ld50_rn"]).parallelism
+    assert (par.coverage, twin.coverage) == (1.0, 0.5) and {k: v for k, v in par.items() if k != "coverage"} == \
+        {k: v for k, v in twin.items() if k != "coverage"}, (par, twin)
     ac = compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c50_ac"])
     assert (ac.train.ac, ac.parallelism.name, ac.parallelism.coverage) == ("full", "sdp", 0.5), ac.train
 
