@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from sdp.bench.baseline_verdicts import baseline_lines, ensemble_cost, loss_twin, small_dense, worker_depth
+from sdp.bench.frontier import frontier_points
 from sdp.bench.study_report import Study
 
 LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm_text" / "runs"
@@ -92,6 +93,7 @@ def test_without_its_own_runs_ddp_ac_is_read_from_ddps_and_other_baselines_say_s
     st = _study(tmp_path, ac=False)
     assert loss_twin(st, "DDP+AC") == "DDP" and loss_twin(st, "FSDP+AC") is None and loss_twin(st, "DDP") is None
     text = "\n".join(baseline_lines(st, unit="nats"))
+    assert "DDP+AC" not in frontier_points(st), sorted(frontier_points(st))  # its twin point is this section's only
     gap = statistics.fmean(BSDP)
     assert f"B-SDP C=0.5 − DDP+AC: higher by {gap:.3f}" in text and "DDP's runs, by construction" in text, text
     assert "B-SDP C=0.5 − FSDP+AC: no paired runs" in text, text

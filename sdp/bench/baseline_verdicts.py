@@ -169,7 +169,8 @@ def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str,
 
 def baseline_lines(st: Study, *, unit: str) -> list[str]:
     """The section: the small dense models, each baseline per resource, and which methods dominate B-SDP C = 0.5."""
-    points, baselines = frontier_points(st), baseline_rows(st)
+    # a copy: twin_points adds the AC twins to this section's points, not to the frontier's (computed once per study)
+    points, baselines = dict(frontier_points(st)), baseline_rows(st)
     twins = twin_points(st, points, baselines)
     out = ["### Against the baselines a reviewer asks for (issue 38; FLOP-matched, paired by seed)", "",
            "Same training peak without SDP: the dense model of one worker's depth.", "", *dense_lines(st, unit=unit),

@@ -98,7 +98,12 @@ def _mean(values: list[float | None]) -> float | None:
 
 def frontier_points(study: Any) -> dict[str, dict[str, float | None]]:
     """Per row of ``study`` (:class:`sdp.bench.study_report.Study`): its quality (mean, 95 % t half-width over
-    seeds) and each resource of the panels (None where not measured)."""
+    seeds) and each resource of the panels (None where not measured); computed once per study (the plot, its
+    table and the baselines' verdicts read the same points)."""
+    return study.once("frontier_points", lambda: _points(study))
+
+
+def _points(study: Any) -> dict[str, dict[str, float | None]]:
     key = study.metric or "eval_loss"
     out = {}
     for name, row in study.rows.items():

@@ -208,11 +208,16 @@ class Remedies:
         return out
 
 
+def remedies_of(*, study: Study) -> Remedies:
+    """The study's remedy rows, read once per render (this section and the one-model section's depth table)."""
+    return study.once("remedies", lambda: Remedies(study=study))
+
+
 def remedies_section(*, study: Study) -> list[str]:
     """The markdown lines of the section (none without ``runs/remedies``); writes ``remedies.csv``."""
     if not (study.dir / "runs" / "remedies").is_dir():
         return []
-    rem = Remedies(study=study)
+    rem = remedies_of(study=study)
     if not rem.rows:
         return []
     records = rem.records()

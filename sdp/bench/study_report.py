@@ -20,12 +20,15 @@ import csv
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 from sdp.bench.gate import task_runs
 from sdp.report.runs import Run, find_runs, run_figures
 from sdp.report.stats import TARGET_FACTOR, Paired, paired_difference, ratio, t_half_width, time_to_target
 from sdp.report.tables import method_facts
 from sdp.results.contract import read_metrics
+
+T = TypeVar("T")
 
 NOMINAL_RANGE = (0.40, 0.72)  # the paper's "28-60 % less memory per device" as a ratio to DDP
 PAPER_COMMANDS = {
@@ -170,6 +173,12 @@ class Study:
         self.ddp = self.rows["DDP"]
         self.metric = "eval_accuracy" if self.ddp.mean_std("eval_accuracy")[0] is not None else None
         self.target = self.ddp.mean_std("eval_loss")[0] * TARGET_FACTOR
+        self._once: dict[str, Any] = {}
+
+    def once(self, key: str, build: Callable[[], T]) -> T:
+        """``build()``'s result, built at the first call with ``key`` and kept: a figure several sections read (the
+        remedies' rows, the frontier's points) is computed once per render, not once per section."""
+        return self._once[key] if key in self._once else self._once.setdefault(key, build())
 
     def paired(self, name: str, key: str = "eval_loss", *, reference: str = "DDP", ref_key: str | None = None) -> Paired:
         """Per-seed ``name``'s ``key`` minus ``reference``'s ``ref_key`` (default the same key)."""
