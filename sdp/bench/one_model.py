@@ -36,7 +36,7 @@ from sdp.bench.baseline_verdicts import small_dense
 from sdp.bench.depth_mismatch import depth_lines
 from sdp.bench.one_model_scale import context_line
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
-from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, write_csv
+from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, row_name, write_csv
 from sdp.report.runs import Run, _max_over_ranks, find_runs
 from sdp.report.stats import Paired, paired_difference, ratio, seeds_needed
 
@@ -183,6 +183,13 @@ class OneModel:
             out.append(f"inference FLOPs {fmt(cost, '.2f')}x DDP's (target 1.00x)")
         return out
 
+    def depth_rows(self) -> list[tuple[str, Row]]:
+        """The consolidation rows the depth table sets beside the drop baselines (by their main-table name, e.g.
+        ``B-SDP C=0.5 rescale=none consolidate=1 survival=0.5``): consolidation alone, with or without its drops,
+        not those a distillation or a calibration sets apart."""
+        return [(row_name(self.first(row)), row) for row in self.rows.values()
+                if (m := mechanism(self.first(row)))[0] and not any(m[1:])]
+
     def records(self) -> list[dict[str, str]]:
         out = []
         for name, row in self.rows.items():
@@ -264,5 +271,6 @@ def one_model_section(*, study: Study) -> list[str]:
             "summary.json: `sdp-plan` with a run's overrides prints them. Inference FLOPs: the evaluated model's FLOP "
             "count per sample (summary.json budget.flops_per_sample) over DDP's. Against B_β-SDP: the main table's "
             "backward-masked row (consolidation's mechanism over the whole budget, without AC), paired by seed.", "",
-            markdown_table(records), "", *verdict_lines(one=one, explanations=explanations), "", *depth_lines(study=study),
+            markdown_table(records), "", *verdict_lines(one=one, explanations=explanations), "",
+            *depth_lines(study=study, also=one.depth_rows()),
             *diagnosis]
