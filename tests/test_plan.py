@@ -81,6 +81,20 @@ def test_sdp_plan_command_prints_and_writes_the_prediction_and_frontier(tmp_path
     assert plan["frontier"]["connected_frontier"] and plan["frontier"]["plan"]["connected"]
 
 
+def test_a_sweep_experiment_is_planned_as_one_job_and_writes_nothing(tmp_path: Path) -> None:
+    """The study's experiment sets ``hydra.mode: MULTIRUN``: sdp-plan plans the job it is given, in RUN mode, so no
+    sweep directory appears where it was launched and no sweep callback builds a report of no runs."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "sdp.planning.planner", "experiment=cpu_study_lm_automaton",
+                           "variant=b_sdp_c50", "seed=0"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=sdp_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sdp-plan: strategy=sdp" in proc.stdout and "k=2 of 4 workers" in proc.stdout, proc.stdout
+    assert list(tmp_path.iterdir()) == [] and "could not build the tables" not in proc.stderr, (list(tmp_path.iterdir()), proc.stderr)
+
+
 def _plan_warnings(fn, cfg) -> list[str]:
     import warnings
 

@@ -196,9 +196,15 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Nothing is launched, so nothing is written either: no Hydra run directory unless asked for."""
-    if not any(a.startswith(("hydra.run.dir=", "hydra.output_subdir=")) for a in sys.argv[1:]):
+    """Nothing is launched, so nothing is written either: no Hydra run directory unless asked for. An experiment
+    whose YAML sets ``hydra.mode: MULTIRUN`` (a study's sweep) is planned as one job, its variant and seed as given
+    (a sweep dir and the sweep's callbacks would write a directory and build reports of no runs); ``-m`` plans every
+    job of a sweep, each into the sweep's directories as sdp-train would."""
+    args = sys.argv[1:]
+    if not any(a.startswith(("hydra.run.dir=", "hydra.output_subdir=")) for a in args):
         sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    if not any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in args):
+        sys.argv += ["hydra.mode=RUN"]
     _hydra_main()
 
 
