@@ -72,7 +72,9 @@ def label(run: Run) -> str:
 
 def mechanism(run: Run) -> tuple[bool, bool, bool]:
     """Which phases a run has (consolidation, a distillation teacher beside it, calibration): the key that matches a
-    remedy to its peak run, whatever its f or its calibration steps (neither changes a phase's peak)."""
+    remedy to its peak run, whatever its f or its calibration steps (neither changes a phase's peak), or its
+    consolidation survival q: a rank runs all n blocks at a step with probability q^n, so over a run's S steps its
+    peak is the peak without drops unless (1 - q^n)^S is not small (q = 0.5, n = 8: 1/256 per step, ~53 of 13693)."""
     f, alpha, cal = remedy(run)
     return f is not None, alpha > 0, cal > 0
 
