@@ -7,12 +7,13 @@ how often the chains were re-composed (never: SDP's fixed plan; every R steps: i
 the drop baselines), how many blocks a training step ran (exactly k, or a depth that varies per step: LayerDrop's
 Binomial(n, p)), how kept branches were scaled and over how many ranks a block's gradient was averaged (SDP: a
 block's holders; DDP and the drop baselines: all), so the report shows which of these the full model's quality
-follows: what a remedy for the assembly gap has to reproduce. Consolidation (issue 39's remedy: the assembled
-model trained over the last share of the budget, with LayerDrop's draws inside or without) is set among them, and
-its run at C = 1 (every block averaged over all ranks) tells the holders' share apart. Read from the rows the report already has (the main
-table's drop rows, the remedies section's re-draw rows, its fixed plan), paired by seed with DDP as there; an SDP
-row's k / n is its plan's, the realised coverage the run recorded (``summary.json`` ``coverage.fraction``), not
-re-derived from the coverage asked for.
+follows: what a remedy for the assembly gap has to reproduce. Consolidation (issue 39's remedy: the assembled model
+trained over the last share of the budget, with LayerDrop's draws inside or without) is set among them, and its run
+at C = 1 (every block averaged over all ranks) tells the holders' share apart. Read from the rows the report already
+has (the main table's drop, backward-masked and consolidated rows, the remedies section's fixed plan and re-draw
+rows, the one-model section's consolidation rows), paired by seed with DDP as there; an SDP row's k / n is its
+plan's, the realised coverage the run recorded (``summary.json`` ``coverage.fraction``), not re-derived from the
+coverage asked for.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def averaged_over(run: Run) -> str:
 
 
 def depth_rows(*, study: Study, also: list[tuple[str, Row]] = ()) -> list[tuple[str, Row]]:
-    """(name, row): the main table's drop, backward-masked and consolidated rows, the remedies section's fixed plan and re-draw rows,
-    then ``also`` (the one-model section's consolidation rows, which its own module collects)."""
+    """(name, row): the main table's drop, backward-masked and consolidated rows, the remedies section's fixed plan
+    and re-draw rows, then ``also`` (the one-model section's consolidation rows, which its own module collects)."""
     out = [(name, row) for name, row in study.rows.items()
            if (run := next(iter(row.runs.values()))).flat.get("parallelism.name") in DROPS or _consolidation(run)
            or _backward(run)]
@@ -131,5 +132,5 @@ def depth_lines(*, study: Study, also: list[tuple[str, Row]] = ()) -> list[str]:
                         "full model − DDP": interval(paired_difference(row.values("eval_loss"), study.ddp.values("eval_loss"))),
                         "seeds": ",".join(map(str, sorted(row.runs)))})
     return ["Depth in training against depth at evaluation (every row evaluates the full model; the drop, "
-            "backward-masked and consolidated rows from the main table, SDP's fixed plan and re-draws from the remedies section, "
-            "consolidation from this section, paired by seed with DDP):", "", markdown_table(records), ""]
+            "backward-masked and consolidated rows from the main table, SDP's fixed plan and re-draws from the "
+            "remedies section, consolidation from this section, paired by seed with DDP):", "", markdown_table(records), ""]
