@@ -18,6 +18,8 @@ coverage asked for.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sdp.bench.remedies import period, remedies_of
 from sdp.bench.study_report import Row, Study, interval, markdown_table
 from sdp.report.runs import Run
@@ -26,8 +28,9 @@ from sdp.report.stats import paired_difference
 DROPS = ("ddp_layerdrop", "ddp_stochastic_depth")  # parallelism.name of the drop baselines
 
 
-def _consolidation(run: Run) -> tuple[float, float] | None:
-    """(consolidate f, its survival q) of an SDP run with consolidation; None without (``or``: older runs)."""
+def consolidation(run: Run) -> tuple[float, float] | None:
+    """(consolidate f, its survival q) of an SDP run with consolidation; None without (``or``: older runs). The one
+    reader of the two keys here and in the one-model section (:func:`sdp.bench.one_model.remedy`)."""
     f = run.flat.get("parallelism.consolidate")
     return None if f in (None, "null") else (float(f), float(run.flat.get("parallelism.consolidate_survival") or 1.0))
 
@@ -48,7 +51,7 @@ def blocks_per_step(run: Run) -> str:
     if _backward(run):
         return f"all {n} (backward masking: the full model's forward)"
     own = f"exactly {round(_realised(run) * n)} of {n} (a worker's subnetwork)"
-    if (cons := _consolidation(run)) is None:
+    if (cons := consolidation(run)) is None:
         return own
     share, q = cons
     assembled = "the assembled model, " + (_binomial(n, q) if q < 1 else f"all {n}")
@@ -80,7 +83,7 @@ def branch_scales(run: Run) -> str:
     c = _realised(run)
     rule = str((run.summary.strategy_info or {}).get("rescale", f.get("parallelism.rescale")))
     train, evaluate = {"eval": ("1", f"k/n = {c:g}"), "train": (f"n/k = {1 / c:g}", "1")}.get(rule, ("1", "1"))
-    if (cons := _consolidation(run)) is None:
+    if (cons := consolidation(run)) is None:
         return f"{train}; {evaluate}"
     return f"{evaluate}; {evaluate}" if cons[0] >= 1 else f"{train}, then {evaluate}; {evaluate}"
 
@@ -91,7 +94,7 @@ def recomposed(run: Run) -> str:
         return "every step, each rank its own draw"
     if _backward(run):
         return "never (the full model)"
-    if (cons := _consolidation(run)) is not None:
+    if (cons := consolidation(run)) is not None:
         later = "every step, each rank its own draw" if cons[1] < 1 else "never (the assembled model)"
         return later if cons[0] >= 1 else f"never (fixed plan), then {later}"
     every = period(run)
@@ -106,11 +109,11 @@ def averaged_over(run: Run) -> str:
     return f"all {world} ranks" if k is None or int(k) == world else f"its {k} holders of {world} ranks"
 
 
-def depth_rows(*, study: Study, also: list[tuple[str, Row]] = ()) -> list[tuple[str, Row]]:
+def depth_rows(*, study: Study, also: Sequence[tuple[str, Row]] = ()) -> list[tuple[str, Row]]:
     """(name, row): the main table's drop, backward-masked and consolidated rows, the remedies section's fixed plan
     and re-draw rows, then ``also`` (the one-model section's consolidation rows, which its own module collects)."""
     out = [(name, row) for name, row in study.rows.items()
-           if (run := next(iter(row.runs.values()))).flat.get("parallelism.name") in DROPS or _consolidation(run)
+           if (run := next(iter(row.runs.values()))).flat.get("parallelism.name") in DROPS or consolidation(run)
            or _backward(run)]
     if (study.dir / "runs" / "remedies").is_dir():
         rem = remedies_of(study=study)
@@ -118,7 +121,7 @@ def depth_rows(*, study: Study, also: list[tuple[str, Row]] = ()) -> list[tuple[
     return out + list(also)
 
 
-def depth_lines(*, study: Study, also: list[tuple[str, Row]] = ()) -> list[str]:
+def depth_lines(*, study: Study, also: Sequence[tuple[str, Row]] = ()) -> list[str]:
     """The table (none when the study has no drop, consolidated or re-draw row)."""
     rows = depth_rows(study=study, also=also)
     if not rows:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from sdp.bench import diagnosis_verdict as D
 from sdp.bench.baseline_verdicts import small_dense
-from sdp.bench.depth_mismatch import depth_lines
+from sdp.bench.depth_mismatch import consolidation, depth_lines
 from sdp.bench.one_model_scale import context_line
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
 from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, row_name, write_csv
@@ -52,8 +52,8 @@ FLOP_TOLERANCE = 1e-9  # the assembled model's inference FLOPs equal DDP's when 
 def remedy(run: Run) -> tuple[float | None, float, int]:
     """(consolidate f or None, distillation alpha, calibration steps) of a run's config: what sets a remedy apart.
     ``or``: runs recorded before a key existed read as off."""
-    f = run.flat.get("parallelism.consolidate")
-    return (None if f in (None, "null") else float(f), float(run.flat.get("parallelism.distill_alpha") or 0),
+    cons = consolidation(run)
+    return (None if cons is None else cons[0], float(run.flat.get("parallelism.distill_alpha") or 0),
             int(run.flat.get("parallelism.calibrate_steps") or 0))
 
 
@@ -64,7 +64,7 @@ def label(run: Run) -> str:
     follows in brackets, e.g. ``consolidate f=1 (rescale=train)``."""
     f, alpha, cal = remedy(run)
     parts = ([] if f is None else [f"consolidate f={f:g}"]) + ([f"distill α={alpha:g}"] if alpha else [])
-    q = float(run.flat.get("parallelism.consolidate_survival") or 1.0)  # consolidation's LayerDrop survival
+    q = cons[1] if (cons := consolidation(run)) else 1.0  # consolidation's LayerDrop survival
     parts += ([f"LayerDrop p={q:g}"] if q < 1 else []) + ([f"calibrate {cal} steps"] if cal else [])
     rescale = run.flat.get("parallelism.rescale")
     return (" + ".join(parts) or FIXED) + (f" (rescale={rescale})" if rescale not in (None, "auto") else "")
