@@ -44,7 +44,7 @@ def test_consolidation_at_full_coverage_is_ddp(tmp_path: Path) -> None:
         s1, s2 = phases(summary)
         assert s1 + s2 == 6 and (s1 == 0) == (f == 1.0) and s2 >= 1, summary["budget"]["phases"]
         info = summary["strategy_info"]["consolidate"]
-        assert info == {"start_step": s1, "distill_alpha": 0.0, "switched": True, "survival": 1.0,
+        assert info == {"start_step": s1, "distill_alpha": 0.0, "switched": True, "survival": 1.0, "average": "holders",
                         "blocks_run_fraction": None}, info
         losses = train_losses(rows)
         for step, (a, b) in enumerate(zip(losses, ref, strict=True), start=1):
@@ -172,7 +172,7 @@ def test_distilled_loss_fits_the_teacher_on_the_scored_positions_only() -> None:
     from torch.nn import functional as F
 
     from sdp.data.base import IGNORE_INDEX
-    from sdp.parallel.sdp_consolidate import distilled_loss
+    from sdp.parallel.sdp_distill import distilled_loss
 
     g = torch.Generator().manual_seed(0)
     student, teacher = torch.randn(2, 5, 7, generator=g), torch.randn(2, 5, 7, generator=g)
@@ -189,13 +189,13 @@ def test_distilled_loss_fits_the_teacher_on_the_scored_positions_only() -> None:
 
 @pytest.mark.parametrize("chunk", [3, 4, 1024])
 def test_the_chunked_distillation_term_and_its_gradient_equal_autograds(chunk: int) -> None:
-    """The KL term computed and differentiated ``chunk`` positions at a time (sdp_consolidate._ChunkedKL: no
+    """The KL term computed and differentiated ``chunk`` positions at a time (sdp_distill._ChunkedKL: no
     vocabulary-sized float32 copy of the batch) equals autograd over the whole batch, value and gradient in the
     student's logits, unscored positions included (zero gradient there); the teacher gets no gradient."""
     from torch.nn import functional as F
 
     from sdp.data.base import IGNORE_INDEX
-    from sdp.parallel.sdp_consolidate import distilled_loss
+    from sdp.parallel.sdp_distill import distilled_loss
 
     g = torch.Generator().manual_seed(1)
     student, teacher = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)

@@ -81,7 +81,14 @@ def test_the_lm_study_on_the_gated_task(tmp_path: Path) -> None:
     # consolidation from the first step appended after lm_text's remedies: the sweep's earlier job numbers hold
     shared, lm = _variants(cpu_study.LM_SHARED["onemodel"]["remedies"]), _variants(got["onemodel-0-remedies"])
     assert lm == [*shared, "b_sdp_c50_cons100", "b_sdp_c50_cons50", "b_sdp_c50_cons100_rt", "b_sdp_c50_cons100_ld50_rn",
-                  "b_sdp_c50_cons50_ld50_rn"], lm
+                  "b_sdp_c50_cons50_ld50_rn", "b_sdp_c50_cons50_wavg"], lm
+    # world-averaged consolidation: b_sdp_c50_cons50 but for the key, and a peak run of its own mechanism
+    wavg = compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c50_cons50_wavg"]).parallelism
+    plain = compose(["experiment=cpu_study_lm_automaton", "variant=b_sdp_c50_cons50"]).parallelism
+    assert {k: v for k, v in wavg.items() if k != "consolidate_average"} == {k: v for k, v in plain.items()
+                                                                              if k != "consolidate_average"}, (wavg, plain)
+    assert (wavg.consolidate_average, plain.consolidate_average) == ("world", "holders"), wavg
+    assert _variants(got["onemodelpeaks-wavg"]) == ["b_sdp_c50_cons50_wavg"], got["onemodelpeaks-wavg"]
     for variant, f, rescale in (("b_sdp_c50_cons100", 1.0, "auto"), ("b_sdp_c50_cons50", 0.5, "auto"),
                                 ("b_sdp_c50_cons100_rt", 1.0, "train")):
         par = compose(["experiment=cpu_study_lm_automaton", f"variant={variant}"]).parallelism

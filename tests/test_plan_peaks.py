@@ -44,6 +44,9 @@ CASES = {
     "sdp_consolidate_llama": ["parallelism=sdp", *LLAMA, "train.steps=8", "parallelism.consolidate=0.5"],
     "sdp_consolidate_kd_llama": ["parallelism=sdp", *LLAMA, "train.steps=8", "parallelism.consolidate=0.5",
                                  "parallelism.distill_alpha=0.5"],
+    # and with world-averaged gradients: every parameter's gradient, each non-held one freed once its block is reduced
+    "sdp_consolidate_world_llama": ["parallelism=sdp", *LLAMA, "train.steps=8", "parallelism.consolidate=0.5",
+                                    "parallelism.consolidate_average=world"],
     # assembly calibration (issue 39): the frozen assembled model (the blocks a rank lacks received), gates, checkpoints
     "sdp_calibrate_llama": ["parallelism=sdp", *LLAMA, "parallelism.calibrate_steps=2"],
     "sdp_calibrate": ["parallelism=sdp", *SMALL, "parallelism.calibrate_steps=2"],

@@ -85,7 +85,9 @@ def test_predicted_traffic_and_checkpoints_equal_measured_per_rank_and_phase(cas
 PHASED = ["model=resnet18_cifar", "model.width=8", "dataset=digits", "train.batch_size=8", "train.eval_batch_size=64",
           "train.steps=6", "train.warmup_steps=1", "train.eval_every=0", "train.budget=iterations", "cluster.world_size=4",
           "parallelism=sdp"]
-PHASES = {"consolidate": [*PHASED, "parallelism.consolidate=0.5"], "calibrate": [*PHASED, "parallelism.calibrate_steps=3"]}
+PHASES = {"consolidate": [*PHASED, "parallelism.consolidate=0.5"], "calibrate": [*PHASED, "parallelism.calibrate_steps=3"],
+          # world-averaged consolidation: every block's all-reduce over the 4 ranks, refreshes as the holders' one
+          "consolidate_world": [*PHASED, "parallelism.consolidate=0.5", "parallelism.consolidate_average=world"]}
 
 
 @pytest.mark.dist
@@ -100,8 +102,9 @@ def test_predicted_consolidation_and_calibration_traffic_equal_measured(phase: s
     each phase's step in the plan's ``consolidate`` facts."""
     from sdp.planning.planner import predict
 
-    summary, _ = run_job(PHASES[phase], run_dir=tmp_path / "run")
-    plan = predict(compose(PHASES[phase]))
+    overrides, phase = PHASES[phase], phase.removesuffix("_world")
+    summary, _ = run_job(overrides, run_dir=tmp_path / "run")
+    plan = predict(compose(overrides))
     measured = [r["outside_training"] for r in summary["comm"]["per_rank"]]
     predicted = [r["outside_training"] for r in plan["comm"]["per_rank"]]
     assert all(m.get(phase, {}).get("collectives") for m in measured), f"{phase}: not measured: {measured}"

@@ -17,10 +17,11 @@ VARIANTS = sorted(p.stem for p in (CONF / "variant").glob("*.yaml"))
 # *_iters: the same row under the same-iteration budget; *_shuffleR / *_rollR: the row with a plan re-draw every R steps;
 # *_consF / *_consF_kdA: the row with consolidation over the last F % of the budget, distilled at weight A / 100;
 # *_consF_ldQ: consolidation whose ranks run each block with probability Q / 100 (parallelism.consolidate_survival);
+# *_consF_wavg: consolidation averaging each block's gradient over all ranks (parallelism.consolidate_average=world);
 # *_cal: the row with assembly calibration after training; *_ac: the row with activation checkpointing (train.ac=full);
 # *_rt: the row at branch scale 1 (parallelism.rescale=train); *_rn: the row with no branch scaling (rescale=none);
 # *_exact: a drop baseline whose ranks keep exactly p x n blocks per batch (parallelism.depth=exact)
-_FRACTION = re.compile(r"_c(\d+)(_iters)?(?:_(shuffle|roll)(\d+))?(?:_cons(\d+))?(?:_kd(\d+))?(?:_ld(\d+))?(_cal)?(_ac)?(_r[tn])?"
+_FRACTION = re.compile(r"_c(\d+)(_iters)?(?:_(shuffle|roll)(\d+))?(?:_cons(\d+))?(?:_kd(\d+))?(?:_ld(\d+))?(_wavg)?(_cal)?(_ac)?(_r[tn])?"
                        r"(_exact)?$")
 
 
@@ -52,9 +53,11 @@ def test_variant_sets_method_and_coverage(variant: str):
     assert (cfg.parallelism.get("consolidate"), cfg.parallelism.get("distill_alpha", 0)) == consolidate, (variant, cfg.parallelism)
     survival = int(m.group(7)) / 100 if m.group(7) else 1.0
     assert cfg.parallelism.get("consolidate_survival", 1.0) == survival, (variant, cfg.parallelism.get("consolidate_survival"))
-    assert bool(m.group(8)) == bool(cfg.parallelism.get("calibrate_steps")), (variant, cfg.parallelism.get("calibrate_steps"))
-    assert (cfg.train.ac == "full") == bool(m.group(9)), (variant, cfg.train.ac)
+    average = cfg.parallelism.get("consolidate_average", "holders")
+    assert (average == "world") == bool(m.group(8)), (variant, average)
+    assert bool(m.group(9)) == bool(cfg.parallelism.get("calibrate_steps")), (variant, cfg.parallelism.get("calibrate_steps"))
+    assert (cfg.train.ac == "full") == bool(m.group(10)), (variant, cfg.train.ac)
     rescale, default = cfg.parallelism.get("rescale"), "none" if cfg.parallelism.get("masking") == "backward" else None
-    want = {"_rt": "train", "_rn": "none"}.get(m.group(10), default)  # backward masking scales no branch: none, always
+    want = {"_rt": "train", "_rn": "none"}.get(m.group(11), default)  # backward masking scales no branch: none, always
     assert (rescale if rescale in ("train", "none") else None) == want, (variant, rescale)
-    assert (cfg.parallelism.get("depth") == "exact") == bool(m.group(11)), (variant, cfg.parallelism.get("depth"))
+    assert (cfg.parallelism.get("depth") == "exact") == bool(m.group(12)), (variant, cfg.parallelism.get("depth"))

@@ -164,7 +164,10 @@ STUDIES = {
            "remedies": {"R50": "variant=b_sdp_c50_roll50,b_sdp_c50_shuffle50", "R200": LM_SHARED["remedies"]["R200"]},
            "onemodel": {"remedies": [LM_SHARED["onemodel"]["remedies"][0]  # appended: the earlier job numbers hold
                                      + ",b_sdp_c50_cons100,b_sdp_c50_cons50,b_sdp_c50_cons100_rt,b_sdp_c50_cons100_ld50_rn"
-                                     ",b_sdp_c50_cons50_ld50_rn"]}},
+                                     ",b_sdp_c50_cons50_ld50_rn,b_sdp_c50_cons50_wavg"]},
+           # the world-averaged consolidation's peak has its own mechanism (every gradient computed, freed once reduced)
+           "onemodel_peaks": {**LM_SHARED["onemodel_peaks"], "wavg": ["variant=b_sdp_c50_cons50_wavg",
+                                                                     f"parallelism.consolidate={PEAK_CONSOLIDATE}"]}},
     "lm_text": _lm_record(),
     "image": {"experiment": "cpu_study_image",
               "extras": [["variant=fsdp", "seed=0"]],

@@ -101,12 +101,22 @@ def recomposed(run: Run) -> str:
     return "never (fixed plan)" if every is None else f"every {every} steps ({run.flat.get('parallelism.redraw')})"
 
 
+def world_averaged(run: Run) -> bool:
+    """Whether a consolidated run averaged each block's gradient over all ranks in consolidation
+    (``parallelism.consolidate_average=world``: :mod:`sdp.subnet.world_sync`; older runs: its holders)."""
+    return consolidation(run) is not None and run.flat.get("parallelism.consolidate_average") == "world"
+
+
 def averaged_over(run: Run) -> str:
     """Over how many ranks a block's gradient is averaged per step: all of them (DDP's reducer; SDP where every rank
-    holds every block) or a block's k holders (SDP: a block learns from k / n of the global batch)."""
+    holds every block) or a block's k holders (SDP: a block learns from k / n of the global batch); a consolidation
+    averaged over the world names its phases."""
     world = int(run.summary.world_size)
     k = None if run.flat.get("parallelism.name") in DROPS else (run.summary.strategy_info or {}).get("plan", {}).get("k")
-    return f"all {world} ranks" if k is None or int(k) == world else f"its {k} holders of {world} ranks"
+    holders = f"all {world} ranks" if k is None or int(k) == world else f"its {k} holders of {world} ranks"
+    if not world_averaged(run) or holders.startswith("all"):
+        return holders
+    return f"all {world} ranks" if consolidation(run)[0] >= 1 else f"{holders}, then all {world} ranks"  # type: ignore[index]
 
 
 def depth_rows(*, study: Study, also: Sequence[tuple[str, Row]] = ()) -> list[tuple[str, Row]]:

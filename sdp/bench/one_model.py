@@ -33,7 +33,7 @@ from pathlib import Path
 
 from sdp.bench import diagnosis_verdict as D
 from sdp.bench.baseline_verdicts import small_dense
-from sdp.bench.depth_mismatch import consolidation, depth_lines
+from sdp.bench.depth_mismatch import consolidation, depth_lines, world_averaged
 from sdp.bench.one_model_scale import context_line
 from sdp.bench.remedies import MOONSHOT_NATS, MOONSHOT_PEAK, _collect
 from sdp.bench.study_report import Row, Study, fmt, interval, markdown_table, pm, row_name, write_csv
@@ -59,24 +59,25 @@ def remedy(run: Run) -> tuple[float | None, float, int]:
 
 def label(run: Run) -> str:
     """The table's name of a run's remedy: ``fixed plan`` or its parts, e.g. ``consolidate f=0.2 + distill α=0.5``,
-    ``consolidate f=1 + LayerDrop p=0.5`` (``consolidate_survival``);
+    ``consolidate f=1 + LayerDrop p=0.5`` (``consolidate_survival``), ``consolidate f=0.5 + world average``;
     a branch scale set apart from the default (``parallelism.rescale``: what consolidation's blocks are scaled by)
     follows in brackets, e.g. ``consolidate f=1 (rescale=train)``."""
     f, alpha, cal = remedy(run)
     parts = ([] if f is None else [f"consolidate f={f:g}"]) + ([f"distill α={alpha:g}"] if alpha else [])
     q = cons[1] if (cons := consolidation(run)) else 1.0  # consolidation's LayerDrop survival
-    parts += ([f"LayerDrop p={q:g}"] if q < 1 else []) + ([f"calibrate {cal} steps"] if cal else [])
+    parts += ([f"LayerDrop p={q:g}"] if q < 1 else []) + (["world average"] if world_averaged(run) else [])
+    parts += [f"calibrate {cal} steps"] if cal else []
     rescale = run.flat.get("parallelism.rescale")
     return (" + ".join(parts) or FIXED) + (f" (rescale={rescale})" if rescale not in (None, "auto") else "")
 
 
-def mechanism(run: Run) -> tuple[bool, bool, bool]:
-    """Which phases a run has (consolidation, a distillation teacher beside it, calibration): the key that matches a
-    remedy to its peak run, whatever its f or its calibration steps (neither changes a phase's peak), or its
+def mechanism(run: Run) -> tuple[bool, bool, bool, bool]:
+    """Which phases a run has (consolidation, a distillation teacher beside it, calibration) and whether consolidation
+    averages over the world (every gradient computed, each freed once reduced): the key that matches a remedy to its peak run, whatever its f or its calibration steps (neither changes a phase's peak), or its
     consolidation survival q: a rank runs all n blocks at a step with probability q^n, so over a run's S steps its
     peak is the peak without drops unless (1 - q^n)^S is not small (q = 0.5, n = 8: 1/256 per step, ~53 of 13693)."""
     f, alpha, cal = remedy(run)
-    return f is not None, alpha > 0, cal > 0
+    return f is not None, alpha > 0, cal > 0, world_averaged(run)  # world averaging: every gradient, freed as reduced
 
 
 def phases(run: Run) -> list[tuple[str, str]]:

@@ -60,7 +60,7 @@ def row_name(run: Run, *, remedies: bool = True) -> str:
         name += f" consolidate={f['parallelism.consolidate']:g}"
         name += f" distill={f['parallelism.distill_alpha']:g}" if f.get("parallelism.distill_alpha") else ""
         q = float(f.get("parallelism.consolidate_survival") or 1.0)
-        name += f" survival={q:g}" if q < 1 else ""
+        name += (f" survival={q:g}" if q < 1 else "") + (" average=world" if f.get("parallelism.consolidate_average") == "world" else "")
     if remedies and f.get("parallelism.calibrate_steps"):  # assembly calibration after training (sdp/parallel/sdp_calibrate.py)
         name += f" calibrate={f['parallelism.calibrate_steps']}"
     if f.get("train.budget") == "iterations" and cov is not None:  # a FLOP budget would have run it longer

@@ -28,6 +28,7 @@ from sdp.subnet.assign import ASSIGNMENTS
 from sdp.subnet.plan import Plan, PlanError, num_holders, warn_degenerate
 from sdp.subnet.rolling import REDRAWS
 from sdp.subnet.units import LEVELS
+from sdp.subnet.world_sync import AVERAGES
 
 
 @dataclass
@@ -90,6 +91,8 @@ class SDPConfig:
     """During consolidation: loss = (1 - alpha) CE + alpha KL(own subnetwork frozen at the switch || model)."""
     consolidate_survival: Number = key(above=0, at_most=1)
     """During consolidation: each rank runs each block with this probability per step, unscaled (LayerDrop); 1: all."""
+    consolidate_average: str = key(choices=AVERAGES)
+    """During consolidation: a block's gradient averaged over its holders | over all ranks (held blocks keep it)."""
 
 
 def resolve_rescale(*, cfg: DictConfig, eval_bn: str, model: SDPModel) -> str:
@@ -137,12 +140,12 @@ def validate(*, cfg: DictConfig, world_size: int) -> None:
 
 
 def consolidation_rules(*, cfg: DictConfig) -> None:
-    """``parallelism.consolidate``, ``distill_alpha`` and ``consolidate_survival`` (each key's range is
-    :class:`SDPConfig`'s): consolidation switches a forward-masked block-level run to backward masking, so it needs
-    forward masking (backward masking already trains the assembled model) and block level (a neuron-level switch
+    """``parallelism.consolidate``, ``distill_alpha``, ``consolidate_survival`` and ``consolidate_average`` (each key's
+    range is :class:`SDPConfig`'s): consolidation switches a forward-masked block-level run to backward masking, so it
+    needs forward masking (backward masking already trains the assembled model) and block level (a neuron-level switch
     would re-split every narrowed tensor into held and frozen parts: not built), no re-draws (the switch fixes the
-    plan's holders for the rest of the run), and a distillation weight or a survival below 1 needs a consolidation
-    phase to act in. ``cfg.get``: configs recorded before the keys existed read as off."""
+    plan's holders for the rest of the run), and a distillation weight, a survival below 1 or world averaging needs a
+    consolidation phase to act in. ``cfg.get``: configs recorded before the keys existed read as off."""
     f, alpha = cfg.get("consolidate"), float(cfg.get("distill_alpha") or 0)
     require(f is None or 0 < float(f) <= 1, "parallelism.consolidate", f, "null or a number in (0, 1]")
     require(0 <= alpha <= 1, "parallelism.distill_alpha", alpha, "a number in [0, 1]")
@@ -151,6 +154,9 @@ def consolidation_rules(*, cfg: DictConfig) -> None:
     q = float(cfg.get("consolidate_survival", 1.0))
     require(f is not None or q == 1, "parallelism.consolidate_survival", q,
             "1 without parallelism.consolidate (blocks are dropped during consolidation only): set consolidate")
+    average = str(cfg.get("consolidate_average", "holders"))
+    require(f is not None or average == "holders", "parallelism.consolidate_average", average,
+            "holders without parallelism.consolidate (it says how consolidation averages): set consolidate")
     if f is None:
         return
     require(str(cfg.masking) == "forward", "parallelism.consolidate", f,

@@ -19,33 +19,31 @@ Block drops: with ``consolidate_survival`` q < 1 each rank runs each block with 
 whose full model the LM study found good where training at exactly k blocks was not (REPORT.md's depth table). A
 skipped block's held weights get a zero gradient on that rank: the holders' average counts it as zero.
 
-Distillation: with ``distill_alpha`` > 0 the worker's own subnetwork is frozen at the switch (:func:`frozen_teacher`)
-and consolidation's loss is ``(1 - alpha) CE + alpha KL(teacher || model)`` on the worker's own batch
-(:func:`distilled_loss`): no logit traffic; averaged over the workers' gradients it fits the workers' ensemble.
+World averaging: with ``consolidate_average=world`` each block's gradient is averaged over all ranks instead of its
+holders (every rank computes every block's weight gradient, the holders keep it: :mod:`sdp.subnet.world_sync`), the
+budget charging every block's weight gradients.
 
-Memory in phase 2 (per rank, fp32, Adam; P the model's parameter bytes, h the held share of them): parameters of
-every block P, gradients and two Adam moments of the held part 3 h P, so 2.5 P at h = 0.5 against DDP's 4 P = 0.625x
-DDP's model state before any activation (forward masking: 4 h P = 0.5x); activations are one checkpointed input per
-block plus one block's recomputation, and the teacher adds its own h P and its logits (the KL term is chunked:
-:class:`_ChunkedKL`). So plain fp32 phase 2 does not meet a
-training peak of 0.60x DDP at C = 0.5 unless activations dominate DDP's peak (they enter DDP's peak in full and
-phase 2's only as checkpoints); ``sdp-plan`` predicts phase 2's peak (``consolidate_peak_bytes``,
+Distillation: with ``distill_alpha`` > 0 the worker's own subnetwork is frozen at the switch (:func:`~sdp.parallel.sdp_distill.frozen_teacher`)
+and consolidation's loss is ``(1 - alpha) CE + alpha KL(teacher || model)`` on the worker's own batch
+(:func:`~sdp.parallel.sdp_distill.distilled_loss`): no logit traffic; averaged over the workers' gradients it fits the workers' ensemble.
+
+Memory in phase 2 (per rank, fp32, Adam; P the model's parameter bytes, h the held share): parameters P, gradients
+and Adam moments of the held part 3 h P, so 2.5 P at h = 0.5 against DDP's 4 P before any activation; activations
+are one checkpointed input per block plus one block's recomputation; the teacher adds h P and its logits (the KL is
+chunked: :mod:`sdp.parallel.sdp_distill`). ``sdp-plan`` predicts phase 2's peak (``consolidate_peak_bytes``,
 :func:`sdp.parallel.sdp_peaks.consolidate_peaks`) and the tracker measures it (memory phase ``consolidate``).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
 from sdp.core.distctx import DistContext
-from sdp.data.base import IGNORE_INDEX
 from sdp.errors import require
 from sdp.metrics.flops import forward_fraction
 from sdp.metrics.memory import later_phase as later_memory_phase
@@ -53,11 +51,13 @@ from sdp.models.base import SDPModel
 from sdp.parallel.ac import apply_checkpointing
 from sdp.parallel.ddp_drop import draw_active, draw_generator
 from sdp.parallel.job import JobFacts
+from sdp.parallel.sdp_distill import distilled_loss, frozen_teacher
 from sdp.parallel.spec import LaterPhase
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import fill, set_branch_scales, tensor_map
 from sdp.subnet.holder_groups import GroupSet
 from sdp.subnet.plan import Plan
+from sdp.subnet.world_sync import WorldSync
 
 PHASE = "consolidate"  # the budget's phase name, the comm phase of the switch, the memory phase of its steps
 
@@ -69,6 +69,7 @@ class Consolidation:
     start: int
     alpha: float
     survival: float = 1.0  # each block's probability of running in a consolidation step, per rank (1: every block)
+    average: str = "holders"  # a block's gradient averaged over its holders | "world": all ranks (sdp.subnet.world_sync)
 
     @classmethod
     def of(cls, *, cfg: DictConfig, job: JobFacts) -> Consolidation | None:
@@ -80,10 +81,11 @@ class Consolidation:
         require(len(job.phase_steps) == 2, "parallelism.consolidate", f,
                 f"a run whose budget split it into two phases (JobFacts.phase_steps={job.phase_steps}): run it through the driver")
         return cls(start=int(job.phase_steps[0]), alpha=float(cfg.get("distill_alpha") or 0),
-                   survival=float(cfg.get("consolidate_survival", 1.0)))
+                   survival=float(cfg.get("consolidate_survival", 1.0)), average=str(cfg.get("consolidate_average", "holders")))
 
 
-def later_phase_fraction(*, shares: dict[int, Any], forward: float, alpha: float, survival: float = 1.0) -> float:
+def later_phase_fraction(*, shares: dict[int, Any], forward: float, alpha: float, survival: float = 1.0,
+                         weights: float | None = None) -> float:
     """Consolidation's training FLOPs per step as a fraction of DDP's (3 forwards): the full forward (1), the
     recomputation of every block under activation checkpointing (the unit blocks' branch shares, ``shares``:
     :class:`sdp.metrics.flops.BlockShare` per block; stem, head and shortcuts are not recomputed), the backward's
@@ -91,66 +93,12 @@ def later_phase_fraction(*, shares: dict[int, Any], forward: float, alpha: float
     holds, :func:`sdp.metrics.flops.forward_fraction`), plus, with distillation (``alpha`` > 0), the teacher's
     forward (the worker's own subnetwork: ``forward`` again). ``survival`` q < 1: each block's branch runs with
     probability q, so every branch term (forward, recomputation, both backwards) is q of its full value on average;
-    the stem, head and the teacher are not dropped."""
+    the stem, head and the teacher are not dropped. ``weights``: the forward fraction whose weight gradients are
+    computed where it is not the held one (``consolidate_average=world``: 1, every block's)."""
     branches = sum(s.branch for s in shares.values())
     rest = 1.0 - branches  # stem, head, shortcuts: run whatever the draw
-    full, held = rest + survival * branches, rest + survival * (forward - rest)
+    full, held = rest + survival * branches, rest + survival * ((forward if weights is None else weights) - rest)
     return (2.0 * full + held + survival * branches + (forward if alpha > 0 else 0.0)) / 3.0
-
-
-def frozen_teacher(module: nn.Module) -> nn.Module:
-    """A frozen copy of the worker's own subnetwork at the switch, in eval mode (dropout off, its own BatchNorm
-    statistics): the teacher distillation fits, never updated."""
-    teacher = copy.deepcopy(module)
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return teacher.eval()
-
-
-KL_CHUNK_ROWS = 1024  # rows (positions) of the logits per chunk of the distillation term, forward and backward
-
-
-class _ChunkedKL(torch.autograd.Function):
-    """``sum_rows w_row KL(softmax(teacher_row) || softmax(student_row))`` and its gradient in the student's logits,
-    ``w_row (softmax(student_row) - softmax(teacher_row))``, computed ``chunk`` rows at a time in float32.
-
-    Why not autograd over the whole batch: its log-softmaxes, the teacher's probabilities and the KL's product would
-    each be a float32 copy of all the vocabulary-sized logits, kept for the backward (at LLaMA 1B with GPT-2's
-    vocabulary, 8 x 1024 positions, some 1.5 GiB apiece, ``sdp-bench one-model-scale``); here only the two logits
-    tensors the step already holds are kept, and one chunk's float32 work is live at a time (the backward recomputes
-    the softmaxes, cheap beside the model)."""
-
-    @staticmethod
-    def forward(ctx: Any, student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor,  # type: ignore[override]
-                chunk: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=student.device)
-        for s, t, w in zip(student.split(chunk), teacher.split(chunk), weights.split(chunk)):
-            log_s, log_t = F.log_softmax(s.float(), dim=-1), F.log_softmax(t.float(), dim=-1)
-            total += ((log_t.exp() * (log_t - log_s)).sum(-1) * w).sum()
-        ctx.save_for_backward(student, teacher, weights)
-        ctx.chunk = chunk
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        student, teacher, weights = ctx.saved_tensors
-        out = torch.empty_like(student)
-        for start in range(0, student.shape[0], ctx.chunk):
-            rows = slice(start, start + ctx.chunk)
-            diff = F.softmax(student[rows].float(), dim=-1) - F.softmax(teacher[rows].float(), dim=-1)
-            out[rows] = (diff * (weights[rows] * grad)[:, None]).to(out.dtype)
-        return out, None, None, None
-
-
-def distilled_loss(*, ce: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor,
-                   alpha: float, chunk: int = KL_CHUNK_ROWS) -> torch.Tensor:
-    """``(1 - alpha) ce + alpha KL(teacher || student)`` over the last dimension (classes, vocabulary), averaged over
-    the positions the cross-entropy averages over: the scored targets (not :data:`~sdp.data.base.IGNORE_INDEX`);
-    the KL ``chunk`` positions at a time (:class:`_ChunkedKL`: no vocabulary-sized float32 copy of the batch)."""
-    scored = (targets.reshape(-1) != IGNORE_INDEX).float()
-    kl = _ChunkedKL.apply(student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1]).detach(),
-                          scored, chunk)
-    return (1 - alpha) * ce + alpha * kl / scored.sum().clamp(min=1)
 
 
 def widen(*, module: SDPModel, skeleton: SDPModel, plan: Plan, pieces: list[M.Piece], layout: dict[str, M.Local],
@@ -216,6 +164,12 @@ class Consolidating:
                        scale=s.plan.k / s.plan.world_size if s.rescale == "eval" else 1.0)
         s.mode, self.consolidated = "backward", True
         s._wire(s.module, plan=s.plan, pieces=s.pieces, layout=layout)
+        if self.consolidation.average == "world":  # every block's weight gradient computed, averaged over all ranks
+            for p in s.module.parameters():
+                p.requires_grad_(True)  # the non-held ones stay outside the optimizer: WorldSync frees their gradients
+            s.sync.close()
+            s.sync = WorldSync(rank=s.ctx.rank, pieces=s.pieces, layout=s.layout, groups=s.groups, comm=s.ctx.comm,
+                               bucket_cap_mb=float(s.cfg.bucket_cap_mb), overlap=bool(s.cfg.overlap))
         s.optimizer.param_groups[0]["params"] = s._trainable()
 
     def _forward_backward(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any, timer: Any) -> torch.Tensor:
@@ -241,7 +195,7 @@ class Consolidating:
 
     def _step_loss(self, *, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any, timer: Any) -> torch.Tensor:
         """The base step's; with a teacher (consolidation with ``distill_alpha`` > 0) the distilled loss's backward
-        (:func:`distilled_loss`), the teacher run without gradients on the same batch. The step reports the
+        (:func:`~sdp.parallel.sdp_distill.distilled_loss`), the teacher run without gradients on the same batch. The step reports the
         cross-entropy either way (what every run's loss curve shows)."""
         s: Any = self
         if self.teacher is None:
@@ -281,7 +235,7 @@ class Consolidating:
         """summary.json ``strategy_info.consolidate``: where it started, its weight, whether it ran."""
         c = self.consolidation
         return None if c is None else {"start_step": c.start, "distill_alpha": c.alpha, "switched": self.consolidated,
-                                       "survival": c.survival,  # and the share of blocks this rank ran (rank 0's in summary.json)
+                                       "survival": c.survival, "average": c.average,  # and the share of blocks this rank ran (rank 0's in summary.json)
                                        "blocks_run_fraction": self.blocks_run / self.drawn if self.drawn else None}
 
 
@@ -294,6 +248,8 @@ def later_phase(cls: type, *, cfg: DictConfig, shares: dict[str, Any] | None, pr
     require(shares is not None, "parallelism.consolidate", f, "a model whose FLOPs can be counted (the budget splits by them)")
     block = shares["block"]  # type: ignore[index]
     forward = forward_fraction(shares=block, computed=prepared.block_coverage())
+    world = cfg.get("consolidate_average", "holders") == "world"  # every block's weight gradients on every rank
     return LaterPhase(name=PHASE, share=float(f),
                       fraction=later_phase_fraction(shares=block, forward=forward, alpha=float(cfg.get("distill_alpha") or 0),
-                                                    survival=float(cfg.get("consolidate_survival", 1.0))))
+                                                    survival=float(cfg.get("consolidate_survival", 1.0)),
+                                                    weights=1.0 if world else None))

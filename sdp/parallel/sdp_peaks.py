@@ -16,7 +16,8 @@ evaluations after its switch on its state. ``tests/test_plan_peaks.py`` compares
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterator
+from functools import partial
+from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -31,7 +32,8 @@ from sdp.parallel.sdp_redraw_plan import redraw_peaks
 from sdp.parallel.plan_entries import nbytes
 from sdp.parallel.plan_peaks import rehearse, rehearse_partwise
 from sdp.parallel.ac import apply_checkpointing
-from sdp.parallel.sdp_consolidate import distilled_loss, frozen_teacher
+from sdp.parallel.sdp_distill import distilled_loss, frozen_teacher
+from sdp.parallel.sdp_sync_peaks import overlap_stand_in, world_stand_in
 from sdp.core.loss import loss_fn
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import partwise_names
@@ -39,6 +41,7 @@ from sdp.subnet.holder_groups import GroupSet, refresh_set
 from sdp.subnet.plan import Plan
 from sdp.subnet.units import measure_block_costs
 from sdp.subnet.sync import OwnerSetSync
+from sdp.subnet.world_sync import WorldSync
 
 
 def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, eval_batch: int, steps: int,
@@ -49,7 +52,7 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
     peak the largest over the draws it evaluates in (``eval_steps``: the 1-based steps evaluated after), set-up
     draw 0's, and ``redraw_peak_bytes`` the largest re-draw between those draws (``cfg``: the ``parallelism`` node).
     Each rank's masked subnetwork is rehearsed (:func:`sdp.parallel.plan_peaks.rehearse`) with its owner-set
-    buckets' flat buffers (overlapped: :func:`_overlap_stand_in`); evaluation part by part next to the rank's
+    buckets' flat buffers (overlapped: :func:`overlap_stand_in`); evaluation part by part next to the rank's
     state (:func:`rehearse_partwise`), or a whole assembled copy for a model that cannot be cut.
 
     Cheap over many draws: a subnetwork is rehearsed once per distinct :func:`_key` (a relabelling re-draw hands
@@ -133,9 +136,10 @@ def consolidate_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: 
     """Per rank, (the training peak of a consolidation step, its state after one): the backward-masked full model of
     the driver's ``plan`` with every block activation-checkpointed (what :func:`sdp.parallel.sdp_consolidate.widen`
     makes of the rank's subnetwork), its held parameters trained, the owner-set buckets and refresh buffers as in
-    :func:`_rank_peaks`; with ``distill_alpha`` > 0 the rank's frozen forward-masked subnetwork beside it, run
-    without gradients on the same batch, and the distilled loss (:func:`~sdp.parallel.sdp_consolidate.distilled_loss`)."""
+    :func:`_rank_peaks` (``consolidate_average=world``: :func:`~sdp.parallel.sdp_world_peaks.world_stand_in`'s); with ``distill_alpha`` > 0 the rank's frozen forward-masked subnetwork beside it, run
+    without gradients on the same batch, and the distilled loss (:func:`~sdp.parallel.sdp_distill.distilled_loss`)."""
     alpha, overlap = float(cfg.get("distill_alpha") or 0), bool(cfg.get("overlap", True))
+    world = cfg.get("consolidate_average", "holders") == "world"  # sdp.subnet.world_sync
     checkpointed = copy.deepcopy(model)
     apply_checkpointing(checkpointed, every=1)
     pieces = M.pieces(model, plan)
@@ -143,13 +147,17 @@ def consolidate_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: 
     groups = GroupSet(world_size=plan.world_size, holder_sets=(), refresh=False)  # no process group is created
     out = []
     for r, mine, layout, trained in M.rank_subnetworks(checkpointed, plan, mode="backward", all_pieces=pieces):
-        sync = OwnerSetSync(rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode="backward",
-                            bucket_cap_mb=float(cfg.bucket_cap_mb), overlap=overlap)
+        if world:  # every parameter's gradient, each non-held one released as the ranks release it
+            mine.requires_grad_(True)
+        sync = (WorldSync if world else partial(OwnerSetSync, mode="backward"))(
+            rank=r, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), bucket_cap_mb=float(cfg.bucket_cap_mb),
+            overlap=overlap)
         sync.close()  # its hooks would launch collectives; the stand-in allocates what they do
         module: nn.Module = _Distilled(student=mine, teacher=frozen_teacher(teachers[r]), alpha=alpha) if alpha else mine
         res = rehearse(module=module, trainable=trained, batch=job.batch_size, eval_batch=eval_batch, optimizer=job.optimizer,
                        example=mine.example_input, precision=job.precision, device=job.device,
-                       after_backward=_overlap_stand_in(sync) if overlap else None,
+                       after_backward=(world_stand_in(sync, overlap=overlap) if world  # type: ignore[arg-type]
+                                       else overlap_stand_in(sync) if overlap else None),
                        loss=module.loss if isinstance(module, _Distilled) else loss_fn)
         flats = [sum(q.nbytes for q in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
         out.append((max(res["train"], res["state"] + max(flats, default=0)), res["state"]))
@@ -203,7 +211,7 @@ def _rank_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, 
         if key not in rehearsed:
             res = rehearse(module=mine, trainable=trained, batch=job.batch_size, eval_batch=eval_batch,
                            optimizer=job.optimizer, example=mine.example_input, precision=job.precision, device=job.device,
-                           after_backward=_overlap_stand_in(sync) if overlap else None, ensemble=job.eval_ensemble)
+                           after_backward=overlap_stand_in(sync) if overlap else None, ensemble=job.eval_ensemble)
             flats = [sum(q.nbytes for q in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
             rehearsed[key] = {"setup": res["setup"], "train": max(res["train"], res["state"] + max(flats, default=0)),
                               "state": res["state"], "grads": nbytes(trained), "own_eval": res["eval"]}
@@ -242,49 +250,6 @@ def _rotated(*, first: Plan, plan: Plan, seen: list[set[Any]], capped: bool) -> 
     if plan.redraw == "relabel" and plan.assignment == "random" and not capped:
         return False
     return all(held >= {_role(first, r) for r in range(first.world_size)} for held in seen)
-
-
-def _overlap_stand_in(sync: Any) -> Callable[[], None]:
-    """Meta stand-in for OwnerSetSync's overlapped all-reduces (``parallelism.overlap``): a gradient
-    hook on every synced tensor counts its buckets down, and each ready bucket of the launch order
-    allocates its flat buffer, which stays live until the sync finishes after backward (the returned
-    callable: it allocates the buckets not launched yet, then frees them all), as the real one does."""
-    live: list[torch.Tensor] = []
-    need: list[int] = []
-    state = {"next": 0, "left": []}
-    tensors: dict[int, tuple[torch.Tensor, list[int]]] = {}
-    for b, (_, items) in enumerate(sync.grad_buckets):
-        mine = {id(t): t for t in (sync._tensor(p) for p in items)}
-        need.append(len(mine))
-        for key, t in mine.items():
-            tensors.setdefault(key, (t, []))[1].append(b)
-
-    def launch(*, every: bool) -> None:
-        while state["next"] < len(sync.launch_order):
-            b = sync.launch_order[state["next"]]
-            if state["left"][b] and not every:
-                return
-            live.append(torch.empty(sum(p.nbytes for p in sync.grad_buckets[b][1]), dtype=torch.uint8, device="meta"))
-            state["next"] += 1
-
-    def hook_for(bs: list[int]) -> Callable[[torch.Tensor], None]:
-        def hook(_t: torch.Tensor) -> None:
-            for b in bs:
-                state["left"][b] -= 1
-            launch(every=False)
-        return hook
-
-    for t, bs in tensors.values():
-        if t.requires_grad:
-            t.register_post_accumulate_grad_hook(hook_for(bs))
-
-    def finish() -> None:
-        launch(every=True)
-        live.clear()
-        state["next"], state["left"] = 0, list(need)
-
-    state["left"] = list(need)
-    return finish
 
 
 def _part_flats(pieces: list[Any], *, n: int, rank: int, forward: bool) -> dict[str, int]:

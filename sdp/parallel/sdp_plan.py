@@ -30,6 +30,7 @@ from sdp.subnet.frontier import format_frontier, frontier
 from sdp.subnet.plan import Plan, build_plan, measure_block_costs
 from sdp.subnet.holder_groups import GroupSet, predicted_process_groups, refresh_set, with_refresh_sets
 from sdp.subnet.sync import OwnerSetSync
+from sdp.subnet.world_sync import WorldSync
 
 BALANCE_KEYS = ("params", "flops", "activations")
 MASKINGS = ("forward", "backward")
@@ -149,13 +150,15 @@ def predict(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, fact
 
 
 def step_records(*, pieces: list[M.Piece], layout: dict[str, M.Local], rank: int, world: int, mode: str,
-                 bucket_cap_mb: float) -> list[Record]:
+                 bucket_cap_mb: float, average: str = "holders") -> list[Record]:
     """One training step's records of ``rank`` (``layout``: its subnetwork masked by ``mode``): the owner-set
     gradient all-reduces and, under backward masking, the refresh broadcasts of :class:`OwnerSetSync`, whose
-    source records the payload and each receiver 0, as the ranks record them."""
+    source records the payload and each receiver 0, as the ranks record them (``average="world"``: consolidation's
+    :class:`~sdp.subnet.world_sync.WorldSync`, every block's all-reduce over the world)."""
     groups = GroupSet(world_size=world, holder_sets=(), refresh=False)  # no process group is created
-    sync = OwnerSetSync(rank=rank, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), mode=mode,
-                        bucket_cap_mb=bucket_cap_mb)
+    sync = (WorldSync(rank=rank, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(), bucket_cap_mb=bucket_cap_mb)
+            if average == "world" else OwnerSetSync(rank=rank, pieces=pieces, layout=layout, groups=groups, comm=CommCounter(),
+                                                    mode=mode, bucket_cap_mb=bucket_cap_mb))
     records: list[Record] = [("all_reduce", sum(p.nbytes for p in items), len(h)) for h, items in sync.grad_buckets]
     return records + [("broadcast", sum(p.nbytes for p in items) if rank == min(h) else 0, len(groups.refresh_set(h)))
                       for h, items in sync.refresh_buckets]
@@ -199,7 +202,8 @@ def consolidation_steps(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan
         return None
     world, out = plan.world_size, []
     for r, _, layout, _ in M.rank_subnetworks(model, plan, mode="backward", all_pieces=pieces):
-        records = step_records(pieces=pieces, layout=layout, rank=r, world=world, mode="backward", bucket_cap_mb=float(cfg.bucket_cap_mb))
+        records = step_records(pieces=pieces, layout=layout, rank=r, world=world, mode="backward", bucket_cap_mb=float(cfg.bucket_cap_mb),
+                               average=str(cfg.get("consolidate_average", "holders")))
         out.append({"rank": r, "records": records, "consolidate_bytes_per_step": float(sum(b for _, b, _ in records)),
                     "consolidate_collectives_per_step": len(records), "switch": fill_moves(pieces=pieces, rank=r, world=world)})
     facts["consolidate"] = {"start_step": job.phase_steps[0], "phase_steps": list(job.phase_steps),
