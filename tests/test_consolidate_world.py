@@ -34,7 +34,8 @@ def phases(summary: dict) -> list[int]:
 def test_world_averaged_consolidation_from_the_first_step_is_ddp(tmp_path: Path) -> None:
     """f = 1 at C = 0.5, rescale none: each rank holds half the blocks, yet every step's loss and the evaluation are
     DDP's (float tolerance: the same sums, other buckets), and each rank ends a backward holding only its held
-    gradients plus the shared parts, less than DDP's full set; the holders' consolidation of the same plan differs."""
+    gradients plus the shared parts, less than DDP's full set (that the holders' average trains otherwise: the next
+    test, after the switch)."""
     ddp_summary, ddp = run_job(MLP + ["train.steps=6", "parallelism=ddp"], run_dir=tmp_path / "ddp")
     world, rows = run_job(MLP + ["train.steps=6", *WORLD, "parallelism.consolidate=1", "parallelism.rescale=none"],
                           run_dir=tmp_path / "world")
@@ -46,9 +47,6 @@ def test_world_averaged_consolidation_from_the_first_step_is_ddp(tmp_path: Path)
     full = [m["grad_bytes"] for m in ddp_summary["memory"]["per_rank"]]
     mine = [m["grad_bytes"] for m in world["memory"]["per_rank"]]
     assert all(0 < g < f for g, f in zip(mine, full)), f"gradient bytes after backward by rank: {mine} vs DDP's {full}"
-    _, holders = run_job(MLP + ["train.steps=6", "parallelism=sdp", "parallelism.coverage=0.5", "parallelism.consolidate=1",
-                                "parallelism.rescale=none"], run_dir=tmp_path / "holders")
-    assert train_losses(holders)[1:] != train_losses(rows)[1:], "the holders' average trained what the world's does"
 
 
 @pytest.mark.dist
