@@ -66,6 +66,10 @@ def test_consolidation_names_its_phases_and_its_holders() -> None:
     whole = run(1.0, 4, consolidate=1.0, consolidate_survival=0.5, rescale="none")
     assert blocks_per_step(whole).startswith("the assembled model, Binomial(8, 0.5)") and averaged_over(whole) == "all 4 ranks"
     assert recomposed(whole) == "every step, each rank its own draw", recomposed(whole)
+    # world-averaged consolidation (consolidate_average=world): the holders' average in phase 1 only
+    world = run(0.5, 2, consolidate=0.5, rescale="eval", consolidate_average="world")
+    assert averaged_over(world) == "its 2 holders of 4 ranks, then all 4 ranks", averaged_over(world)
+    assert averaged_over(run(0.5, 2, consolidate=1.0, rescale="eval", consolidate_average="world")) == "all 4 ranks"
     # without drops, at k / n's scale: the assembled model whole, at the evaluation's scale in training too
     scaled = run(0.5, 2, consolidate=1.0, rescale="eval")
     assert (blocks_per_step(scaled), recomposed(scaled), branch_scales(scaled)) == \

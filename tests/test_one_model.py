@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from sdp.bench import cpu_study
-from sdp.bench.one_model import FIXED, PHASES, OneModel, label, one_model_section, phases
+from sdp.bench.one_model import FIXED, PHASES, OneModel, label, mechanism, one_model_section, phases
 from sdp.bench.study_report import Study
 from sdp.report.runs import run_figures
 from sdp.report.stats import t_half_width
@@ -223,6 +223,10 @@ def test_a_remedy_with_another_branch_scale_is_its_own_row() -> None:
     got = label(SimpleNamespace(flat={**base, "parallelism.rescale": "train"}))
     assert got == "consolidate f=1 (rescale=train)", got
     assert label(SimpleNamespace(flat={"parallelism.rescale": "none"})) == f"{FIXED} (rescale=none)"
+    # world-averaged consolidation: its own row and its own peak run (every gradient computed, each freed once reduced)
+    world = {"parallelism.consolidate": 0.5, "parallelism.consolidate_average": "world"}
+    assert label(SimpleNamespace(flat=world)) == "consolidate f=0.5 + world average", label(SimpleNamespace(flat=world))
+    assert mechanism(SimpleNamespace(flat=world)) != mechanism(SimpleNamespace(flat={"parallelism.consolidate": 0.3}))
 
 
 def test_each_remedy_is_set_against_the_dense_model_of_a_workers_depth(tmp_path: Path) -> None:
