@@ -29,8 +29,8 @@ and consolidation's loss is ``(1 - alpha) CE + alpha KL(teacher || model)`` on t
 
 Memory in phase 2 (per rank, fp32, Adam; P the model's parameter bytes, h the held share): parameters P, gradients
 and Adam moments of the held part 3 h P, so 2.5 P at h = 0.5 against DDP's 4 P before any activation; activations
-are one checkpointed input per block plus one block's recomputation; the teacher adds h P and its logits (the KL is
-chunked: :mod:`sdp.parallel.sdp_distill`). ``sdp-plan`` predicts phase 2's peak (``consolidate_peak_bytes``,
+are one checkpointed input per block plus one block's recomputation; world averaging adds about two blocks'
+transient gradients; the teacher adds h P and its logits (the KL is chunked: :mod:`sdp.parallel.sdp_distill`). ``sdp-plan`` predicts phase 2's peak (``consolidate_peak_bytes``,
 :func:`sdp.parallel.sdp_peaks.consolidate_peaks`) and the tracker measures it (memory phase ``consolidate``).
 """
 
