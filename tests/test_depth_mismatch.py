@@ -35,6 +35,8 @@ def test_rows_of_the_committed_lm_study() -> None:
     bb = rows["B_β-SDP C=0.5"]  # the full model's forward at every step, each block averaged over its holders
     assert bb[:4] == ["all 8 (backward masking: the full model's forward)", "never (the full model)", "1; 1",
                       "its 2 holders of 4 ranks"], bb
+    world = rows["B-SDP C=0.5 consolidate=0.5 average=world"]  # a one-model row: consolidation without distillation
+    assert world[3] == "its 2 holders of 4 ranks, then all 4 ranks", world
 
 
 def test_depth_of_each_rule_from_the_config() -> None:

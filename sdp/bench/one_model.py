@@ -189,9 +189,9 @@ class OneModel:
     def depth_rows(self) -> list[tuple[str, Row]]:
         """The consolidation rows the depth table sets beside the drop baselines (by their main-table name, e.g.
         ``B-SDP C=0.5 rescale=none consolidate=1 survival=0.5``): consolidation alone, with or without its drops,
-        not those a distillation or a calibration sets apart."""
+        averaged over the holders or the world, not those a distillation or a calibration sets apart."""
         return [(row_name(self.first(row)), row) for row in self.rows.values()
-                if (m := mechanism(self.first(row)))[0] and not any(m[1:])]
+                if (m := mechanism(self.first(row)))[0] and not (m[1] or m[2])]
 
     def records(self) -> list[dict[str, str]]:
         out = []
