@@ -35,7 +35,9 @@ def test_rows_of_the_committed_lm_study() -> None:
     bb = rows["B_β-SDP C=0.5"]  # the full model's forward at every step, each block averaged over its holders
     assert bb[:4] == ["all 8 (backward masking: the full model's forward)", "never (the full model)", "1; 1",
                       "its 2 holders of 4 ranks"], bb
-    world = rows["B-SDP C=0.5 consolidate=0.5 average=world"]  # a one-model row: consolidation without distillation
+    from sdp.bench.one_model import OneModel  # the one-model section's consolidation rows, as the report adds them
+    also = _cells(depth_lines(study=st, also=OneModel(study=st).depth_rows()))
+    world = also["B-SDP C=0.5 consolidate=0.5 average=world"]
     assert world[3] == "its 2 holders of 4 ranks, then all 4 ranks", world
 
 
