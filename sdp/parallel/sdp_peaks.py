@@ -33,7 +33,7 @@ from sdp.parallel.plan_entries import nbytes
 from sdp.parallel.plan_peaks import rehearse, rehearse_partwise
 from sdp.parallel.ac import apply_checkpointing
 from sdp.parallel.sdp_distill import distilled_loss, frozen_teacher
-from sdp.parallel.sdp_sync_peaks import overlap_stand_in, world_stand_in
+from sdp.parallel.sdp_sync_peaks import sync_stand_in
 from sdp.core.loss import loss_fn
 from sdp.subnet import masking as M
 from sdp.subnet.assemble import partwise_names
@@ -52,7 +52,7 @@ def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, ev
     peak the largest over the draws it evaluates in (``eval_steps``: the 1-based steps evaluated after), set-up
     draw 0's, and ``redraw_peak_bytes`` the largest re-draw between those draws (``cfg``: the ``parallelism`` node).
     Each rank's masked subnetwork is rehearsed (:func:`sdp.parallel.plan_peaks.rehearse`) with its owner-set
-    buckets' flat buffers (overlapped: :func:`overlap_stand_in`); evaluation part by part next to the rank's
+    buckets' flat buffers (overlapped: :func:`~sdp.parallel.sdp_sync_peaks.sync_stand_in`); evaluation part by part next to the rank's
     state (:func:`rehearse_partwise`), or a whole assembled copy for a model that cannot be cut.
 
     Cheap over many draws: a subnetwork is rehearsed once per distinct :func:`_key` (a relabelling re-draw hands
@@ -136,7 +136,7 @@ def consolidate_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: 
     """Per rank, (the training peak of a consolidation step, its state after one): the backward-masked full model of
     the driver's ``plan`` with every block activation-checkpointed (what :func:`sdp.parallel.sdp_consolidate.widen`
     makes of the rank's subnetwork), its held parameters trained, the owner-set buckets and refresh buffers as in
-    :func:`_rank_peaks` (``consolidate_average=world``: :func:`~sdp.parallel.sdp_world_peaks.world_stand_in`'s); with ``distill_alpha`` > 0 the rank's frozen forward-masked subnetwork beside it, run
+    :func:`_rank_peaks` (``consolidate_average=world``: its release of non-held gradients too); with ``distill_alpha`` > 0 the rank's frozen forward-masked subnetwork beside it, run
     without gradients on the same batch, and the distilled loss (:func:`~sdp.parallel.sdp_distill.distilled_loss`)."""
     alpha, overlap = float(cfg.get("distill_alpha") or 0), bool(cfg.get("overlap", True))
     world = cfg.get("consolidate_average", "holders") == "world"  # sdp.subnet.world_sync
@@ -156,8 +156,8 @@ def consolidate_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: 
         module: nn.Module = _Distilled(student=mine, teacher=frozen_teacher(teachers[r]), alpha=alpha) if alpha else mine
         res = rehearse(module=module, trainable=trained, batch=job.batch_size, eval_batch=eval_batch, optimizer=job.optimizer,
                        example=mine.example_input, precision=job.precision, device=job.device,
-                       after_backward=(world_stand_in(sync, overlap=overlap) if world  # type: ignore[arg-type]
-                                       else overlap_stand_in(sync) if overlap else None),
+                       after_backward=sync_stand_in(sync, overlap=overlap, release=True) if world else
+                       sync_stand_in(sync, overlap=True) if overlap else None,
                        loss=module.loss if isinstance(module, _Distilled) else loss_fn)
         flats = [sum(q.nbytes for q in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
         out.append((max(res["train"], res["state"] + max(flats, default=0)), res["state"]))
@@ -211,7 +211,7 @@ def _rank_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, 
         if key not in rehearsed:
             res = rehearse(module=mine, trainable=trained, batch=job.batch_size, eval_batch=eval_batch,
                            optimizer=job.optimizer, example=mine.example_input, precision=job.precision, device=job.device,
-                           after_backward=overlap_stand_in(sync) if overlap else None, ensemble=job.eval_ensemble)
+                           after_backward=sync_stand_in(sync, overlap=True) if overlap else None, ensemble=job.eval_ensemble)
             flats = [sum(q.nbytes for q in items) for _, items in sync.grad_buckets + sync.refresh_buckets]
             rehearsed[key] = {"setup": res["setup"], "train": max(res["train"], res["state"] + max(flats, default=0)),
                               "state": res["state"], "grads": nbytes(trained), "own_eval": res["eval"]}

@@ -1,9 +1,8 @@
 """``sdp-plan``'s meta stand-ins for SDP's gradient syncs in the peak rehearsal (:mod:`sdp.parallel.sdp_peaks`): the
-overlapped owner-set buckets of :class:`sdp.subnet.sync.OwnerSetSync` (:func:`overlap_stand_in`) and consolidation's
-world-averaged buckets of :class:`sdp.subnet.world_sync.WorldSync` (:func:`world_stand_in`,
-``parallelism.consolidate_average=world``).
+overlapped owner-set buckets of :class:`sdp.subnet.sync.OwnerSetSync` and consolidation's world-averaged buckets of
+:class:`sdp.subnet.world_sync.WorldSync` (``parallelism.consolidate_average=world``), one :func:`sync_stand_in`.
 
-Why a stand-in of its own for world averaging: under it every parameter gets a gradient, and the peak depends on when a
+Why world averaging releases: under it every parameter gets a gradient, and the peak depends on when a
 non-holder's copy is released: once its bucket is reduced, with one bucket in flight. Rehearsing the gradients without
 that release would predict the full model's gradients (DDP's) where the ranks hold about two blocks' worth; the
 release rule here is the runtime's (:meth:`WorldSync._launch_ready`, :meth:`WorldSync._finish`), on meta tensors.
@@ -15,57 +14,16 @@ from typing import Any, Callable
 
 import torch
 
-from sdp.subnet.world_sync import WorldSync
 
 
-def overlap_stand_in(sync: Any) -> Callable[[], None]:
-    """Meta stand-in for OwnerSetSync's overlapped all-reduces (``parallelism.overlap``): a gradient
-    hook on every synced tensor counts its buckets down, and each ready bucket of the launch order
-    allocates its flat buffer, which stays live until the sync finishes after backward (the returned
-    callable: it allocates the buckets not launched yet, then frees them all), as the real one does."""
-    live: list[torch.Tensor] = []
-    need: list[int] = []
-    state = {"next": 0, "left": []}
-    tensors: dict[int, tuple[torch.Tensor, list[int]]] = {}
-    for b, (_, items) in enumerate(sync.grad_buckets):
-        mine = {id(t): t for t in (sync._tensor(p) for p in items)}
-        need.append(len(mine))
-        for key, t in mine.items():
-            tensors.setdefault(key, (t, []))[1].append(b)
-
-    def launch(*, every: bool) -> None:
-        while state["next"] < len(sync.launch_order):
-            b = sync.launch_order[state["next"]]
-            if state["left"][b] and not every:
-                return
-            live.append(torch.empty(sum(p.nbytes for p in sync.grad_buckets[b][1]), dtype=torch.uint8, device="meta"))
-            state["next"] += 1
-
-    def hook_for(bs: list[int]) -> Callable[[torch.Tensor], None]:
-        def hook(_t: torch.Tensor) -> None:
-            for b in bs:
-                state["left"][b] -= 1
-            launch(every=False)
-        return hook
-
-    for t, bs in tensors.values():
-        if t.requires_grad:
-            t.register_post_accumulate_grad_hook(hook_for(bs))
-
-    def finish() -> None:
-        launch(every=True)
-        live.clear()
-        state["next"], state["left"] = 0, list(need)
-
-    state["left"] = list(need)
-    return finish
-
-
-def world_stand_in(sync: WorldSync, *, overlap: bool) -> Callable[[], None]:
-    """Hooks on ``sync``'s tensors (every parameter: they must require gradients) that mirror its buckets: with
-    ``overlap`` a ready prefix of the launch order allocates each bucket's flat buffer and finishes every launched
-    bucket but the last (its flat dropped, its non-held gradients set to None); the returned callable, run after
-    backward, launches and finishes the rest (without ``overlap``: every bucket in turn, one flat live at a time)."""
+def sync_stand_in(sync: Any, *, overlap: bool, release: bool = False) -> Callable[[], None]:
+    """Meta stand-in for ``sync``'s gradient buckets. ``overlap`` (OwnerSetSync's ``parallelism.overlap``): a gradient
+    hook on every synced tensor counts its buckets down, and each ready prefix of the launch order allocates its
+    flat buffers; without ``release`` they stay live until the sync finishes after backward (the returned callable:
+    it allocates the buckets not launched yet, then frees them all), as OwnerSetSync's do. ``release``
+    (:class:`~sdp.subnet.world_sync.WorldSync`, whose tensors are every parameter, all requiring gradients): every launched bucket but the
+    last is finished at once, its flat dropped and its non-held gradients set to None; without ``overlap`` the
+    callable runs every bucket in turn, one flat live at a time."""
     need: list[int] = []
     tensors: dict[int, tuple[torch.Tensor, list[int]]] = {}
     for b, (_, items) in enumerate(sync.grad_buckets):
@@ -79,7 +37,7 @@ def world_stand_in(sync: WorldSync, *, overlap: bool) -> Callable[[], None]:
 
     def finish_one() -> None:
         b, _flat = live.pop(0)
-        for p in sync.grad_buckets[b][1]:
+        for p in sync.grad_buckets[b][1] if release else ():
             if sync.rank not in p.holders:
                 sync._tensor(p).grad = None
 
@@ -91,7 +49,7 @@ def world_stand_in(sync: WorldSync, *, overlap: bool) -> Callable[[], None]:
                 return
             live.append((b, torch.empty(sum(p.nbytes for p in sync.grad_buckets[b][1]), dtype=torch.uint8, device="meta")))
             launched += 1
-            while len(live) > (1 if overlap else 0):
+            while release and len(live) > (1 if overlap else 0):
                 finish_one()
 
     def hook_for(bs: list[int]) -> Callable[[torch.Tensor], None]:
@@ -101,8 +59,8 @@ def world_stand_in(sync: WorldSync, *, overlap: bool) -> Callable[[], None]:
             launch(every=False)
         return hook
 
-    if overlap:
-        for t, bs in tensors.values():
+    for t, bs in tensors.values() if overlap else ():
+        if t.requires_grad:  # a tensor without gradients never fires: finish() launches its bucket
             t.register_post_accumulate_grad_hook(hook_for(bs))
 
     def finish() -> None:
