@@ -43,6 +43,6 @@ def test_the_lm_report_line_reads_the_suites_result(tmp_path: Path) -> None:
     own, gap, line = S.context_line(results_root=tmp_path)
     assert gap == "" and "at this study's own shape" in own and "consolidation 0.450x" in own, own
     shape = [s for s in S.SHAPES if s != S.CPU_SHAPE][0]
-    assert f"{shape}: consolidation phase 0.450x, DDP+AC 0.610x, FSDP+AC 0.180x" in line, line
+    assert f"{shape}: consolidation phase 0.450x (world-averaged 0.500x), DDP+AC 0.610x, FSDP+AC 0.180x" in line, line
     assert S.CPU_SHAPE not in line, line
     assert "(../../one-model-scale/one_model_scale.md)" in line and "not measured" in line, line

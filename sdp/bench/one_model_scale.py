@@ -45,7 +45,8 @@ PHASES = [
     ("B-SDP C=0.5 (fixed plan; phase 1 of every remedy)", ["variant=b_sdp_c50"], "train_peak_bytes"),
     ("consolidation phase (backward masking + AC)", ["variant=b_sdp_c50_cons30"], "consolidate_peak_bytes"),
     ("consolidation phase + distillation", ["variant=b_sdp_c50_cons20_kd50"], "consolidate_peak_bytes"),
-    ("calibration phase", ["variant=b_sdp_c50_cal"], "calibrate_peak_bytes"),
+    (WORLD := "consolidation phase, world-averaged gradients", ["variant=b_sdp_c50_cons50_wavg"], "consolidate_peak_bytes"),
+    (CALIBRATION := "calibration phase", ["variant=b_sdp_c50_cal"], "calibrate_peak_bytes"),
     ("B-SDP C=0.5 + AC", ["variant=b_sdp_c50_ac"], "train_peak_bytes"),
     ("B_β-SDP C=0.5 (one model, no AC)", ["variant=bb_sdp_c50"], "train_peak_bytes"),
     ("DDP", ["variant=ddp"], "train_peak_bytes"),
@@ -116,13 +117,13 @@ def context_line(*, results_root: Path) -> list[str]:
     if not path.is_file():
         return []
     g, link = json.loads(path.read_text())["grid"], f"[{RESULT.with_suffix('.md').name}](../../{RESULT.with_suffix('.md').as_posix()})"
-    x = lambda s, row: f"{g[s][row]['x_ddp']:.3f}x"  # noqa: E731
+    x = lambda s, row: f"{g[s][row]['x_ddp']:.3f}x" if row in g[s] else "not predicted"  # noqa: E731  (a row added later)
     own = [f"sdp-plan's prediction at this study's own shape ({link}), x DDP's predicted peak, beside the measured "
            f"columns above: phase 1 {x(CPU_SHAPE, PHASES[0][0])}, consolidation {x(CPU_SHAPE, PHASES[1][0])}, with "
-           f"distillation {x(CPU_SHAPE, PHASES[2][0])}, calibration {x(CPU_SHAPE, PHASES[3][0])}; DDP+AC "
-           f"{x(CPU_SHAPE, 'DDP+AC')}."] if CPU_SHAPE in g else []
-    parts = [f"{s}: consolidation phase {x(s, PHASES[1][0])}, DDP+AC {x(s, 'DDP+AC')}, FSDP+AC {x(s, 'FSDP+AC')}"
-             for s in g if s != CPU_SHAPE]
+           f"distillation {x(CPU_SHAPE, PHASES[2][0])}, with world-averaged gradients {x(CPU_SHAPE, WORLD)}, calibration "
+           f"{x(CPU_SHAPE, CALIBRATION)}; DDP+AC {x(CPU_SHAPE, 'DDP+AC')}."] if CPU_SHAPE in g else []
+    parts = [f"{s}: consolidation phase {x(s, PHASES[1][0])} (world-averaged {x(s, WORLD)}), DDP+AC {x(s, 'DDP+AC')}, "
+             f"FSDP+AC {x(s, 'FSDP+AC')}" for s in g if s != CPU_SHAPE]
     return [*own, *([""] if own and parts else []),
             *([f"At paper scale, predicted by sdp-plan (not measured; bf16, AdamW, 8 GPUs, every phase: {link}): "
                + "; ".join(parts) + "."] if parts else [])]
