@@ -28,7 +28,7 @@ from sdp.subnet.assign import ASSIGNMENTS
 from sdp.subnet.plan import Plan, PlanError, num_holders, warn_degenerate
 from sdp.subnet.rolling import REDRAWS
 from sdp.subnet.units import LEVELS
-from sdp.subnet.world_sync import AVERAGES
+from sdp.subnet.world_sync import AVERAGES, average_of
 
 
 @dataclass
@@ -154,7 +154,7 @@ def consolidation_rules(*, cfg: DictConfig) -> None:
     q = float(cfg.get("consolidate_survival", 1.0))
     require(f is not None or q == 1, "parallelism.consolidate_survival", q,
             "1 without parallelism.consolidate (blocks are dropped during consolidation only): set consolidate")
-    average = str(cfg.get("consolidate_average", "holders"))
+    average = average_of(cfg)
     require(f is not None or average == "holders", "parallelism.consolidate_average", average,
             "holders without parallelism.consolidate (it says how consolidation averages): set consolidate")
     if f is None:

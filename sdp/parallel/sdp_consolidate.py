@@ -57,7 +57,7 @@ from sdp.subnet import masking as M
 from sdp.subnet.assemble import fill, set_branch_scales, tensor_map
 from sdp.subnet.holder_groups import GroupSet
 from sdp.subnet.plan import Plan
-from sdp.subnet.world_sync import WorldSync
+from sdp.subnet.world_sync import WorldSync, average_of
 
 PHASE = "consolidate"  # the budget's phase name, the comm phase of the switch, the memory phase of its steps
 
@@ -81,7 +81,7 @@ class Consolidation:
         require(len(job.phase_steps) == 2, "parallelism.consolidate", f,
                 f"a run whose budget split it into two phases (JobFacts.phase_steps={job.phase_steps}): run it through the driver")
         return cls(start=int(job.phase_steps[0]), alpha=float(cfg.get("distill_alpha") or 0),
-                   survival=float(cfg.get("consolidate_survival", 1.0)), average=str(cfg.get("consolidate_average", "holders")))
+                   survival=float(cfg.get("consolidate_survival", 1.0)), average=average_of(cfg))
 
 
 def later_phase_fraction(*, shares: dict[int, Any], forward: float, alpha: float, survival: float = 1.0,
@@ -248,7 +248,7 @@ def later_phase(cls: type, *, cfg: DictConfig, shares: dict[str, Any] | None, pr
     require(shares is not None, "parallelism.consolidate", f, "a model whose FLOPs can be counted (the budget splits by them)")
     block = shares["block"]  # type: ignore[index]
     forward = forward_fraction(shares=block, computed=prepared.block_coverage())
-    world = cfg.get("consolidate_average", "holders") == "world"  # every block's weight gradients on every rank
+    world = average_of(cfg) == "world"  # every block's weight gradients on every rank
     return LaterPhase(name=PHASE, share=float(f),
                       fraction=later_phase_fraction(shares=block, forward=forward, alpha=float(cfg.get("distill_alpha") or 0),
                                                     survival=float(cfg.get("consolidate_survival", 1.0)),

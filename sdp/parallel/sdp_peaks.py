@@ -41,7 +41,7 @@ from sdp.subnet.holder_groups import GroupSet, refresh_set
 from sdp.subnet.plan import Plan
 from sdp.subnet.units import measure_block_costs
 from sdp.subnet.sync import OwnerSetSync
-from sdp.subnet.world_sync import WorldSync
+from sdp.subnet.world_sync import WorldSync, average_of
 
 
 def sdp_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: Plan, eval_batch: int, steps: int,
@@ -139,7 +139,7 @@ def consolidate_peaks(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan: 
     :func:`_rank_peaks` (``consolidate_average=world``: its release of non-held gradients too); with ``distill_alpha`` > 0 the rank's frozen forward-masked subnetwork beside it, run
     without gradients on the same batch, and the distilled loss (:func:`~sdp.parallel.sdp_distill.distilled_loss`)."""
     alpha, overlap = float(cfg.get("distill_alpha") or 0), bool(cfg.get("overlap", True))
-    world = cfg.get("consolidate_average", "holders") == "world"  # sdp.subnet.world_sync
+    world = average_of(cfg) == "world"  # sdp.subnet.world_sync
     checkpointed = copy.deepcopy(model)
     apply_checkpointing(checkpointed, every=1)
     pieces = M.pieces(model, plan)

@@ -30,7 +30,7 @@ from sdp.subnet.frontier import format_frontier, frontier
 from sdp.subnet.plan import Plan, build_plan, measure_block_costs
 from sdp.subnet.holder_groups import GroupSet, predicted_process_groups, refresh_set, with_refresh_sets
 from sdp.subnet.sync import OwnerSetSync
-from sdp.subnet.world_sync import WorldSync
+from sdp.subnet.world_sync import WorldSync, average_of
 
 BALANCE_KEYS = ("params", "flops", "activations")
 MASKINGS = ("forward", "backward")
@@ -203,7 +203,7 @@ def consolidation_steps(*, cfg: DictConfig, job: JobFacts, model: SDPModel, plan
     world, out = plan.world_size, []
     for r, _, layout, _ in M.rank_subnetworks(model, plan, mode="backward", all_pieces=pieces):
         records = step_records(pieces=pieces, layout=layout, rank=r, world=world, mode="backward", bucket_cap_mb=float(cfg.bucket_cap_mb),
-                               average=str(cfg.get("consolidate_average", "holders")))
+                               average=average_of(cfg))
         out.append({"rank": r, "records": records, "consolidate_bytes_per_step": float(sum(b for _, b, _ in records)),
                     "consolidate_collectives_per_step": len(records), "switch": fill_moves(pieces=pieces, rank=r, world=world)})
     facts["consolidate"] = {"start_step": job.phase_steps[0], "phase_steps": list(job.phase_steps),

@@ -52,6 +52,12 @@ def buckets(items: list[Piece], *, cap_bytes: int) -> list[list[Piece]]:
     return out
 
 
+def region(p: Piece) -> tuple[Any, ...]:
+    """A piece's region: its block's, or the stretch of tensors outside the blocks (embedding, stem, shortcuts,
+    head): backward passes a region's tensors together, so buckets end at region boundaries."""
+    return ("shared",) if p.block is None else ("block", p.block)
+
+
 def holder_runs(items: list[Piece], *, holders: tuple[int, ...]) -> list[list[Piece]]:
     """The pieces of ``holders`` in maximal runs over consecutive *regions* of ``items`` (the model's order)
     that each hold a piece of ``holders``; a region is one block's tensors, or a stretch of tensors outside
@@ -64,7 +70,6 @@ def holder_runs(items: list[Piece], *, holders: tuple[int, ...]) -> list[list[Pi
     of every holder set: ending runs at each slice made one collective per slice (129 all-reduces a step
     instead of 3 for the CPU study's N-SDP, 2.4x its step time). The runs depend on the piece list only,
     so they are the same on every rank."""
-    region = lambda p: ("shared",) if p.block is None else ("block", p.block)  # noqa: E731
     mine = {region(p) for p in items if p.holders == holders}
     out: list[list[Piece]] = []
     open_run, current = False, None

@@ -20,6 +20,7 @@ all-reduce of every parameter over the world per step (DDP's bytes) plus backwar
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -27,22 +28,22 @@ import torch
 from sdp.metrics.comm import CommCounter
 from sdp.subnet.holder_groups import GroupSet
 from sdp.subnet.masking import Local, Piece
-from sdp.subnet.sync import OwnerSetSync, buckets
+from sdp.subnet.sync import OwnerSetSync, buckets, region
 
 AVERAGES = ("holders", "world")  # parallelism.consolidate_average: over a block's holders (backward masking's) | all ranks
 
 
+def average_of(cfg: Any) -> str:
+    """``consolidate_average`` of the ``parallelism`` node ``cfg``, the one reader of the key (the strategy, its
+    budget phase, ``sdp-plan``'s traffic and peaks, validation); a config recorded before the key existed: holders."""
+    return str(cfg.get("consolidate_average", AVERAGES[0]))
+
+
 def region_buckets(items: list[Piece], *, cap_bytes: int) -> list[list[Piece]]:
-    """``items`` (the model's order) cut at every region boundary (a block's pieces; each stretch outside the blocks),
-    each region split by ``cap_bytes``: a bucket is ready when backward has passed its block, and a non-holder's
+    """``items`` (the model's order) cut at every :func:`~sdp.subnet.sync.region` boundary, each region split by
+    ``cap_bytes``: a bucket is ready when backward has passed its block, and a non-holder's
     copy of it can be freed then (module docstring)."""
-    regions: list[list[Piece]] = []
-    for p in items:
-        if regions and regions[-1][0].block == p.block:
-            regions[-1].append(p)
-        else:
-            regions.append([p])
-    return [b for region in regions for b in buckets(region, cap_bytes=cap_bytes)]
+    return [b for _, run in groupby(items, key=region) for b in buckets(list(run), cap_bytes=cap_bytes)]
 
 
 class WorldSync(OwnerSetSync):
