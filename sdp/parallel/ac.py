@@ -16,7 +16,10 @@ planner's rehearsals) stays checkpointed, which an instance-attribute ``forward`
 block would not. Why restore buffers after the recomputation: recomputing a BatchNorm forward in training mode
 would update its running statistics a second time, so AC would evaluate differently from no AC; the
 recomputation must repeat the forward's values and leave no other trace. Checkpointed inputs are reported to
-the activation meter with :func:`sdp.metrics.activations.note_retained`.
+the activation meter with :func:`sdp.metrics.activations.note_retained`. Why a checkpointed block runs with
+autocast's weight-cast cache off (:func:`sdp.core.precision.weight_cache_off`): under bf16 the cache would keep the
+bf16 cast of every checkpointed block's weights alive until the forward ends, a copy of the model's weights that the
+checkpoints do not need; without it each cast is freed with the block's other activations, and recomputed with them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
+from sdp.core.precision import weight_cache_off
 from sdp.metrics.activations import note_retained
 from sdp.models.base import forward_flop_counts
 from sdp.parallel.ac_op import op_contexts, recomputed_flops
@@ -61,10 +65,11 @@ class Checkpointed(nn.Module):
         def run(inp: torch.Tensor) -> torch.Tensor:
             nonlocal calls
             calls += 1
-            if calls == 1:
-                return inner(inp)
-            with restored_buffers(self, outside_modes=self._selective):  # the recomputation in backward
-                return inner(inp)
+            with weight_cache_off(device_type=inp.device.type):  # no cast of its weights outlives the block
+                if calls == 1:
+                    return inner(inp)
+                with restored_buffers(self, outside_modes=self._selective):  # the recomputation in backward
+                    return inner(inp)
 
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute
             return inner(x)
@@ -93,7 +98,11 @@ def checkpoint_call(fn: Any, x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` under non-reentrant ``checkpoint`` with the forward's torch-function modes around the recomputation
     (:func:`_forward_modes_again`), as a checkpointed block runs: for a caller that checkpoints blocks itself (SDP's
     assembly calibration, :mod:`sdp.parallel.sdp_calibrate`, and its rehearsal on the meta device)."""
-    return checkpoint(fn, x, use_reentrant=False, context_fn=_forward_modes_again)
+    def run(inp: torch.Tensor) -> torch.Tensor:
+        with weight_cache_off(device_type=inp.device.type):
+            return fn(inp)
+
+    return checkpoint(run, x, use_reentrant=False, context_fn=_forward_modes_again)
 
 
 def _forward_modes_again() -> tuple[Any, Any]:

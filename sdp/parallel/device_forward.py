@@ -11,6 +11,7 @@ device's forward does:
 - :class:`Autocast` (``train.precision=bf16``): the ops autocast runs in bf16 (linear, convolution,
   matmul, SDPA) get their float32 inputs cast to bf16 first, exactly as autocast does above autograd,
   so autograd saves the bf16 casts; the weight casts are cached for the region as autocast caches them
+  (but inside a checkpointed block, which runs with the cache off: :func:`sdp.core.precision.weight_cache_off`)
   (a cast of a parameter, :class:`sdp.metrics.activations._WeightCopies`, is model state, not an
   activation, but is live memory the peaks include); the ops autocast runs in float32 (the losses; on
   CUDA also softmax and the normalisations) get their bf16 inputs cast up. Everything else runs in
@@ -44,7 +45,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from sdp.core.precision import DTYPES, meta_region
+from sdp.core.precision import DTYPES, meta_region, weight_cache_on
 
 _LOWER = (F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm,
           Tensor.bmm, torch.mm, Tensor.mm, torch.addmm, torch.baddbmm, F.scaled_dot_product_attention)
@@ -116,8 +117,9 @@ class Autocast(TorchFunctionMode):
         if func is F.cross_entropy and self.device == "cuda":
             return _cuda_cross_entropy(*args, **kwargs)
         if func in _LOWER:
-            args = _cast(args, to=self.dtype, frm=torch.float32, cache=self._cache)
-            kwargs = {k: _cast(v, to=self.dtype, frm=torch.float32, cache=self._cache) for k, v in kwargs.items()}
+            cache = self._cache if weight_cache_on() else None  # sdp.core.precision.weight_cache_off: a checkpointed block
+            args = _cast(args, to=self.dtype, frm=torch.float32, cache=cache)
+            kwargs = {k: _cast(v, to=self.dtype, frm=torch.float32, cache=cache) for k, v in kwargs.items()}
         elif func in self.fp32:
             args = _cast(args, to=torch.float32, frm=self.dtype, cache=None)
         return func(*args, **kwargs)
