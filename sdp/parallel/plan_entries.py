@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from sdp.core.loss import loss_fn
 from sdp.metrics.activations import forward_saved_bytes
 from sdp.metrics.comm import wire_bytes
-from sdp.parallel.device_forward import device_forward
+from sdp.parallel.device_forward import device_forward, device_optimizer
 from sdp.registry import build
 
 if TYPE_CHECKING:
@@ -156,8 +156,9 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
 
 def optimizer_state(*, optimizer: DictConfig, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """The tensors of ``optimizer.state_dict()`` after a step on ``params`` (the ``optim.optimizer`` node's optimizer;
-    meta parameters give meta moments, Adam's step counters stay on the CPU as in a run), as a checkpoint saves it."""
-    opt = build(optimizer)(params)
+    meta parameters give meta moments, Adam's step counters stay on the CPU as in a run, fused's on the device as in
+    a run: :func:`~sdp.parallel.device_forward.device_optimizer`), as a checkpoint saves it."""
+    opt = device_optimizer(factory=build(optimizer), params=params)
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()

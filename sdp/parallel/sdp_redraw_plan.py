@@ -18,6 +18,7 @@ from torch import nn
 from sdp.metrics.comm import CommCounter
 from sdp.metrics.live import LiveTensorTracker
 from sdp.models.base import SDPModel
+from sdp.parallel.device_forward import device_optimizer
 from sdp.registry import build
 from sdp.subnet import masking as M
 from sdp.subnet import redraw as R
@@ -55,8 +56,8 @@ def state_template(*, optimizer_factory: Callable[[list[nn.Parameter]], torch.op
                    dtype: torch.dtype) -> Described:
     """The optimizer's state of one parameter after a step, described: what ``sdp-plan`` takes every
     moving piece's state to be (SGD with momentum: one buffer; Adam(W): two moments and a step)."""
-    p = nn.Parameter(torch.zeros(2, dtype=dtype, device="meta"))  # as the rehearsal's own state (a step on the CPU)
-    opt = optimizer_factory([p])
+    p = nn.Parameter(torch.zeros(2, dtype=dtype, device="meta"))  # as the rehearsal's state (step on the CPU; fused: meta)
+    opt = device_optimizer(factory=optimizer_factory, params=[p])
     p.grad = torch.zeros_like(p)
     opt.step()
     return {key: describe(key=key, value=v, param=p) for key, v in opt.state.get(p, {}).items()}
@@ -76,7 +77,7 @@ def rehearse_redraw(*, skeleton: nn.Module, old_plan: Plan, new_plan: Plan, rank
     with tracker:
         tracker.label(list(module.parameters()) + list(module.buffers()), "parameters")
         trained = list(module.parameters()) if mode == "global" else list(M.held_parameters(old_layout, old, rank))
-        optimizer = optimizer_factory(trained)
+        optimizer = device_optimizer(factory=optimizer_factory, params=trained)
         for t in trained:
             t.grad = torch.zeros_like(t)
         optimizer.step()

@@ -40,8 +40,10 @@ def describe(*, key: str, value: Any, param: torch.Tensor) -> tuple:
     if isinstance(value, torch.Tensor):
         if value.shape == param.shape:
             return ("tensor", value.dtype)
-        if value.dim() == 0:
-            return ("scalar", value.dtype, value.item(), value.device == param.device)
+        if value.dim() == 0:  # on meta (the planner's fused step counter, on the parameter's device) it has no value:
+            # a zero of its dtype stands in, of the run's Python type (a float pickles to the same bytes whatever it is)
+            item = torch.zeros((), dtype=value.dtype).item() if value.is_meta else value.item()
+            return ("scalar", value.dtype, item, value.device == param.device)
     elif isinstance(value, (bool, int, float)):
         return ("number", value)
     raise ValueError(f"optimizer state {key!r} of type {type(value).__name__} "
