@@ -58,37 +58,25 @@ def lowered_dtype(*, device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
-_UNCACHED: list[bool] = []  # the emulation's regions without a weight-cast cache on meta (weight_cache_off)
-
-
 @contextmanager
-def weight_cache_off(*, device_type: str) -> Iterator[None]:
-    """Inside an autocast region, the code run here casts a weight afresh at each use instead of through autocast's
-    weight-cast cache (``torch.autocast(cache_enabled=False)`` nested, same dtype); outside one, nothing changes.
+def weight_cache_off() -> Iterator[None]:
+    """The code run here casts a weight afresh at each use instead of through autocast's weight-cast cache: torch's
+    one switch of that cache (``torch.set_autocast_cache_enabled``, what ``torch.autocast(cache_enabled=False)``
+    sets), turned off and restored after; outside an autocast region nothing is cast, so nothing changes.
 
     Why (:mod:`sdp.parallel.ac`, a checkpointed block's forward and its recomputation run inside it): autocast caches
     the bf16 cast of every float32 leaf that requires grad until the outermost region ends, so under activation
     checkpointing the casts of every checkpointed block's weights, which the checkpoint itself does not keep, stay
     alive until the forward ends: a bf16 copy of the model beside the activations checkpointing saves. The cache
     spares no cast there (each weight is cast once in the forward and again in the recomputation, whose region the
-    cache does not outlive), and a cast is exact, so every value is unchanged. On meta it tells the planner's
-    emulation (:class:`sdp.parallel.device_forward.Autocast`) to do the same."""
-    if device_type == "meta":
-        _UNCACHED.append(True)
-        try:
-            yield
-        finally:
-            _UNCACHED.pop()
-    elif torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type=device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
-            yield
-    else:
+    cache does not outlive), and a cast is exact, so every value is unchanged. The planner's emulation on meta
+    (:class:`sdp.parallel.device_forward.Autocast`) reads the same switch, as torch's autocast does."""
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
         yield
-
-
-def weight_cache_on() -> bool:
-    """Whether the planner's emulation caches weight casts here (False inside :func:`weight_cache_off` on meta)."""
-    return not _UNCACHED
+    finally:
+        torch.set_autocast_cache_enabled(was)
 
 
 @contextmanager

@@ -65,7 +65,7 @@ class Checkpointed(nn.Module):
         def run(inp: torch.Tensor) -> torch.Tensor:
             nonlocal calls
             calls += 1
-            with weight_cache_off(device_type=inp.device.type):  # no cast of its weights outlives the block
+            with weight_cache_off():  # no cast of its weights outlives the block
                 if calls == 1:
                     return inner(inp)
                 with restored_buffers(self, outside_modes=self._selective):  # the recomputation in backward
@@ -99,7 +99,7 @@ def checkpoint_call(fn: Any, x: torch.Tensor) -> torch.Tensor:
     (:func:`_forward_modes_again`), as a checkpointed block runs: for a caller that checkpoints blocks itself (SDP's
     assembly calibration, :mod:`sdp.parallel.sdp_calibrate`, and its rehearsal on the meta device)."""
     def run(inp: torch.Tensor) -> torch.Tensor:
-        with weight_cache_off(device_type=inp.device.type):
+        with weight_cache_off():
             return fn(inp)
 
     return checkpoint(run, x, use_reentrant=False, context_fn=_forward_modes_again)

@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from sdp.core.precision import DTYPES, meta_region, weight_cache_on
+from sdp.core.precision import DTYPES, meta_region
 
 _LOWER = (F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm,
           Tensor.bmm, torch.mm, Tensor.mm, torch.addmm, torch.baddbmm, F.scaled_dot_product_attention)
@@ -153,7 +153,7 @@ class Autocast(TorchFunctionMode):
         if func is F.cross_entropy and self.device == "cuda":
             return _cuda_cross_entropy(*args, **kwargs)
         if func in _LOWER:
-            cache = self._cache if weight_cache_on() else None  # sdp.core.precision.weight_cache_off: a checkpointed block
+            cache = self._cache if torch.is_autocast_cache_enabled() else None  # torch's switch (precision.weight_cache_off)
             args = _cast(args, to=self.dtype, frm=torch.float32, cache=cache)
             kwargs = {k: _cast(v, to=self.dtype, frm=torch.float32, cache=cache) for k, v in kwargs.items()}
         elif func in self.fp32:
