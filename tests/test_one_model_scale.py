@@ -46,3 +46,13 @@ def test_the_lm_report_line_reads_the_suites_result(tmp_path: Path) -> None:
     assert f"{shape}: consolidation phase 0.450x (world-averaged 0.500x), DDP+AC 0.610x, FSDP+AC 0.180x" in line, line
     assert S.CPU_SHAPE not in line, line
     assert "(../../one-model-scale/one_model_scale.md)" in line and "not measured" in line, line
+
+
+def test_the_fused_shape_is_its_twin_stepped_by_the_fused_kernel() -> None:
+    """torchtitan's optimizer kernel (fused AdamW) is the only difference between the two 8B columns."""
+    from omegaconf import OmegaConf
+
+    fused = OmegaConf.to_container(compose(S.SHAPES["Llama-3.1-8B, fused AdamW"]))
+    foreach = OmegaConf.to_container(compose(S.SHAPES["Llama-3.1-8B"]))
+    assert fused["optim"]["optimizer"].pop("fused") is True, fused["optim"]
+    assert fused == foreach

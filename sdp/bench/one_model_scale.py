@@ -1,7 +1,7 @@
 """``sdp-bench one-model-scale``: issue 39's memory target (every training phase <= 0.60x DDP's peak) at the scale
-users run, predicted by ``sdp-plan``: LLaMA 1B as the paper trains it and Llama-3.1-8B's shape, bf16 under AdamW on
-8 GPUs, each phase of the one-model remedies beside the same-memory alternatives; and the LM study's own shape,
-whose measured peaks check the planner.
+users run, predicted by ``sdp-plan``: LLaMA 1B as the paper trains it and Llama-3.1-8B's shape (stepped by torch's
+default foreach AdamW and by torchtitan's fused one), bf16 under AdamW on 8 GPUs, each phase of the one-model
+remedies beside the same-memory alternatives; and the LM study's own shape, whose measured peaks check the planner.
 
 Why: the CPU study measures the phases on a tiny model whose activations are most of DDP's peak, so there DDP with
 activation checkpointing is far below 0.60x and every checkpointed phase with it. At paper scale the model state
@@ -39,6 +39,9 @@ SHAPES = {
     "LLaMA 1B": [*GPU, "model=llama_1b", "dataset.vocab_size=50257", "dataset.seq_len=1024", "train.batch_size=8"],
     "Llama-3.1-8B": [*GPU, *LLAMA3_8B, "dataset.vocab_size=128256", "dataset.seq_len=1024", "train.batch_size=8"],
 }
+# torchtitan steps AdamW with the fused kernel (its optimizer.implementation default); torch's default, foreach,
+# holds a gradient-sized float32 temporary per step, which at 8B without sharding is a visible share of the peak
+SHAPES["Llama-3.1-8B, fused AdamW"] = [*SHAPES["Llama-3.1-8B"], "+optim.optimizer.fused=true"]
 WORKER_DEPTH = "DDP at a worker's depth (half the blocks)"  # the row whose shape has half its blocks (half_depth)
 # (row, overrides, the phase's memory key): the remedies' phases (B-SDP C = 0.5), then what a user could run instead
 PHASES = [
@@ -105,7 +108,8 @@ def render(results: dict[str, Any]) -> str:
     lines += ["", "Model state (fp32 weights, gradients, AdamW moments; the fullest rank): "
               + "; ".join(f"{s}: DDP {size(results['grid'][s]['DDP']['model_state_gib'])}, B-SDP C=0.5 "
                           f"{size(results['grid'][s][PHASES[0][0]]['model_state_gib'])}" for s in shapes) + ".",
-              "", f"Commit: {results['provenance']['versions'].get('git_commit')}."]
+              "", f"Commit: {results['provenance']['versions'].get('git_commit')}"
+              + (" with uncommitted changes" if results["provenance"]["versions"].get("git_dirty") else "") + "."]
     return "\n".join(lines) + "\n"
 
 
