@@ -177,6 +177,34 @@ def test_verdicts_on_plans_step_times_and_the_groups_check(tmp_path: Path) -> No
     assert "mean nothing on a shared GPU" in text and "mem_get_info counts every process" in text, text
 
 
+def test_the_ac_verdict_compares_the_measured_saving_with_the_planned_one(tmp_path: Path) -> None:
+    """DDP+AC's training peak over DDP's, measured, against the plans' ratio: PASS within 10 %, FAIL outside it,
+    n/a without a plan (not a pass)."""
+    results, runs = tmp_path / "results.md", tmp_path / "runs"
+    runs.mkdir()
+    common = ["--results", str(results), "--runs", str(runs)]
+
+    def write(name: str, *, measured: int, predicted: int | None) -> None:
+        s = _summary(state=1000, setup=100)
+        for m in s["memory"]["per_rank"]:
+            m.update(cuda_max_allocated_bytes=measured * 2**20, train_peak_bytes=measured * 2**20)
+        _write_run(runs, name, s)
+        if predicted is not None:
+            per_rank = [{"rank": r, "train_peak_bytes": predicted * 2**20} for r in range(2)]
+            (runs / f"{name}.plan.json").write_text(json.dumps({"memory": {"per_rank": per_rank}}))
+
+    write("ddp", measured=200, predicted=210)
+    write("near", measured=120, predicted=120)  # 0.600x measured, 0.571x planned: 5 % apart
+    write("far", measured=160, predicted=120)  # 0.800x against 0.571x
+    write("unplanned", measured=120, predicted=None)
+    for name in ("near", "far", "unplanned"):
+        rows.main([*common, "verdict", "ac", "ddp", name])
+    lines = [ln for ln in results.read_text().splitlines() if ln.startswith("- **ac")]
+    assert lines[0].startswith("- **ac: PASS**") and "= 0.600x, predicted 120/210 MiB = 0.571x" in lines[0], lines
+    assert lines[1].startswith("- **ac: FAIL**") and "= 0.800x" in lines[1], lines
+    assert lines[2].startswith("- **ac: n/a**"), lines
+
+
 def _checkout(tmp_path: Path) -> Path:
     """The files git would check out (tracked and untracked-not-ignored), copied: what the device tool sends."""
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
@@ -199,7 +227,7 @@ def _dry_run(tmp_path: Path, *, clone: Path, env: dict[str, str]) -> str:
     text = (out / "h200_check.md").read_text() if (out / "h200_check.md").exists() else ""
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{text}"
     run_rows = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| run |")]
-    assert len(run_rows) == 8 and all(ln.split("|")[2].strip() == "0" for ln in run_rows), text
+    assert len(run_rows) == 9 and all(ln.split("|")[2].strip() == "0" for ln in run_rows), text
     assert "Plan floor" in text and "**groups: PASS**" in text and text.count("**") >= 2 * 7, text
     got = [p.relative_to(out) for p in out.rglob("*") if p.is_file()]
     assert len(got) <= 8 and all(len(p.parts) <= 3 for p in got), f"the device tool returns 8 files, 2 folders deep: {got}"

@@ -68,6 +68,8 @@ def cmd_verdict(a: argparse.Namespace) -> None:  # noqa: C901 - one branch per c
                                        f"step-1 training losses {first[1]} vs {first[0]} ({same})")
     if a.kind == "peaks":
         return _verdict_peaks(a, got)
+    if a.kind == "ac":
+        return _verdict_ac(a, got)
     if a.kind == "mfu":
         return _verdict_mfu(a, got)
     raise SystemExit(f"unknown verdict {a.kind!r}")
@@ -103,6 +105,31 @@ def _verdict_peaks(a: argparse.Namespace, got: dict[str, dict[str, Any]]) -> Non
             ratios.append(f"{key.split('_')[0]} {_mib(meas)}/{_mib(pred)} MiB = {meas / pred:.2f}x")
         parts.append(f"{name}: " + ", ".join(ratios))
     _verdict(a, ok, "measured / predicted peak (largest rank; within 10 %): " + "; ".join(parts))
+
+
+def _train_peak(s: dict[str, Any]) -> int | None:
+    """The largest rank's training peak: the allocator's on CUDA, the live-tensor tracker's on CPU."""
+    per_rank = s["memory"]["per_rank"]
+    return _max(per_rank, "cuda_max_allocated_bytes") or _max(per_rank, "train_peak_bytes")
+
+
+def _verdict_ac(a: argparse.Namespace, got: dict[str, dict[str, Any]]) -> None:
+    """Activation checkpointing's saving under bf16 autocast, measured against the plan: the training peak with AC
+    over the one without, each measured, beside the same ratio of sdp-plan's predictions for the two runs. PASS
+    when the two ratios agree within 10 % (the plan emulates autocast's weight-cast cache, which checkpointed blocks
+    run without: sdp.core.precision.weight_cache_off, so that a recomputed block's bf16 weight copies are not kept)."""
+    (off_n, off), (on_n, on) = got.items()
+    meas = [_train_peak(s) for s in (off, on)]
+    plans = [plan(a.runs, n) for n in (off_n, on_n)]
+    pred = [_max(p["memory"]["per_rank"], "train_peak_bytes") if p else None for p in plans]
+    if None in meas or not all(pred):
+        return _verdict(a, None, f"train peaks measured {meas}, predicted {pred} ({off_n}, {on_n}): one is missing")
+    m, p = meas[1] / meas[0], pred[1] / pred[0]
+    loss = [s.get("final", {}).get("eval_loss") for s in (off, on)]
+    _verdict(a, abs(m / p - 1) <= 0.10,
+             f"train peak {on_n} / {off_n}: measured {_mib(meas[1])}/{_mib(meas[0])} MiB = {m:.3f}x, predicted "
+             f"{_mib(pred[1])}/{_mib(pred[0])} MiB = {p:.3f}x (agree within 10 %); eval loss {loss[1]} vs {loss[0]} "
+             f"(checkpointing changes no arithmetic: equal up to kernel nondeterminism)")
 
 
 def _verdict_mfu(a: argparse.Namespace, got: dict[str, dict[str, Any]]) -> None:

@@ -6,7 +6,7 @@
 #                                                            results in a temporary folder unless RESULTS_DIR is set)
 #   WHEELS=dir bash benchmarks/gpu/h200_check.sh           (a machine without a package index, such as the lent
 #                                                            H200: the wheels of `bash benchmarks/gpu/wheels.sh dir`)
-#   ONLY="bn trace" bash benchmarks/gpu/h200_check.sh      (only the named items: groups lm memory fsdp bn det trace;
+#   ONLY="bn trace" bash benchmarks/gpu/h200_check.sh      (only the named items: groups lm memory fsdp ac bn det trace;
 #                                                            for a session with little device time left)
 # The package itself is imported from the checkout (PYTHONPATH), never installed there. With WHEELS, its missing
 # dependencies (benchmarks/gpu/wheels.txt) are installed from that folder alone (--no-index --no-deps, into a
@@ -36,6 +36,9 @@
 #     state against the plan's floor, and the allocator peaks;
 #   - FSDP set-up peak: 4 gloo ranks, FSDP built on meta holds one rank's shards plus one module, never the
 #     full fp32 model (set-up peak < DDP's parameter bytes);
+#   - activation checkpointing under bf16 (DDP+AC, 4 gloo ranks sharing the GPU): its training peak over DDP's,
+#     measured against the same ratio of sdp-plan's predictions (checkpointed blocks run without autocast's
+#     weight-cast cache, which the plan emulates: a prediction until this runs), and its peaks against the plan;
 #   - stale BatchNorm statistics after the move to the GPU: SDP at C=1 (world 1, NCCL) with eval.bn=average
 #     evaluates like DDP (ResNet-18 width 16), both with train.deterministic=true and train.tf32=false: with TF32
 #     on, the two runs' step-1 losses already differed (3.6e-5, identical weights: a different cuDNN kernel) and
@@ -136,6 +139,11 @@ if want fsdp; then
   verdict fsdp_setup gloo_ddp_lm gloo_fsdp_lm
   verdict peaks gloo_ddp_lm gloo_fsdp_lm gloo_sdp_lm
   [ -n "${DRY_RUN:-}" ] || verdict device_figures nccl_ddp_lm_w1 gloo_ddp_lm gloo_sdp_lm gloo_fsdp_lm
+fi
+if want ac; then  # DDP's memory run is the reference (item memory; missing: the verdict says n/a)
+  planned gloo_ddp_ac_lm parallelism=ddp_ac cluster.world_size=$W $GPU $LM_RUN
+  verdict peaks gloo_ddp_ac_lm
+  verdict ac gloo_ddp_lm gloo_ddp_ac_lm
 fi
 if want bn; then  # exact arithmetic, so that only the statistics can differ (the header says why)
   EXACT="train.deterministic=true train.tf32=false"

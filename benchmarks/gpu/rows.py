@@ -10,7 +10,8 @@ finished before a kill must already be in the file. Each sub-command appends and
 - ``row``: one run's line of the table from its summary.json (or its exit code and last error line).
 - ``verdict``: one of the checks from the runs it needs (``memory``, ``fsdp_setup``, ``device_figures``,
   ``tf32``, ``deterministic``, ``bn``, ``peaks``: measured against predicted peaks, ``mfu``: step time and MFU
-  of the whole model and of one SDP worker's share of it, ``groups``: the NCCL communicator life cycle of
+  of the whole model and of one SDP worker's share of it, ``ac``: activation checkpointing's training-peak
+  ratio, measured against predicted, ``groups``: the NCCL communicator life cycle of
   ``nccl_groups.py``).
 - ``caveats``: which of the figures mean nothing when several ranks share one GPU.
 """
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--sdp", required=True, help="the SDP run's name")
     f.add_argument("overrides", nargs="*")
     v = sub.add_parser("verdict")
-    v.add_argument("kind", choices=["memory", "fsdp_setup", "device_figures", "tf32", "deterministic", "bn", "peaks", "mfu"])
+    v.add_argument("kind", choices=["memory", "fsdp_setup", "device_figures", "tf32", "deterministic", "bn", "peaks", "mfu", "ac"])
     v.add_argument("need", nargs="*")
     g = sub.add_parser("groups")
     g.set_defaults(kind="groups")
