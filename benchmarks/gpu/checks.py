@@ -29,8 +29,7 @@ def cmd_verdict(a: argparse.Namespace) -> None:  # noqa: C901 - one branch per c
         ddp, sdp = got[need[0]], got[need[1]]
         floor = json.loads((runs / "floor.json").read_text())["floor"]
         ratio = state(sdp) / state(ddp)
-        peak = [_max(s["memory"]["per_rank"], "cuda_max_allocated_bytes") or _max(s["memory"]["per_rank"], "train_peak_bytes")
-                for s in (sdp, ddp)]
+        peak = [_train_peak(s) for s in (sdp, ddp)]
         pr = f"{peak[0] / peak[1]:.3f}x" if all(peak) else "n/a"
         return _verdict(a, abs(ratio - floor) <= 0.03 * floor,
                         f"{need[1]} / {need[0]} model state {ratio:.3f}x against the plan's floor {floor:.3f}x (within 3%); "
