@@ -75,3 +75,21 @@ def test_the_predicted_time_computes_activation_checkpointings_recomputation(stu
                      by_kind={"all_reduce": {"wire_bytes": WIRE["ddp"], "count": 1.0}},
                      bus_bytes_per_s=links()["nvlink"].bus_bytes_per_s, overlap=STRATEGIES.get("ddp").overlap)["step_s"]
     assert predicted_run_s(load_run(path), link="nvlink") == pytest.approx(100 * one)
+
+
+def test_wire_bytes_are_per_token_the_trainer_counted_whatever_the_dataset(study: Path) -> None:  # noqa: F811
+    """A sequence dataset that is not ``kind: text`` (the automaton task has no ``kind``) still trains tokens: the
+    per-token figure divides by the targets per sample the trainer recorded (``time.tokens_per_sample``), not by
+    samples (the bug this guards: a 64x larger figure for the LM study's automaton task)."""
+    add_comm_and_shape(study)
+    for cfg_file in (study / "runs" / "main").rglob("config.yaml"):
+        cfg = yaml.safe_load(cfg_file.read_text())
+        cfg["dataset"] = {"name": "automaton", "seq_len": 64}
+        cfg_file.write_text(yaml.safe_dump(cfg))
+        summary_file = cfg_file.parent / "summary.json"
+        summary = json.loads(summary_file.read_text())
+        summary.setdefault("time", {})["tokens_per_sample"] = 48  # the trainer's count wins over the config's
+        summary_file.write_text(json.dumps(summary))
+    st = Study(study_dir=study, study="lm")
+    assert frontier_points(st)["DDP"]["wire_per_token"] == pytest.approx(WIRE["ddp"] / (8 * 4 * 48))
+    assert "wire bytes / token" in frontier_lines(st)[0], frontier_lines(st)[0]

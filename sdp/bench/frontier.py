@@ -41,13 +41,23 @@ GPU = "h100_80gb"
 LINKS = ("nvlink", "eth_100g")
 
 
+def tokens_per_sample(run: Run) -> int | None:
+    """Targets one sample trains (None: a classifier's sample, one target). The trainer's own count, recorded in
+    ``summary.json`` (``time.tokens_per_sample``: a batch's targets per row, whatever the dataset); a summary without
+    it (older or rebuilt) falls back to the config's ``dataset.seq_len``, which only sequence datasets have."""
+    recorded = (run.summary.time or {}).get("tokens_per_sample") if run.summary else None
+    if recorded:
+        return int(recorded)
+    seq = run.flat.get("dataset.seq_len")
+    return int(seq) if seq else None
+
+
 def tokens_per_step(run: Run) -> int | None:
     """Tokens (samples for a non-LM task) one step trains over all ranks (None where the config does not say)."""
     f = run.flat
     if f.get("train.batch_size") is None or f.get("cluster.world_size") is None:
         return None
-    seq = f.get("dataset.seq_len") if str(f.get("dataset.kind")) == "text" else None
-    return int(f["train.batch_size"]) * int(f["cluster.world_size"]) * (int(seq) if seq else 1)
+    return int(f["train.batch_size"]) * int(f["cluster.world_size"]) * (tokens_per_sample(run) or 1)
 
 
 def _wire_by_kind(rank: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -84,6 +94,11 @@ def predicted_run_s(run: Run, *, link: str) -> float | None:
                         by_kind=_wire_by_kind(r), bus_bytes_per_s=links()[link].bus_bytes_per_s, overlap=overlap)["step_s"]
              for r in run.summary.comm_per_rank]
     return None if not steps or None in steps else max(steps) * int(run.summary.steps)
+
+
+def _unit(study: Any) -> str:
+    """What the wire bytes are per: a token where the study's runs train sequences, else a sample."""
+    return "token" if any(tokens_per_sample(r) for r in study.runs) else "sample"
 
 
 def _per_token(run: Run) -> float | None:
@@ -128,7 +143,7 @@ def plot_frontier(study: Any, *, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     points = frontier_points(study)
-    unit = "token" if any(str(r.flat.get("dataset.kind")) == "text" for r in study.runs) else "sample"
+    unit = _unit(study)
     panels = [("peak", "training peak / DDP's (measured, fullest rank)"),
               ("wire_per_token", f"wire bytes per trained {unit} (fullest rank)"),
               *((f"time_{link}", f"predicted training time, s ({GPU}, {link})") for link in LINKS)]
@@ -156,7 +171,7 @@ def frontier_lines(study: Any) -> list[str]:
     """The figures behind the panels, as a table (so that the plot's points can be read exactly)."""
     points = frontier_points(study)
     links_head = " | ".join(f"predicted training s, {link}" for link in LINKS)
-    lines = ["| method | quality (95 % t) | train peak x DDP | wire bytes / token | " + links_head + " |",
+    lines = [f"| method | quality (95 % t) | train peak x DDP | wire bytes / {_unit(study)} | " + links_head + " |",
              "|" + "---|" * (4 + len(LINKS))]
     for name, p in sorted(points.items(), key=lambda kv: _order(kv[0])):
         cells = [f"{p['quality']:.3f}" + ("" if p["half_width"] is None else f" ± {p['half_width']:.3f}"),
