@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sdp.bench.frontier import GPU, LINKS, default_mfu, frontier_lines, frontier_points, plot_frontier, predicted_run_s
+from sdp.bench.baseline_verdicts import baseline_lines
+from sdp.bench.frontier import (GPU, LINKS, default_mfu, frontier_lines, frontier_points, plot_frontier, predicted_run_s,
+                                traffic_unit)
 from sdp.bench.study_report import Study
 from sdp.metrics.hardware import gpus, links
 from sdp.parallel import STRATEGIES
@@ -93,3 +95,13 @@ def test_wire_bytes_are_per_token_the_trainer_counted_whatever_the_dataset(study
     st = Study(study_dir=study, study="lm")
     assert frontier_points(st)["DDP"]["wire_per_token"] == pytest.approx(WIRE["ddp"] / (8 * 4 * 48))
     assert "wire bytes / token" in frontier_lines(st)[0], frontier_lines(st)[0]
+
+
+def test_a_study_of_classifiers_counts_its_traffic_per_sample(study: Path) -> None:  # noqa: F811
+    """Without a sequence shape (no recorded targets per sample, no ``dataset.seq_len``: an image classifier) the
+    wire bytes are per sample, and every line that names the unit says so."""
+    assert traffic_unit(Study(study_dir=study, study="lm")) == "sample"
+    add_comm_and_shape(study)
+    st = Study(study_dir=study, study="lm")
+    assert traffic_unit(st) == "token"
+    assert not any("per sample" in line for line in baseline_lines(st, unit="nats")), baseline_lines(st, unit="nats")

@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sdp.bench.frontier import frontier_points
+from sdp.bench.frontier import frontier_points, traffic_unit
 from sdp.bench.study_report import Study, verdict
 from sdp.parallel.job import ac_every
 from sdp.report.runs import Run
@@ -153,7 +153,7 @@ def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str,
     a baseline in ``twins`` is paired through its twin's runs."""
     twins = twins or {}
     out = []
-    for key, what in (("peak", "training peak"), ("wire_per_token", "wire bytes per token")):
+    for key, what in (("peak", "training peak"), ("wire_per_token", f"wire bytes per {traffic_unit(st)}")):
         mine = _ratio(points, HEADLINE, key)
         if mine is None:
             continue
@@ -174,12 +174,12 @@ def baseline_lines(st: Study, *, unit: str) -> list[str]:
     twins = twin_points(st, points, baselines)
     out = ["### Against the baselines a reviewer asks for (issue 38; FLOP-matched, paired by seed)", "",
            "Same training peak without SDP: the dense model of one worker's depth.", "", *dense_lines(st, unit=unit),
-           "", f"Memory and traffic baselines (training peak: runs/peaks; wire bytes per token: the main runs), "
+           "", f"Memory and traffic baselines (training peak: runs/peaks; wire bytes per {traffic_unit(st)}: the main runs), "
            f"each against {HEADLINE}:", ""]
     for name in baselines:
         peak, wire = st.ratio(name, "train_peak_bytes", source="peaks"), _ratio(points, name, "wire_per_token")
         spend = "; ".join([f"peak {peak:.3f}x DDP's" if peak is not None else "peak not measured",
-                           f"wire bytes per token {wire:.3f}x DDP's" if wire is not None else "no main runs yet"])
+                           f"wire bytes per {traffic_unit(st)} {wire:.3f}x DDP's" if wire is not None else "no main runs yet"])
         twin = twins.get(name)
         spend += "" if twin is None else (f"; its losses and wire bytes: {twin}'s runs, by construction (checkpointing "
                                           "changes no loss, bit for bit: tests/test_ac.py), its recomputation not charged to the budget")

@@ -96,7 +96,7 @@ def predicted_run_s(run: Run, *, link: str) -> float | None:
     return None if not steps or None in steps else max(steps) * int(run.summary.steps)
 
 
-def _unit(study: Any) -> str:
+def traffic_unit(study: Any) -> str:
     """What the wire bytes are per: a token where the study's runs train sequences, else a sample."""
     return "token" if any(tokens_per_sample(r) for r in study.runs) else "sample"
 
@@ -143,7 +143,7 @@ def plot_frontier(study: Any, *, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     points = frontier_points(study)
-    unit = _unit(study)
+    unit = traffic_unit(study)
     panels = [("peak", "training peak / DDP's (measured, fullest rank)"),
               ("wire_per_token", f"wire bytes per trained {unit} (fullest rank)"),
               *((f"time_{link}", f"predicted training time, s ({GPU}, {link})") for link in LINKS)]
@@ -171,7 +171,7 @@ def frontier_lines(study: Any) -> list[str]:
     """The figures behind the panels, as a table (so that the plot's points can be read exactly)."""
     points = frontier_points(study)
     links_head = " | ".join(f"predicted training s, {link}" for link in LINKS)
-    lines = [f"| method | quality (95 % t) | train peak x DDP | wire bytes / {_unit(study)} | " + links_head + " |",
+    lines = [f"| method | quality (95 % t) | train peak x DDP | wire bytes / {traffic_unit(study)} | " + links_head + " |",
              "|" + "---|" * (4 + len(LINKS))]
     for name, p in sorted(points.items(), key=lambda kv: _order(kv[0])):
         cells = [f"{p['quality']:.3f}" + ("" if p["half_width"] is None else f" ± {p['half_width']:.3f}"),
