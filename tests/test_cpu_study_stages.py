@@ -169,3 +169,14 @@ def test_only_that_selects_no_stage_is_refused_before_anything_runs(tmp_path: Pa
     study_stages.check_only(stages=stages, only=["main", "kept-1", "onemodel-0-remedies"])
     with pytest.raises(SystemExit, match=r"^--only mian,kept-9: no such stage; allowed: a kind \(.*main.*\)"):
         study_stages.check_only(stages=stages, only=["mian", "main-0", "kept-9"])
+
+
+def test_rescale_none_is_one_check_run_and_rescale_train_every_seed(tmp_path: Path) -> None:
+    """rescale=none trains the fixed plan bit for bit, so only seed 0 runs it (the check; every seed's loss is read
+    from the kept weights); rescale=train runs seeds 0-2, seed 0 in extras-1 beside the check (its job numbers
+    hold), seeds 1-2 in a stage of their own."""
+    got = dict(cpu_study.stages(study="lm", out=tmp_path))
+    rescale = {n: a for n, a in got.items() if n.startswith("extras-") and any(x.startswith("parallelism.rescale=") for x in a)}
+    flat = {n: [x for x in a if x.startswith(("seed=", "parallelism.rescale="))] for n, a in rescale.items()}
+    assert sorted(flat.values()) == [["seed=0", "parallelism.rescale=none,train"], ["seed=1,2", "parallelism.rescale=train"]], flat
+    assert "extras-1" in flat and flat["extras-1"] == ["seed=0", "parallelism.rescale=none,train"], flat

@@ -148,6 +148,27 @@ def test_rescale_rules_gap_against_depth_and_commits(study: Path) -> None:
     assert "def (depth seeds 0,1,2; extras seeds 0,1,2)" in head, head
 
 
+def test_rescale_none_is_read_from_the_kept_weights_of_every_diagnosed_seed(study: Path) -> None:
+    """rescale=none acts at evaluation only: each diagnosed fixed-plan run's scale sweep at branch scale 1 is its
+    assembled loss (all seeds, no training again); a rescale=none run of a seed is printed as the check against it,
+    and its own n = 1 line gives way to the kept weights' line."""
+    none_final = (2.15, 2.26, 2.09)  # the kept weights at scale 1: +0.10 over rescale=eval (BSDP_FINAL) on every seed
+    main = study / "runs" / "main"
+    for seed in range(3):
+        job = 3 * seed + 1  # the fixture's B-SDP run of this seed
+        sweep = {"scales": [0.25, 0.5, 1.0], "loss": [9.0, BSDP_FINAL[seed], none_final[seed]]}
+        (main / str(job) / "diagnosis.json").write_text(json.dumps({"rescale": "eval", "scale_sweep": sweep}))
+    run_dir(study / "runs" / "extras" / "1", 0, seed=0, par={**BSDP, "rescale": "none"}, losses=[3.0, 2.15 + 1e-7],
+            steps=200, flops_per_step=5.0, gap=0.3)
+    text = "\n".join(claims(Study(study_dir=study, study="lm")))
+    line = next(x for x in text.splitlines() if x.startswith("- rescale=none"))
+    assert "kept final weights at branch scale 1" in line and "(n = 3)" in line, line
+    assert "assembled − rescale=eval: higher by 0.100 ± 0.000 nats (n = 3, resolved)" in line, line
+    assert "assembled − DDP: higher by 0.150" in line, line  # DDP_FINAL + 0.15 on every seed
+    assert line.endswith("its rescale=none runs' assembled loss − this: seed 0 +1.0e-07"), line
+    assert sum(x.startswith("- rescale=none") for x in text.splitlines()) == 1, text
+
+
 def test_fsdp_check_prints_the_differences(study: Path) -> None:
     run_dir(study / "runs" / "extras" / "0", 0, seed=0, par={"name": "fsdp"}, losses=[3.0, DDP_FINAL[0] + 2e-6],
             steps=100, flops_per_step=10.0)

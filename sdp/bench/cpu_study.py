@@ -95,7 +95,10 @@ def _lm_record() -> dict:
                       "as they were made.\n",
             "seeds": [],  # every method at seeds 3-4 (runs/main/seeds-3-4)
             "extras": [["variant=fsdp", "seed=0"],
-                       ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
+                       # rescale=train trains otherwise; rescale=none trains the fixed plan bit for bit (the scale
+                      # acts at evaluation only), so its loss is read from the kept weights of every seed (sdp-bench
+                      # diagnose's scale sweep, sdp.bench.verdicts.unscaled_lines) and seed 0's run is the check
+                      ["variant=b_sdp_c50", "seed=0", "parallelism.rescale=none,train"],
                        # issue 38: the small dense model, DDP on one B-SDP C = 0.5 worker's 4 of 8 blocks, FLOP-matched
                        ["variant=ddp_small_c50", "seed=0,1,2"],
                        # issue 38: the baselines a reviewer asks for, FLOP-matched by model FLOPs (AC's recomputation
@@ -141,7 +144,10 @@ STUDIES = {
            # weights sdp-bench diagnose reads, so neither section re-runs it
            "main_per_seed": True, "kept": ["variant=b_sdp_c50", "train.save_final=fp32"],
            "extras": [["variant=fsdp", "seed=0"],
-                      ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
+                      # rescale=train trains otherwise; rescale=none trains the fixed plan bit for bit (the scale
+                      # acts at evaluation only), so its loss is read from the kept weights of every seed (sdp-bench
+                      # diagnose's scale sweep, sdp.bench.verdicts.unscaled_lines) and seed 0's run is the check
+                      ["variant=b_sdp_c50", "seed=0", "parallelism.rescale=none,train"],
                       # the baselines a reviewer asks for, but DDP+AC: its recomputation is not charged, so it runs
                       # DDP's steps and every loss and collective of DDP's runs (the gate's 5 seeds) by construction
                       # (sdp.bench.baseline_verdicts.loss_twin); its measured peak is in runs/peaks
@@ -154,7 +160,9 @@ STUDIES = {
                       ["variant=layerdrop_c50_exact", "seed=0,1,2"],
                       # issue 39's holder-averaging control: consolidation from the first step with LayerDrop inside
                       # at C = 1 (every block averaged over all ranks, as DDP+LayerDrop's), beside C = 0.5's onemodel job 8
-                      ["variant=b_sdp_c100_cons100_ld50_rn", "seed=0,1,2"]],
+                      ["variant=b_sdp_c100_cons100_ld50_rn", "seed=0,1,2"],
+                      # rescale=train's other seeds (appended: extras-1's job numbers hold)
+                      ["variant=b_sdp_c50", "seed=1,2", "parallelism.rescale=train"]],
            "peak_extras": ["ddp", *LM_BASELINES, "b_sdp_c50_ac"],  # + DDP (not in the main sweep), B-SDP C=0.5+AC last
            "small_dense": "model.n_layers=4,2",  # the gate's DDP-4 and DDP-2 (B-SDP C = 0.5 and 0.25's worker depth)
            **LM_SHARED, "remedy_seeds": 3, "onemodel_seeds": 5,

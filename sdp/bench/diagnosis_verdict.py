@@ -17,6 +17,7 @@ know together). Both, one, or neither may hold; below :data:`GAP_FLOOR` there is
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,27 @@ def markdown(diag: dict[str, Any]) -> list[str]:
         lines.append(f"| block {d['block']} alone | " + " | ".join(_f(x) for x in d["loss"]) + " |")
     lines += ["", f"Verdict ({', '.join(v['explanations']) or 'none'}): " + " ".join(v["lines"]), ""]
     return lines
+
+
+def loss_at_scale(diag: dict[str, Any], *, scale: float) -> float | None:
+    """The assembled model's loss the diagnosis measured with every branch at ``scale`` (its scale sweep's
+    ``scales``: the factor itself, not a multiple of the run's), None where the sweep did not evaluate that scale."""
+    sweep = diag.get("scale_sweep") or {}
+    return next((float(loss) for s, loss in zip(sweep.get("scales", []), sweep.get("loss", []))
+                 if math.isclose(float(s), scale)), None)
+
+
+def at_scale(runs: dict[int, Any], *, scale: float) -> dict[int, float]:
+    """Per seed, :func:`loss_at_scale` of each run (a :class:`sdp.report.runs.Run`, by seed) that was diagnosed
+    (``diagnosis.json`` beside its kept final weights) and evaluated ``scale``: another evaluation-time scale rule
+    read from the weights that were trained, without training them again."""
+    out = {}
+    for seed, run in runs.items():
+        path = Path(run.path) / DIAGNOSIS
+        loss = loss_at_scale(json.loads(path.read_text()), scale=scale) if path.is_file() else None
+        if loss is not None:
+            out[seed] = loss
+    return out
 
 
 def read_all(root: Path) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 
 from sdp.report.runs import Run, run_figures
+from sdp.bench import diagnosis_verdict as D
 from sdp.bench.baseline_verdicts import baseline_lines
 from sdp.bench.frontier import GPU, LINKS, frontier_lines, plot_frontier
 from sdp.bench.gate import gate_section, no_gate_lines
@@ -57,9 +58,10 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
     names = [n for n in st.rows if n.startswith(main) and "iterations" not in n]
     out = ["Assembly gap = the assembled model's eval loss minus the mean over workers of each worker's own "
            "subnetwork's eval loss (the model that was trained).", ""]
+    unscaled = unscaled_lines(st, main=main, unit=unit)
     for name in sorted(names, key=len):
         row = st.rows[name]
-        if not row.present("assembly_gap"):
+        if not row.present("assembly_gap") or (unscaled and name == f"{main} rescale=none"):  # read below, all seeds
             continue
         rule = name[len(main):].strip() or "rescale=eval (auto)"
         line = f"- {rule}: assembly gap {_gap(row)}; {verdict(st.paired(name), what='assembled − DDP', unit=unit)}"
@@ -68,6 +70,7 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
         if name != main:
             line += f"; {verdict(st.paired(name, reference=main), what='assembled − rescale=eval', unit=unit)}"
         out.append(line)
+    out += unscaled
     depths = st.gap_by_depth(main) if st.depth else {}
     if len(depths) > 1:
         out += ["", f"Gap against depth ({main}, FLOP-matched to DDP at the same depth; the 95 % t interval over seeds):", ""]
@@ -81,6 +84,27 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
         trend = paired_difference(deep.values("assembly_gap"), shallow.values("assembly_gap"))  # same seed, same data
         out.append(f"- {verdict(trend, what=f'gap at {high} blocks − gap at {low} blocks (paired by seed)', unit=unit)}")
     return out if len(out) > 2 else ["- no B-SDP C=0.5 run with a subnetwork evaluation"]
+
+
+def unscaled_lines(st: Study, *, main: str, unit: str) -> list[str]:
+    """rescale=none for every seed whose fixed-plan run kept its weights and was diagnosed. The branch scale acts at
+    evaluation only, so a rescale=none run trains the fixed plan bit for bit: its assembled loss is the kept weights'
+    at branch scale 1 (``sdp-bench diagnose``'s scale sweep), read there instead of trained again; a rescale=none
+    run, where one was made, is printed as the check (its loss minus the kept weights', same seed)."""
+    row = st.rows.get(main)
+    none = D.at_scale(row.runs, scale=1.0) if row else {}
+    if not none:
+        return []
+    workers = row.values("eval_loss_workers")
+    gaps = [none[s] - workers[s] for s in none if workers.get(s) is not None]
+    line = (f"- rescale=none (the fixed plan's kept final weights at branch scale 1, `sdp-bench diagnose`; its training "
+            f"is the fixed plan's, the scale acting at evaluation only): assembly gap {mean_interval(gaps)} nats "
+            f"(n = {len(gaps)}); {verdict(paired_difference(none, st.ddp.values('eval_loss')), what='assembled − DDP', unit=unit)}; "
+            f"{verdict(paired_difference(none, row.values('eval_loss')), what='assembled − rescale=eval', unit=unit)}")
+    ran = st.rows.get(f"{main} rescale=none")
+    checks = [f"seed {s} {v - none[s]:+.1e}" for s, v in sorted((ran.values("eval_loss") if ran else {}).items())
+              if s in none and v is not None]
+    return [line + ("" if not checks else "; its rescale=none runs' assembled loss − this: " + ", ".join(checks))]
 
 
 def fsdp_lines(st: Study) -> list[str]:
