@@ -180,3 +180,6 @@ def test_rescale_none_is_one_check_run_and_rescale_train_every_seed(tmp_path: Pa
     flat = {n: [x for x in a if x.startswith(("seed=", "parallelism.rescale="))] for n, a in rescale.items()}
     assert sorted(flat.values()) == [["seed=0", "parallelism.rescale=none,train"], ["seed=1,2", "parallelism.rescale=train"]], flat
     assert "extras-1" in flat and flat["extras-1"] == ["seed=0", "parallelism.rescale=none,train"], flat
+    text = dict(cpu_study.stages(study="lm_text", out=tmp_path))  # the record keeps its sweeps as they were made
+    assert ["seed=0,1,2", "parallelism.rescale=none,train"] in [
+        [x for x in a if x.startswith(("seed=", "parallelism.rescale="))] for a in text.values()], text

@@ -27,7 +27,9 @@ finished job and resumes a checkpointed one when the command is run again):
   with (:attr:`sdp.bench.study_report.Study.kept`), run once instead of once per section; each stage whose runs keep
   their weights is followed by ``sdp-bench diagnose`` of them (:func:`sdp.bench.study_stages.diagnose_kept`);
 - ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
-  rescale rules (``parallelism.rescale=none,train``, seeds 0-2; the main row's ``auto`` resolves to ``eval``) and
+  rescale rules (``parallelism.rescale=none,train``; the main row's ``auto`` resolves to ``eval``; the lm study runs
+  rescale=train on seeds 0-2 and rescale=none on seed 0 only, the check: its training is the fixed plan's bit for
+  bit, so every seed's rescale=none loss is read from the kept weights, :func:`sdp.bench.verdicts.unscaled_lines`) and
   the baselines of :data:`LM_BASELINES` (DDP+AC, FSDP+AC, local SGD, DiLoCo, PowerSGD; seeds 0-2, but in the lm
   study DDP+AC, whose losses are its DDP rows' by construction; their peaks and step times in ``runs/peaks`` and
   ``runs/timing`` as every method's, with B-SDP C = 0.5 + AC's in the lm study: its losses are B-SDP C = 0.5's by
@@ -95,10 +97,7 @@ def _lm_record() -> dict:
                       "as they were made.\n",
             "seeds": [],  # every method at seeds 3-4 (runs/main/seeds-3-4)
             "extras": [["variant=fsdp", "seed=0"],
-                       # rescale=train trains otherwise; rescale=none trains the fixed plan bit for bit (the scale
-                      # acts at evaluation only), so its loss is read from the kept weights of every seed (sdp-bench
-                      # diagnose's scale sweep, sdp.bench.verdicts.unscaled_lines) and seed 0's run is the check
-                      ["variant=b_sdp_c50", "seed=0", "parallelism.rescale=none,train"],
+                       ["variant=b_sdp_c50", "seed=0,1,2", "parallelism.rescale=none,train"],
                        # issue 38: the small dense model, DDP on one B-SDP C = 0.5 worker's 4 of 8 blocks, FLOP-matched
                        ["variant=ddp_small_c50", "seed=0,1,2"],
                        # issue 38: the baselines a reviewer asks for, FLOP-matched by model FLOPs (AC's recomputation
