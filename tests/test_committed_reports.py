@@ -6,6 +6,7 @@ the planner result the one-model section quotes), so runs in progress in a worki
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sdp.bench.cpu_study import STUDIES
+from sdp.bench.one_model_scale import RESULT, render
 from sdp.bench.verdicts import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,3 +49,10 @@ def test_a_committed_report_is_what_its_committed_runs_render(study: str, tmp_pa
                     for i, (a, b) in enumerate(zip(committed.splitlines(), rendered.splitlines())) if a != b]
             pytest.fail(f"{study_dir / name} is not what its committed runs render (python benchmarks/cpu_study.py "
                         f"--study {study} --render-only re-writes it); first differences: " + "\n".join(diff[:3]))
+
+
+def test_the_committed_one_model_scale_markdown_is_what_its_json_renders() -> None:
+    """``one_model_scale.md`` is ``sdp-bench one-model-scale --render-only`` of the committed JSON beside it."""
+    out = ROOT / RESULTS / "one-model-scale"
+    assert (out / "one_model_scale.md").read_text() == render(json.loads((out / RESULT.name).read_text())), (
+        f"{out / 'one_model_scale.md'} is stale: sdp-bench one-model-scale --out {RESULTS / 'one-model-scale'} --render-only")
