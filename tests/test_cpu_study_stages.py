@@ -183,3 +183,13 @@ def test_rescale_none_is_one_check_run_and_rescale_train_every_seed(tmp_path: Pa
     text = dict(cpu_study.stages(study="lm_text", out=tmp_path))  # the record keeps its sweeps as they were made
     assert ["seed=0,1,2", "parallelism.rescale=none,train"] in [
         [x for x in a if x.startswith(("seed=", "parallelism.rescale="))] for a in text.values()], text
+
+
+def test_the_lm_study_drops_fsdps_own_check_and_keeps_every_other_stages_directory(tmp_path: Path) -> None:
+    """extras-0 (FSDP, seed 0) is not a stage of the lm study (FSDP+AC's runs are its check); extras-1 and later keep
+    their index, so the committed runs' directories and job numbers stay valid."""
+    got = dict(cpu_study.stages(study="lm", out=tmp_path))
+    assert "extras-0" not in got and "extras-1" in got and "extras-2" in got, sorted(got)
+    assert got["extras-2"][-1] == f"hydra.sweep.dir={tmp_path / 'lm' / 'runs' / 'extras' / '2'}", got["extras-2"]
+    assert "fsdp_ac" in _variants(got["extras-2"]), got["extras-2"]
+    assert "extras-0" in dict(cpu_study.stages(study="image", out=tmp_path)), "the image study keeps FSDP's check"

@@ -176,6 +176,20 @@ def test_fsdp_check_prints_the_differences(study: Path) -> None:
     assert "- seed 0, FSDP − DDP: eval_loss +2.00e-06 (2.00000 vs 2.00000)" in text, text
 
 
+def test_without_fsdp_runs_the_check_reads_fsdp_ac_whose_losses_are_fsdps(study: Path) -> None:
+    """Checkpointing changes no loss (tests/test_ac.py, FSDP included): FSDP+AC's runs are FSDP's check."""
+    run_dir(study / "runs" / "extras" / "2", 0, seed=0, par={"name": "fsdp"}, losses=[3.0, DDP_FINAL[0] - 3e-6],
+            steps=100, flops_per_step=10.0)
+    cfg_file = study / "runs" / "extras" / "2" / "0" / "config.yaml"
+    cfg = yaml.safe_load(cfg_file.read_text())
+    cfg["train"] |= {"ac": "full", "ac_every": 1}
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    st = Study(study_dir=study, study="lm")
+    assert "FSDP+AC" in st.rows and "FSDP" not in st.rows, sorted(st.rows)
+    text = "\n".join(claims(st))
+    assert "### Check: FSDP must equal DDP\n\n- seed 0, FSDP+AC − DDP: eval_loss -3.00e-06 (2.00000 vs 2.00000)" in text, text
+
+
 def test_only_forward_masked_rows_are_called_assembled(study: Path) -> None:
     """Backward masking runs the full model in every worker: its verdict must not speak of an assembled model."""
     for seed in range(3):

@@ -26,7 +26,8 @@ finished job and resumes a checkpointed one when the command is run again):
   weights kept (``train.save_final``): the main row, and the fixed plan the re-draw and one-model sections compare
   with (:attr:`sdp.bench.study_report.Study.kept`), run once instead of once per section; each stage whose runs keep
   their weights is followed by ``sdp-bench diagnose`` of them (:func:`sdp.bench.study_stages.diagnose_kept`);
-- ``runs/extras``: FSDP (a check: it must equal DDP, one seed) and, for the LM, B-SDP C = 0.5 with the other
+- ``runs/extras``: FSDP (a check: it must equal DDP, one seed; the lm study reads FSDP+AC's runs instead, FSDP's losses
+  bit for bit) and, for the LM, B-SDP C = 0.5 with the other
   rescale rules (``parallelism.rescale=none,train``; the main row's ``auto`` resolves to ``eval``; the lm study runs
   rescale=train on seeds 0-2 and rescale=none on seed 0 only, the check: its training is the fixed plan's bit for
   bit, so every seed's rescale=none loss is read from the kept weights, :func:`sdp.bench.verdicts.unscaled_lines`) and
@@ -142,7 +143,10 @@ STUDIES = {
            # runs/main/kept/seed-<s>), it is the main table's row, issue 28's and issue 39's fixed plan and the
            # weights sdp-bench diagnose reads, so neither section re-runs it
            "main_per_seed": True, "kept": ["variant=b_sdp_c50", "train.save_final=fp32"],
-           "extras": [["variant=fsdp", "seed=0"],
+           # extras-0 (FSDP's check) is not run: FSDP+AC's runs (extras-2) have FSDP's losses bit for bit, checkpointing
+           # recomputing the same forward (tests/test_ac.py), so the check reads them (sdp.bench.verdicts.fsdp_lines);
+           # None keeps the later stages' directories (extras/<i>) and job numbers
+           "extras": [None,
                       # rescale=train trains otherwise; rescale=none trains the fixed plan bit for bit (the scale
                       # acts at evaluation only), so its loss is read from the kept weights of every seed (sdp-bench
                       # diagnose's scale sweep, sdp.bench.verdicts.unscaled_lines) and seed 0's run is the check
@@ -222,7 +226,7 @@ def stages(*, study: str, out: Path) -> list[tuple[str, list[str]]]:
         result += [("seeds", [*common, *spec["seeds"], f"seed={','.join(map(str, MORE_SEEDS))}",
                              f"hydra.sweep.dir={out_runs / 'main' / 'seeds-3-4'}"])]
     result += [(f"extras-{i}", [*common, *extra, f"hydra.sweep.dir={out_runs / 'extras' / str(i)}"])
-               for i, extra in enumerate(spec["extras"])]
+               for i, extra in enumerate(spec["extras"]) if extra is not None]  # None: a stage dropped, its index kept
     if "depth" in spec:
         result.append(("depth", [*common, *spec["depth"], f"hydra.sweep.dir={out_runs / 'depth'}"]))
     # the short runs (one seed, a fixed number of steps, one evaluation): the training peak with the tracker on, and
