@@ -17,7 +17,8 @@ constraint. Two kinds of alternative, each from the study's own runs:
 
 The closing lines name, per resource, the methods that spend no more than B-SDP C = 0.5 (within
 :data:`SAME_WITHIN`, the grain of a measured peak) and are resolved better in quality: the methods that dominate it
-on that axis. Nothing here is a new measurement: peaks come from ``runs/peaks``, bytes from the main runs
+on that axis. Last, the FSDP check (:func:`fsdp_lines`): FSDP (or FSDP+AC) against DDP of the same seed. Nothing
+here is a new measurement: peaks come from ``runs/peaks``, bytes from the main runs
 (:func:`sdp.bench.frontier.frontier_points`), losses from the main table's runs.
 """
 
@@ -30,7 +31,8 @@ from omegaconf import OmegaConf
 from sdp.bench.frontier import frontier_points, traffic_unit
 from sdp.bench.study_report import Study, verdict
 from sdp.parallel.job import ac_every
-from sdp.report.runs import Run
+from sdp.report.runs import Run, run_figures
+from sdp.results.contract import read_metrics
 
 HEADLINE = "B-SDP C=0.5"
 BASELINES = ("DDP+AC", "FSDP+AC", "LocalSGD", "DiLoCo", "PowerSGD")  # row-name prefixes (H, r follow in the name)
@@ -188,3 +190,37 @@ def baseline_lines(st: Study, *, unit: str) -> list[str]:
     if not baselines:
         out.append(f"- no baseline row (looked for names starting {', '.join(BASELINES)})")
     return [*out, "", "Which methods dominate it, per resource:", "", *dominance_lines(st, points, unit=unit, twins=twins)]
+
+
+def fsdp_lines(st: Study, *, tol: float = 1e-6) -> list[str]:
+    """FSDP is DDP with sharded state: the same seed takes the same updates, only the float summation order differs
+    (reduce-scatter vs all-reduce). Training amplifies those ~1e-8 differences, so final losses of long runs differ
+    by the run-to-run spread; the check therefore prints the step up to which both training losses agree to ``tol``
+    and the final differences themselves, not an interval. Without FSDP runs, FSDP+AC's: checkpointing recomputes
+    the same forward, FSDP's losses bit for bit (tests/test_ac.py)."""
+    name = "FSDP" if "FSDP" in st.rows else "FSDP+AC"
+    out = []
+    for seed, run in sorted(st.rows[name].runs.items()):
+        ddp = st.ddp.runs.get(seed)
+        if ddp is None:
+            continue
+        f, d = run_figures(run.summary), run_figures(ddp.summary)
+        diffs = ", ".join(f"{k} {f[k] - d[k]:+.2e} ({f[k]:.5f} vs {d[k]:.5f})" for k in ("eval_loss", "train_loss")
+                          if f.get(k) is not None and d.get(k) is not None)
+        out.append(f"- seed {seed}, {name} − DDP: {agreement(run, ddp, tol=tol)}; final {diffs}")
+    return out or ["- no FSDP run with a DDP run of the same seed"]
+
+
+def agreement(a: Run, b: Run, *, tol: float) -> str:
+    """Up to which logged step two runs' training losses agree within ``tol`` (the first step they do not, if any)."""
+    la = {r["step"]: r["loss"] for r in read_metrics(a.path) if r.get("loss") is not None}
+    lb = {r["step"]: r["loss"] for r in read_metrics(b.path) if r.get("loss") is not None}
+    steps = sorted(la.keys() & lb.keys())
+    if not steps:
+        return "no training loss logged at a common step"
+    apart = next((s for s in steps if abs(la[s] - lb[s]) > tol), None)
+    if apart is None:
+        return f"training losses within {tol:.0e} at all {len(steps)} common steps"
+    agreed = [s for s in steps if s < apart]
+    return (f"training losses within {tol:.0e} through step {agreed[-1] if agreed else 0} of {steps[-1]}, first apart "
+            f"at step {apart} by {la[apart] - lb[apart]:+.1e}")

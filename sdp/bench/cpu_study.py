@@ -26,8 +26,8 @@ finished job and resumes a checkpointed one when the command is run again):
   weights kept (``train.save_final``): the main row, and the fixed plan the re-draw and one-model sections compare
   with (:attr:`sdp.bench.study_report.Study.kept`), run once instead of once per section; each stage whose runs keep
   their weights is followed by ``sdp-bench diagnose`` of them (:func:`sdp.bench.study_stages.diagnose_kept`);
-- ``runs/extras``: FSDP (a check: it must equal DDP, one seed; the lm study reads FSDP+AC's runs instead, FSDP's losses
-  bit for bit) and, for the LM, B-SDP C = 0.5 with the other
+- ``runs/extras``: FSDP (a check against DDP: the same updates up to float summation order, one seed; the lm study
+  reads FSDP+AC's runs instead, FSDP's losses bit for bit) and, for the LM, B-SDP C = 0.5 with the other
   rescale rules (``parallelism.rescale=none,train``; the main row's ``auto`` resolves to ``eval``; the lm study runs
   rescale=train on seeds 0-2 and rescale=none on seed 0 only, the check: its training is the fixed plan's bit for
   bit, so every seed's rescale=none loss is read from the kept weights, :func:`sdp.bench.verdicts.unscaled_lines`) and
