@@ -41,25 +41,6 @@ GPU = "h100_80gb"
 LINKS = ("nvlink", "eth_100g")
 
 
-def tokens_per_sample(run: Run) -> int | None:
-    """Targets one sample trains (None: a classifier's sample, one target). The trainer's own count, recorded in
-    ``summary.json`` (``time.tokens_per_sample``: a batch's targets per row, whatever the dataset); a summary without
-    it (older or rebuilt) falls back to the config's ``dataset.seq_len``, which only sequence datasets have."""
-    recorded = (run.summary.time or {}).get("tokens_per_sample") if run.summary else None
-    if recorded:
-        return int(recorded)
-    seq = run.flat.get("dataset.seq_len")
-    return int(seq) if seq else None
-
-
-def tokens_per_step(run: Run) -> int | None:
-    """Tokens (samples for a non-LM task) one step trains over all ranks (None where the config does not say)."""
-    f = run.flat
-    if f.get("train.batch_size") is None or f.get("cluster.world_size") is None:
-        return None
-    return int(f["train.batch_size"]) * int(f["cluster.world_size"]) * (tokens_per_sample(run) or 1)
-
-
 def _wire_by_kind(rank: dict[str, Any]) -> dict[str, dict[str, float]]:
     """A rank's ``by_kind`` with each kind's ring wire bytes: recorded, or (runs that predate the per-kind record) the
     kind's payload x the rank's wire / payload ratio, exact where one kind (or one group size) makes the step."""
@@ -98,11 +79,11 @@ def predicted_run_s(run: Run, *, link: str) -> float | None:
 
 def traffic_unit(study: Any) -> str:
     """What the wire bytes are per: a token where the study's runs train sequences, else a sample."""
-    return "token" if any(tokens_per_sample(r) for r in study.runs) else "sample"
+    return "token" if any(r.tokens_per_sample() for r in study.runs) else "sample"
 
 
 def _per_token(run: Run) -> float | None:
-    wire, tokens = run_figures(run.summary)["wire_bytes_per_step"], tokens_per_step(run)
+    wire, tokens = run_figures(run.summary)["wire_bytes_per_step"], run.tokens_per_step()
     return None if wire is None or not tokens else wire / tokens
 
 

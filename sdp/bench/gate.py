@@ -132,7 +132,7 @@ def gate_verdict(*, deep: Paired, mid: Paired, n: int, margin: float = MARGIN, s
 def _settings(run: Run) -> dict[str, Any]:
     f = run.flat
     seq = f.get("dataset.seq_len")
-    tokens = int(f["train.batch_size"]) * int(f["cluster.world_size"]) * int(seq) if seq is not None else None
+    tokens = run.tokens_per_step() if run.tokens_per_sample() else None  # a gate's task is a language model's
     corpus = f.get("dataset.kind") or f.get("dataset.name")
     if f.get("dataset.text_bytes") is not None:
         corpus = f"{corpus}, {int(f['dataset.text_bytes']) / 1e6:g} MB"

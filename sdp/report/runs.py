@@ -69,6 +69,24 @@ class Run:
         steps = [row["step"] for row in read_metrics(self.path) if "step" in row]
         return max(steps) if steps else None
 
+    def tokens_per_sample(self) -> int | None:
+        """Targets one sample trains (None: a classifier's sample, one target). The trainer's own count, recorded in
+        ``summary.json`` (``time.tokens_per_sample``: a batch's targets per row, whatever the dataset); a summary
+        without it (older or rebuilt) falls back to the config's ``dataset.seq_len``, which only sequence datasets
+        have. One definition for every report (the gate's table, the frontier's per-token traffic)."""
+        recorded = (self.summary.time or {}).get("tokens_per_sample") if self.summary else None
+        if recorded:
+            return int(recorded)
+        seq = self.flat.get("dataset.seq_len")
+        return int(seq) if seq else None
+
+    def tokens_per_step(self) -> int | None:
+        """Tokens (samples for a non-LM task) one step trains over all ranks (None where the config does not say)."""
+        f = self.flat
+        if f.get("train.batch_size") is None or f.get("cluster.world_size") is None:
+            return None
+        return int(f["train.batch_size"]) * int(f["cluster.world_size"]) * (self.tokens_per_sample() or 1)
+
     def status(self) -> str:
         """``ok`` or a one-line reason, e.g. ``no summary.json (failed or unfinished; last step 3 of 10)``."""
         if self.ok:
