@@ -147,7 +147,8 @@ def claims(st: Study) -> list[str]:
     lines += ["", "### The assembled model vs the subnetworks that were trained (B-SDP C = 0.5)", ""]
     lines += gap_lines(st, unit=unit)
     if "FSDP" in st.rows or "FSDP+AC" in st.rows:
-        lines += ["", "### Check: FSDP against DDP (the same updates; only the float summation order differs)", "", *fsdp_lines(st)]
+        head = "### Check: FSDP against DDP (the same updates; only the float summation order differs)"
+        lines += ["", head, "", *fsdp_lines(st)]
     p = st.paired("B-SDP C=0.5")
     key, target = ("eval_accuracy", IMAGE_TARGET_HW) if acc else ("eval_loss", LM_TARGET_HW)
     if acc:
