@@ -97,6 +97,19 @@ def test_wire_bytes_are_per_token_the_trainer_counted_whatever_the_dataset(study
     assert "wire bytes / token" in frontier_lines(st)[0], frontier_lines(st)[0]
 
 
+def test_tokens_per_step_read_the_global_batch_the_trainer_recorded(study: Path) -> None:  # noqa: F811
+    """Samples per step are the trainer's fact (``summary.global_batch``), not re-derived from the config: where the
+    two differ (made up here to tell them apart) the recorded one counts; the config only for a summary without it."""
+    add_comm_and_shape(study)
+    for summary_file in (study / "runs" / "main").rglob("summary.json"):
+        summary = json.loads(summary_file.read_text())
+        summary["global_batch"] = 16  # the config says 8 x 4 = 32
+        summary.setdefault("time", {})["tokens_per_sample"] = 48
+        summary_file.write_text(json.dumps(summary))
+    assert frontier_points(Study(study_dir=study, study="lm"))["DDP"]["wire_per_token"] == pytest.approx(
+        WIRE["ddp"] / (16 * 48))
+
+
 def test_a_study_of_classifiers_counts_its_traffic_per_sample(study: Path) -> None:  # noqa: F811
     """Without a sequence shape (no recorded targets per sample, no ``dataset.seq_len``: an image classifier) the
     wire bytes are per sample, and every line that names the unit says so."""

@@ -81,11 +81,16 @@ class Run:
         return int(seq) if seq else None
 
     def tokens_per_step(self) -> int | None:
-        """Tokens (samples for a non-LM task) one step trains over all ranks (None where the config does not say)."""
-        f = self.flat
-        if f.get("train.batch_size") is None or f.get("cluster.world_size") is None:
-            return None
-        return int(f["train.batch_size"]) * int(f["cluster.world_size"]) * (self.tokens_per_sample() or 1)
+        """Tokens (samples for a non-LM task) one step trains over all ranks: the trainer's recorded global batch
+        (``summary.global_batch``) x :meth:`tokens_per_sample`; a run without a summary falls back to the config's
+        ``train.batch_size`` x ``cluster.world_size`` (None where the config does not say either)."""
+        batch = self.summary.global_batch if self.summary else None
+        if batch is None:
+            f = self.flat
+            if f.get("train.batch_size") is None or f.get("cluster.world_size") is None:
+                return None
+            batch = int(f["train.batch_size"]) * int(f["cluster.world_size"])
+        return int(batch) * (self.tokens_per_sample() or 1)
 
     def status(self) -> str:
         """``ok`` or a one-line reason, e.g. ``no summary.json (failed or unfinished; last step 3 of 10)``."""
