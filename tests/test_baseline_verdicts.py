@@ -11,9 +11,10 @@ from pathlib import Path
 
 import yaml
 
-from sdp.bench.baseline_verdicts import baseline_lines, ensemble_cost, loss_twin, small_dense, worker_depth
+from sdp.bench.baseline_verdicts import agreement, baseline_lines, ensemble_cost, loss_twin, small_dense, worker_depth
 from sdp.bench.frontier import frontier_points
 from sdp.bench.study_report import Study
+from sdp.report.runs import Run
 
 LM = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-study" / "lm_text" / "runs"
 SMALL = (0.30, 0.25, 0.35)  # the dense model of a worker's depth, above DDP by seed
@@ -109,3 +110,20 @@ def test_no_worker_depth_off_the_block_level(tmp_path: Path) -> None:
     run = st.rows["B-SDP C=0.5"].runs[0]
     run.summary.strategy_info["plan"]["level"] = "neuron"
     assert worker_depth(run) is None and small_dense(st, run) is None
+
+
+def _losses(tmp: Path, name: str, losses: dict[int, float]) -> Run:
+    run_dir = tmp / name
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in losses.items()))
+    return Run(path=run_dir, config={"seed": 0}, overrides=[], summary=None)
+
+
+def test_agreement_names_the_last_agreeing_and_the_first_parting_common_step(tmp_path: Path) -> None:
+    a = _losses(tmp_path, "a", {1: 1.0, 2: 0.9, 3: 0.8, 4: 0.7, 5: 0.6})
+    b = _losses(tmp_path, "b", {1: 1.0, 3: 0.8, 4: 0.7 + 3e-6, 5: 0.6, 6: 0.5})  # step 2 unlogged, 4 parts, 5 agrees
+    assert agreement(a, b, tol=1e-6) == "training losses within 1e-06 through step 3 of 5, first apart at step 4 by -3.0e-06"
+    first = _losses(tmp_path, "c", {1: 1.1, 3: 0.8})  # parts at the first common step: none agreed before it
+    assert agreement(a, first, tol=1e-6) == "training losses within 1e-06 through step 0 of 3, first apart at step 1 by -1.0e-01"
+    assert agreement(a, a, tol=1e-6) == "training losses within 1e-06 at all 5 common steps"
+    assert agreement(a, _losses(tmp_path, "d", {9: 0.1}), tol=1e-6) == "no training loss logged at a common step"

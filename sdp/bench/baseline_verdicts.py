@@ -155,7 +155,8 @@ def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str,
     a baseline in ``twins`` is paired through its twin's runs."""
     twins = twins or {}
     out = []
-    for key, what in (("peak", "training peak"), ("wire_per_token", f"wire bytes per {traffic_unit(st)}")):
+    per = traffic_unit(st)
+    for key, what in (("peak", "training peak"), ("wire_per_token", f"wire bytes per {per}")):
         mine = _ratio(points, HEADLINE, key)
         if mine is None:
             continue
@@ -173,15 +174,15 @@ def baseline_lines(st: Study, *, unit: str) -> list[str]:
     """The section: the small dense models, each baseline per resource, and which methods dominate B-SDP C = 0.5."""
     # a copy: twin_points adds the AC twins to this section's points, not to the frontier's (computed once per study)
     points, baselines = dict(frontier_points(st)), baseline_rows(st)
-    twins = twin_points(st, points, baselines)
+    twins, per = twin_points(st, points, baselines), traffic_unit(st)
     out = ["### Against the baselines a reviewer asks for (issue 38; FLOP-matched, paired by seed)", "",
            "Same training peak without SDP: the dense model of one worker's depth.", "", *dense_lines(st, unit=unit),
-           "", f"Memory and traffic baselines (training peak: runs/peaks; wire bytes per {traffic_unit(st)}: the main runs), "
+           "", f"Memory and traffic baselines (training peak: runs/peaks; wire bytes per {per}: the main runs), "
            f"each against {HEADLINE}:", ""]
     for name in baselines:
         peak, wire = st.ratio(name, "train_peak_bytes", source="peaks"), _ratio(points, name, "wire_per_token")
         spend = "; ".join([f"peak {peak:.3f}x DDP's" if peak is not None else "peak not measured",
-                           f"wire bytes per {traffic_unit(st)} {wire:.3f}x DDP's" if wire is not None else "no main runs yet"])
+                           f"wire bytes per {per} {wire:.3f}x DDP's" if wire is not None else "no main runs yet"])
         twin = twins.get(name)
         spend += "" if twin is None else (f"; its losses and wire bytes: {twin}'s runs, by construction (checkpointing "
                                           "changes no loss, bit for bit: tests/test_ac.py), its recomputation not charged to the budget")
@@ -221,6 +222,6 @@ def agreement(a: Run, b: Run, *, tol: float) -> str:
     apart = next((s for s in steps if abs(la[s] - lb[s]) > tol), None)
     if apart is None:
         return f"training losses within {tol:.0e} at all {len(steps)} common steps"
-    agreed = [s for s in steps if s < apart]
-    return (f"training losses within {tol:.0e} through step {agreed[-1] if agreed else 0} of {steps[-1]}, first apart "
+    before = steps.index(apart)  # the common steps logged before the first that parts
+    return (f"training losses within {tol:.0e} through step {steps[before - 1] if before else 0} of {steps[-1]}, first apart "
             f"at step {apart} by {la[apart] - lb[apart]:+.1e}")

@@ -61,7 +61,7 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
     unscaled = unscaled_lines(st, main=main, unit=unit)
     for name in sorted(names, key=len):
         row = st.rows[name]
-        if not row.present("assembly_gap") or (unscaled and name == f"{main} rescale=none"):  # read below, all seeds
+        if not row.present("assembly_gap") or (unscaled and name == _unscaled(main)):  # read below, all seeds
             continue
         rule = name[len(main):].strip() or "rescale=eval (auto)"
         line = f"- {rule}: assembly gap {_gap(row)}; {verdict(st.paired(name), what='assembled − DDP', unit=unit)}"
@@ -86,6 +86,11 @@ def gap_lines(st: Study, *, unit: str) -> list[str]:
     return out if len(out) > 2 else ["- no B-SDP C=0.5 run with a subnetwork evaluation"]
 
 
+def _unscaled(main: str) -> str:
+    """The row name of ``main`` trained with ``parallelism.rescale=none`` (one spelling for both sections)."""
+    return f"{main} rescale=none"
+
+
 def unscaled_lines(st: Study, *, main: str, unit: str) -> list[str]:
     """rescale=none for every seed whose fixed-plan run kept its weights and was diagnosed. The branch scale acts at
     evaluation only, so a rescale=none run trains the fixed plan bit for bit: its assembled loss is the kept weights'
@@ -101,7 +106,7 @@ def unscaled_lines(st: Study, *, main: str, unit: str) -> list[str]:
             f"is the fixed plan's, the scale acting at evaluation only): assembly gap {mean_interval(gaps)} nats "
             f"(n = {len(gaps)}); {verdict(paired_difference(none, st.ddp.values('eval_loss')), what='assembled − DDP', unit=unit)}; "
             f"{verdict(paired_difference(none, row.values('eval_loss')), what='assembled − rescale=eval', unit=unit)}")
-    ran = st.rows.get(f"{main} rescale=none")
+    ran = st.rows.get(_unscaled(main))
     checks = [f"seed {s} {v - none[s]:+.1e}" for s, v in sorted((ran.values("eval_loss") if ran else {}).items())
               if s in none and v is not None]
     return [line + ("" if not checks else "; its rescale=none runs' assembled loss − this: " + ", ".join(checks))]
