@@ -149,13 +149,13 @@ def baseline_rows(st: Study) -> list[str]:
     return [n for n in names if n.startswith(BASELINES)]
 
 
-def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str,
+def dominance_lines(st: Study, points: dict[str, dict[str, Any]], *, unit: str, per: str,
                     twins: dict[str, str] | None = None) -> list[str]:
     """Per resource, the rows that spend no more than the headline (within SAME_WITHIN) and are resolved better;
-    a baseline in ``twins`` is paired through its twin's runs."""
+    a baseline in ``twins`` is paired through its twin's runs. ``per``: what the wire bytes are per
+    (:func:`traffic_unit`, computed once by the section)."""
     twins = twins or {}
     out = []
-    per = traffic_unit(st)
     for key, what in (("peak", "training peak"), ("wire_per_token", f"wire bytes per {per}")):
         mine = _ratio(points, HEADLINE, key)
         if mine is None:
@@ -190,7 +190,8 @@ def baseline_lines(st: Study, *, unit: str) -> list[str]:
         out.append(f"- {name} ({spend}): {verdict(pair, what=f'{HEADLINE} − {name}', unit=unit)}")
     if not baselines:
         out.append(f"- no baseline row (looked for names starting {', '.join(BASELINES)})")
-    return [*out, "", "Which methods dominate it, per resource:", "", *dominance_lines(st, points, unit=unit, twins=twins)]
+    return [*out, "", "Which methods dominate it, per resource:", "",
+            *dominance_lines(st, points, unit=unit, per=per, twins=twins)]
 
 
 def fsdp_lines(st: Study, *, tol: float = 1e-6) -> list[str]:
